@@ -1,0 +1,1 @@
+"""The pool: gRPC router, Ray card registry, Prometheus metrics."""

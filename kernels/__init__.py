@@ -1,0 +1,1 @@
+"""CUDA sources of the decode megakernel and their CuPy launchers."""

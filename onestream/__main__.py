@@ -1,0 +1,5 @@
+import sys
+
+from onestream.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of the `onestream` console script; each module exposes `register(subparsers)`."""

@@ -1,0 +1,1 @@
+"""The card engine: reference model, checkpoint loading, sampling, sessions, decode loop."""
