@@ -1,0 +1,1 @@
+"""Building blocks of the Qwen3.5 text model (norms, attention, Gated DeltaNet, MLP, MTP head)."""

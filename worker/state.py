@@ -1,0 +1,326 @@
+"""Explicit per-sequence decoding state of the Qwen3.5 model, with snapshots and rollback.
+
+One `SequenceState` holds everything the model needs to continue one sequence:
+- a KV cache per full-attention layer (and one for the MTP layer), preallocated in chunks so that decode
+  does not reallocate per token;
+- per Gated DeltaNet layer, the causal-conv window (the last `kernel - 1` inputs, model dtype) and the fp32
+  recurrent state `[Hv, dk, dv]`;
+- the main length (`length`), the MTP length (`mtp_length`) and the token ids the state has consumed.
+
+KV caches roll back by truncation. DeltaNet state cannot be truncated, so a `keep_states=True` step records
+the state before and after each of its tokens (`rollback` to any of those positions is a copy); any other
+position needs a `snapshot()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from .config import ModelConfig
+from .errors import ContextLengthError, OnestreamError
+
+KV_CHUNK = 256  # KV caches grow by at least this many positions at a time
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+@contextlib.contextmanager
+def _plain_tensors() -> Iterator[None]:
+    """Allocate ordinary (non-inference) tensors without autograd, even inside `torch.inference_mode()`.
+
+    Ordinary tensors may be updated in place both inside and outside inference mode; inference tensors
+    only inside. State tensors are therefore always ordinary, whatever mode the caller runs the model in.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _allocates(fn: _F) -> _F:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with _plain_tensors():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class StateError(OnestreamError, ValueError):
+    """A state operation that cannot be done: rollback past what is reachable, restore of a foreign snapshot."""
+
+
+class KVCache:
+    """Keys and values of one attention layer: `[kv_heads, capacity, head_dim]`, grown geometrically up to `max_len`."""
+
+    @_allocates
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = 0,
+    ) -> None:
+        self.max_len = max_len
+        capacity = min(max_len, capacity)
+        self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    @_allocates
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` positions; growth at least doubles, so appends are amortised O(1)."""
+        if needed <= self.capacity:
+            return
+        if needed > self.max_len:
+            raise ContextLengthError(
+                f"sequence of {needed} tokens exceeds the state's max_len {self.max_len}"
+            )
+        new_cap = max(needed, 2 * self.capacity, KV_CHUNK)
+        new_cap = min(self.max_len, -(-new_cap // KV_CHUNK) * KV_CHUNK)
+        kv_heads, old_cap, head_dim = self.k.shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(kv_heads, new_cap, head_dim)
+            new[:, :old_cap] = old
+            setattr(self, name, new)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return views of `[0, start+T)`."""
+        end = start + k.shape[1]
+        self.reserve(end)
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+    @_allocates
+    def copy_prefix(self, length: int, *, capacity: int | None = None) -> KVCache:
+        """An independent cache holding positions `[0, length)`."""
+        out = KVCache(
+            self.k.shape[0], self.k.shape[2], self.max_len, self.k.dtype, self.k.device, capacity or length
+        )
+        out.k[:, :length] = self.k[:, :length]
+        out.v[:, :length] = self.v[:, :length]
+        return out
+
+    @_allocates
+    def load_prefix(self, other: KVCache, length: int) -> None:
+        """Overwrite positions `[0, length)` with `other`'s."""
+        self.reserve(length)
+        self.k[:, :length] = other.k[:, :length]
+        self.v[:, :length] = other.v[:, :length]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class DeltaNetHistory:
+    """DeltaNet states recorded by a `keep_states=True` step: entry j is the state at position `start + j`."""
+
+    start: int
+    conv: dict[int, torch.Tensor]  # layer -> [n, C, kernel-1]
+    recurrent: dict[int, torch.Tensor]  # layer -> [n, Hv, dk, dv] fp32
+
+    @property
+    def end(self) -> int:
+        """The last position recorded."""
+        return self.start + next(iter(self.conv.values())).shape[0] - 1 if self.conv else self.start
+
+    def nbytes(self) -> int:
+        tensors = [*self.conv.values(), *self.recurrent.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class StateSnapshot:
+    """A frozen copy of a `SequenceState` (trimmed to its length); `SequenceState.restore` copies it back."""
+
+    owner_layout: tuple
+    length: int
+    mtp_length: int
+    token_ids: tuple[int, ...]
+    kv: dict[int, KVCache]
+    conv: dict[int, torch.Tensor]
+    recurrent: dict[int, torch.Tensor]
+    mtp_kv: KVCache | None
+
+    def nbytes(self) -> int:
+        total = sum(c.nbytes() for c in self.kv.values())
+        total += sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
+        return total + (self.mtp_kv.nbytes() if self.mtp_kv is not None else 0)
+
+
+class SequenceState:
+    """The decoding state of one sequence. Build it with `Qwen35ForCausalLM.new_state(max_len)`."""
+
+    @_allocates
+    def __init__(
+        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        if max_len < 1:
+            raise StateError(f"max_len must be positive, got {max_len}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compare equal to the model's `cuda:N`
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.config = config
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = device
+        self.length = 0
+        self.mtp_length = 0
+        self.token_ids: list[int] = []
+        kv_shape = (config.num_key_value_heads, config.head_dim)
+        self.kv: dict[int, KVCache] = {
+            i: KVCache(*kv_shape, max_len, dtype, device) for i in config.full_attention_layers
+        }
+        conv_shape = (config.linear_qkv_dim, config.linear_conv_kernel_dim - 1)
+        rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        self.conv: dict[int, torch.Tensor] = {
+            i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in config.linear_attention_layers
+        }
+        self.recurrent: dict[int, torch.Tensor] = {
+            i: torch.zeros(rec_shape, dtype=torch.float32, device=device)
+            for i in config.linear_attention_layers
+        }
+        self.mtp_kv: KVCache | None = KVCache(*kv_shape, max_len, dtype, device) if config.has_mtp else None
+        self.history: DeltaNetHistory | None = None
+
+    # ---- bookkeeping used by the model ---------------------------------------------------------------
+    def check_room(self, n_tokens: int, *, mtp: bool = False) -> int:
+        """Raise `ContextLengthError` unless `n_tokens` more fit; return the start position."""
+        start = self.mtp_length if mtp else self.length
+        if start + n_tokens > self.max_len:
+            what = "MTP positions" if mtp else "tokens"
+            raise ContextLengthError(f"{start} + {n_tokens} {what} exceed the state's max_len {self.max_len}")
+        return start
+
+    def _layout(self) -> tuple:
+        return (self.config, self.dtype, self.device)
+
+    # ---- public operations ---------------------------------------------------------------------------
+    @_allocates
+    def rollback(self, n_tokens: int) -> None:
+        """Forget the last `n_tokens` main-model tokens.
+
+        KV caches truncate; DeltaNet states are copied from the last `keep_states=True` step's record, which
+        must cover the target position (otherwise restore a snapshot instead). The MTP state is independent:
+        use `rollback_mtp`.
+        """
+        if not 0 <= n_tokens <= self.length:
+            raise StateError(f"cannot roll back {n_tokens} tokens of a state holding {self.length}")
+        if n_tokens == 0:
+            return
+        target = self.length - n_tokens
+        if self.conv:
+            hist = self.history
+            if hist is None or not hist.start <= target <= hist.end:
+                reach = "none recorded" if hist is None else f"recorded positions {hist.start}..{hist.end}"
+                raise StateError(
+                    f"cannot roll back to position {target}: DeltaNet states are only kept by the last "
+                    f"keep_states=True step ({reach}); restore a snapshot instead"
+                )
+            j = target - hist.start
+            for i in self.conv:
+                self.conv[i].copy_(hist.conv[i][j])
+                self.recurrent[i].copy_(hist.recurrent[i][j])
+            # Positions after the target are gone; earlier recorded ones stay reachable.
+            self.history = DeltaNetHistory(
+                hist.start,
+                {i: t[: j + 1] for i, t in hist.conv.items()},
+                {i: t[: j + 1] for i, t in hist.recurrent.items()},
+            )
+        self.length = target
+        del self.token_ids[target:]
+
+    def rollback_mtp(self, n_tokens: int) -> None:
+        """Forget the last `n_tokens` MTP positions (its KV cache truncates)."""
+        if not 0 <= n_tokens <= self.mtp_length:
+            raise StateError(
+                f"cannot roll back {n_tokens} MTP positions of a state holding {self.mtp_length}"
+            )
+        self.mtp_length -= n_tokens
+
+    @_allocates
+    def snapshot(self) -> StateSnapshot:
+        """A copy of everything needed to come back to this exact point later (see `restore`)."""
+        return StateSnapshot(
+            owner_layout=self._layout(),
+            length=self.length,
+            mtp_length=self.mtp_length,
+            token_ids=tuple(self.token_ids),
+            kv={i: c.copy_prefix(self.length) for i, c in self.kv.items()},
+            conv={i: t.clone() for i, t in self.conv.items()},
+            recurrent={i: t.clone() for i, t in self.recurrent.items()},
+            mtp_kv=self.mtp_kv.copy_prefix(self.mtp_length) if self.mtp_kv is not None else None,
+        )
+
+    @_allocates
+    def restore(self, snap: StateSnapshot) -> None:
+        """Return to the point `snap` was taken at (the snapshot stays valid for further restores)."""
+        if snap.owner_layout != self._layout():
+            raise StateError("snapshot was taken from a state of another model, dtype or device")
+        if snap.length > self.max_len or snap.mtp_length > self.max_len:
+            raise StateError(
+                f"snapshot of {snap.length} tokens does not fit this state's max_len {self.max_len}"
+            )
+        for i, c in self.kv.items():
+            c.load_prefix(snap.kv[i], snap.length)
+        for i in self.conv:
+            self.conv[i].copy_(snap.conv[i])
+            self.recurrent[i].copy_(snap.recurrent[i])
+        if self.mtp_kv is not None and snap.mtp_kv is not None:
+            self.mtp_kv.load_prefix(snap.mtp_kv, snap.mtp_length)
+        self.length = snap.length
+        self.mtp_length = snap.mtp_length
+        self.token_ids = list(snap.token_ids)
+        self.history = None
+
+    @_allocates
+    def clone(self) -> SequenceState:
+        """An independent deep copy (same capacity, same recorded DeltaNet history)."""
+        out = SequenceState.__new__(SequenceState)
+        out.config, out.max_len, out.dtype, out.device = self.config, self.max_len, self.dtype, self.device
+        out.length, out.mtp_length, out.token_ids = self.length, self.mtp_length, list(self.token_ids)
+        out.kv = {i: c.copy_prefix(self.length, capacity=c.capacity) for i, c in self.kv.items()}
+        out.conv = {i: t.clone() for i, t in self.conv.items()}
+        out.recurrent = {i: t.clone() for i, t in self.recurrent.items()}
+        out.mtp_kv = (
+            self.mtp_kv.copy_prefix(self.mtp_length, capacity=self.mtp_kv.capacity)
+            if self.mtp_kv is not None
+            else None
+        )
+        hist = self.history
+        out.history = (
+            None
+            if hist is None
+            else DeltaNetHistory(
+                hist.start,
+                {i: t.clone() for i, t in hist.conv.items()},
+                {i: t.clone() for i, t in hist.recurrent.items()},
+            )
+        )
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of device memory this state's tensors hold (allocated KV capacity included)."""
+        total = sum(c.nbytes() for c in self.kv.values())
+        total += sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
+        total += self.mtp_kv.nbytes() if self.mtp_kv is not None else 0
+        return total + (self.history.nbytes() if self.history is not None else 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceState(length={self.length}, mtp_length={self.mtp_length}, max_len={self.max_len}, "
+            f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes()})"
+        )

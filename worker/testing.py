@@ -1,0 +1,235 @@
+"""Test fixtures shared by every part: a tiny byte-level tokenizer and tiny random checkpoints.
+
+The checkpoints are complete Hugging Face directories (config, safetensors, tokenizer, chat
+template, generation config) whose random weights give peaked next-token distributions, so
+numerical comparisons against them are meaningful.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .config import ModelConfig
+from .loading import INDEX_FILE, SINGLE_FILE, expected_tensor_shapes
+
+END_OF_TEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A few lines to learn some merges from; multi-byte characters stay split into byte tokens.
+_TRAINING_TEXT = (
+    "def main():\n    print('hello world')\n    return 0\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "for i in range(10):\n    if i % 2 == 0:\n        continue\n",
+    "import torch\nimport numpy as np\nclass Model:\n    def __init__(self):\n        self.x = None\n",
+    "the engine streams tokens; the router sends requests to the cards.",
+)
+_MERGES = 120
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_tokenizer_json() -> str:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + _MERGES, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(_TRAINING_TEXT, trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # after the merges, as in Qwen's vocabulary
+    return tok.to_str()
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A fresh byte-level BPE: 256 byte tokens, some merges, then the three special tokens."""
+    return Tokenizer.from_str(_byte_level_tokenizer_json())
+
+
+def special_token_id(token: str) -> int:
+    token_id = byte_level_tokenizer().token_to_id(token)
+    assert token_id is not None, token
+    return token_id
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """A 4-layer (3 DeltaNet + 1 full attention) model with an MTP head, hidden size 64."""
+    vocab = byte_level_tokenizer().get_vocab_size(with_added_tokens=True)
+    fields: dict[str, object] = {
+        "vocab_size": math.ceil(vocab / 64) * 64,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "mtp_num_hidden_layers": 1,
+        "max_position_embeddings": 4096,
+        "eos_token_ids": (special_token_id(END_OF_TEXT),),
+        "pad_token_id": special_token_id(END_OF_TEXT),
+    }
+    fields.update(overrides)
+    return ModelConfig(**fields)  # type: ignore[arg-type]
+
+
+def random_weights(config: ModelConfig, *, seed: int = 0, peaked: bool = True) -> dict[str, torch.Tensor]:
+    """fp32 random weights for every tensor of `config`, scaled like a trained model.
+
+    `peaked=True` scales embeddings and lm_head so that next-token distributions are sharp
+    (logits with a standard deviation around 5); otherwise they are near uniform.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    logit_scale = 5.0 if peaked else 0.2
+    weights = {}
+    for name, shape in expected_tensor_shapes(config).items():
+        weights[name] = _init_tensor(name, shape, generator, logit_scale / math.sqrt(config.hidden_size))
+    return weights
+
+
+def _init_tensor(
+    name: str, shape: tuple[int, ...], generator: torch.Generator, embed_std: float
+) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return normal(embed_std)
+    if name.endswith("linear_attn.norm.weight"):  # a plain weight, ones at init
+        return 1.0 + normal(0.1)
+    if "norm" in name.rsplit(".", 2)[-2]:  # zero-centred (1 + w) norms, including mtp.pre_fc_norm_*
+        return normal(0.1)
+    if name.endswith(".A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log_()
+    if name.endswith(".dt_bias"):
+        return normal(0.1)
+    if name.endswith("conv1d.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    return normal(1.0 / math.sqrt(shape[1]))
+
+
+def write_tiny_checkpoint(
+    directory: str | Path,
+    *,
+    config: ModelConfig | None = None,
+    seed: int = 0,
+    peaked: bool = True,
+    shards: int = 1,
+    multimodal_names: bool = False,
+    dtype: torch.dtype = torch.float32,
+    with_mtp: bool = True,
+) -> Path:
+    """Write a complete checkpoint directory with random weights; returns the directory.
+
+    One shard is written as `model.safetensors` (no index); more as `model-0000i-of-0000n`
+    files with `model.safetensors.index.json`. `multimodal_names` stores text tensors as
+    `model.language_model.*`, adds a `model.visual.*` tensor and nests the config under
+    `text_config`. `with_mtp=False` writes neither MTP tensors nor an MTP head in the config.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_config()
+    if not with_mtp and config.has_mtp:
+        config = dataclasses.replace(config, mtp_num_hidden_layers=0)
+    tokenizer = byte_level_tokenizer()
+    if config.vocab_size < tokenizer.get_vocab_size(with_added_tokens=True):
+        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's vocabulary")
+
+    tensors = {name: t.to(dtype) for name, t in random_weights(config, seed=seed, peaked=peaked).items()}
+    if multimodal_names:
+        tensors = {_multimodal_name(n): t for n, t in tensors.items()}
+        tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, 2).to(dtype)
+    _write_shards(directory, tensors, shards)
+    _write_json(directory / "config.json", _config_json(config, multimodal_names))
+    _write_tokenizer_files(directory, tokenizer, config)
+    return directory
+
+
+def _multimodal_name(name: str) -> str:
+    return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
+
+
+def _config_json(config: ModelConfig, multimodal: bool) -> dict[str, object]:
+    text = config.to_hf_text_dict()
+    if not multimodal:
+        return text
+    text.pop("architectures")
+    return {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+
+
+def _write_shards(directory: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    if not 1 <= shards <= len(tensors):
+        raise ValueError(f"shards must be between 1 and the number of tensors ({len(tensors)})")
+    if shards == 1:
+        save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    running = 0
+    for name in names:  # contiguous groups of about equal bytes, never empty
+        size = tensors[name].numel() * tensors[name].element_size()
+        shard = min(shards - 1, running * shards // max(total, 1))
+        groups[shard].append(name)
+        running += size
+    for group in groups:
+        if not group:  # fewer tensors than bytes suggest: take one from the fullest shard
+            donor = max(groups, key=len)
+            group.append(donor.pop())
+    weight_map = {}
+    for shard, group in enumerate(groups):
+        file_name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(directory / file_name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(group, file_name)
+    _write_json(directory / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_tokenizer_files(directory: Path, tokenizer: Tokenizer, config: ModelConfig) -> None:
+    tokenizer.save(str(directory / "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    _write_json(
+        directory / "tokenizer_config.json",
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "chat_template": CHATML_TEMPLATE,
+            "eos_token": IM_END,
+            "pad_token": END_OF_TEXT,
+            "bos_token": None,
+            "added_tokens_decoder": {
+                str(token_id): {"content": token, "special": True} for token, token_id in ids.items()
+            },
+        },
+    )
+    _write_json(
+        directory / "generation_config.json",
+        {"eos_token_id": [ids[IM_END], ids[END_OF_TEXT]], "pad_token_id": config.pad_token_id},
+    )
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
