@@ -1,0 +1,183 @@
+"""`onestream eval`: check an implementation against a reference (kld), measure speculative decoding (spec)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .generate import add_engine_arguments
+
+DEFAULT_K_VALUES = (1, 2, 3, 4)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="KL divergence against a reference; speculative decoding stats"
+    )
+    sub = parser.add_subparsers(dest="eval_command", metavar="WHAT")
+    sub.required = True
+
+    kld = sub.add_parser(
+        "kld", help="teacher-forced KL divergence against a reference (llama.cpp statistics)"
+    )
+    add_engine_arguments(kld)
+    kld.add_argument(
+        "--against",
+        required=True,
+        help="hf (transformers on the same checkpoint), reference (our PyTorch model, fp32), or a checkpoint DIR",
+    )
+    source = kld.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokens", type=Path, help="file of whitespace-separated token ids")
+    source.add_argument("--text", type=Path, help="text file, tokenized with the model's tokenizer")
+    kld.add_argument("--ctx", type=int, default=512, help="window length: each window starts at position 0")
+    kld.add_argument("--limit", type=int, default=None, help="score at most this many tokens")
+    kld.add_argument("--against-dtype", default="fp32", help="dtype of the reference side (default fp32)")
+    kld.add_argument(
+        "--steps",
+        action="store_true",
+        help="run the tested side one decode step per token (always for megakernel)",
+    )
+    kld.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    kld.set_defaults(func=_reporting_errors(run_kld, "kld"))
+
+    spec = sub.add_parser("spec", help="MTP speculative decoding: acceptance and speed on held-out prompts")
+    add_engine_arguments(spec)
+    spec.add_argument("files", nargs="+", type=Path, metavar="FILE", help="text files to cut prompts from")
+    spec.add_argument(
+        "--k", type=int, nargs="+", default=list(DEFAULT_K_VALUES), help="drafts per cycle to try"
+    )
+    spec.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    spec.add_argument("--prompts-per-file", type=int, default=4)
+    spec.add_argument("--max-prompts", type=int, default=32)
+    spec.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    spec.add_argument("--json", action="store_true", help="print the results as JSON")
+    spec.set_defaults(func=_reporting_errors(run_spec, "spec"))
+
+
+def _reporting_errors(
+    command: Callable[[argparse.Namespace], int], name: str
+) -> Callable[[argparse.Namespace], int]:
+    """Bad input (checkpoint, files, options) ends with one line naming it, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        from onestream.worker.errors import OnestreamError
+
+        try:
+            return command(args)
+        except (OnestreamError, ValueError, OSError) as e:
+            print(f"onestream eval {name}: {e}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _dtype(name: str | None) -> Any:
+    from onestream.worker.engine import parse_dtype
+
+    return parse_dtype(name)
+
+
+def run_kld(args: argparse.Namespace) -> int:
+    import torch
+
+    from onestream.worker.backend import create_backend
+    from onestream.worker.evaluation import (
+        BackendSteps,
+        ReferenceForward,
+        TransformersForward,
+        read_token_file,
+        reference_source,
+        run_kld,
+    )
+    from onestream.worker.loading import default_model_dir, load_model
+    from onestream.worker.tokenizer import load_tokenizer
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    backend = create_backend(model_dir, kind=args.backend, device=args.device, dtype=_dtype(args.dtype))
+    device = backend.device
+    if args.tokens is not None:
+        tokens = read_token_file(args.tokens)
+    else:
+        tokens = load_tokenizer(model_dir).encode(args.text.read_text())
+    if args.limit is not None:
+        tokens = tokens[: args.limit]
+    bad = [t for t in tokens if not 0 <= t < backend.config.vocab_size]
+    if bad:
+        print(f"onestream eval kld: token id {bad[0]} is outside the vocabulary", file=sys.stderr)
+        return 2
+    test = BackendSteps(backend) if args.steps else reference_source(backend)
+    ref_dtype = _dtype(args.against_dtype) or torch.float32
+    if args.against == "hf":
+        ref: Any = TransformersForward(model_dir, device=device, dtype=ref_dtype)
+    else:
+        ref_dir = model_dir if args.against == "reference" else Path(args.against)
+        name = "reference" if args.against == "reference" else str(ref_dir)
+        ref = ReferenceForward(
+            load_model(ref_dir, dtype=ref_dtype, device=device), name=f"{name} ({args.against_dtype})"
+        )
+    stats = run_kld(test, ref, tokens, args.ctx)
+    print(json.dumps(stats.as_dict(), indent=2) if args.json else stats.format())
+    return 0
+
+
+def run_spec(args: argparse.Namespace) -> int:
+    from onestream.worker.engine import Engine
+    from onestream.worker.evaluation import SpeculativeMismatchError, cut_prompts, time_runs
+
+    engine = Engine(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
+    if not engine.backend.has_mtp:
+        print("onestream eval spec: this model has no MTP head", file=sys.stderr)
+        return 2
+    token_lists = [engine.tokenizer.encode(path.read_text(errors="replace")) for path in args.files]
+    prompts = cut_prompts(
+        token_lists, prompt_tokens=args.prompt_tokens, per_source=args.prompts_per_file, room=args.max_tokens
+    )[: args.max_prompts]
+    if not prompts:
+        print(
+            f"onestream eval spec: no file has {args.prompt_tokens + args.max_tokens} tokens to cut a prompt from",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        runs = time_runs(engine, prompts, args.k, args.max_tokens)
+    except SpeculativeMismatchError as e:
+        print(f"onestream eval spec: FAILED: {e}", file=sys.stderr)
+        return 1
+    plain = runs[0]
+    best = max(runs[1:], key=lambda r: r.tokens_per_s)
+    info = engine.model_info()
+    if args.json:
+        record = {
+            "model": info,
+            "prompts": len(prompts),
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "outputs_identical": True,
+            "plain": plain.as_dict(),
+            "speculative": [r.as_dict() | {"speedup": r.tokens_per_s / plain.tokens_per_s} for r in runs[1:]],
+            "best_k": best.k,
+        }
+        print(json.dumps(record, indent=2))
+        return 0
+    print(
+        f"{info['model_name']} on {info['backend']} {info['device']} {info['dtype']}: {len(prompts)} prompts of "
+        f"{args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each; speculative outputs identical to plain"
+    )
+    print(
+        f"{'k':>3} {'tok/s':>9} {'speedup':>8} {'verifies':>9} {'drafted':>8} {'accepted':>9} {'mean len':>9}  per position"
+    )
+    print(
+        f"{'-':>3} {plain.tokens_per_s:9.1f} {1.0:8.2f} {'-':>9} {'-':>8} {'-':>9} {'1.00':>9}  (plain: {plain.generated_tokens} tokens)"
+    )
+    for r in runs[1:]:
+        per_position = " ".join(f"{a:.2f}" for a in r.acceptance_per_position())
+        print(
+            f"{r.k:>3} {r.tokens_per_s:9.1f} {r.tokens_per_s / plain.tokens_per_s:8.2f} {r.drafts:9d} "
+            f"{r.draft_tokens:8d} {r.accepted_tokens:9d} {r.mean_accepted_length:9.2f}  {per_position}"
+        )
+    print(f"fastest: k={best.k}")
+    return 0

@@ -1,0 +1,150 @@
+"""`onestream generate`: one completion on a local engine (or, with --server, through the pool), streamed,
+then its statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("top_k", int, "keep the k most likely tokens (0 = off)"),
+    ("top_p", float, "keep the smallest set of tokens with this much probability"),
+    ("min_p", float, "drop tokens below this fraction of the top token's probability"),
+    ("presence_penalty", float, "subtracted once from every generated token's logit"),
+    ("frequency_penalty", float, "subtracted per occurrence of a generated token"),
+    ("repetition_penalty", float, "divides (multiplies) positive (negative) logits of seen tokens"),
+    ("seed", int, "seed of the request's random generator"),
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the model comes from and how it runs (shared with `onestream eval`)."""
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "reference", "megakernel"))
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    parser.add_argument(
+        "--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on GPU, fp32 on CPU)"
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="complete a prompt and print its statistics", description=__doc__
+    )
+    parser.add_argument("prompt_words", nargs="*", metavar="PROMPT", help="the prompt (or use --prompt)")
+    parser.add_argument("--prompt", default=None, help="the prompt text ('-' reads standard input)")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as one user message (chat template)"
+    )
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--spec-k", type=int, default=None, help="MTP drafts per cycle (0 = off; default: engine's)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    for name, kind, help_text in SAMPLING_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--server", default=None, help="generate through the pool's router at HOST:PORT")
+    parser.add_argument(
+        "--session", default=None, help="session id (keeps the session's cache between turns)"
+    )
+    parser.set_defaults(func=run)
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt == "-":
+        return sys.stdin.read()
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_words:
+        return " ".join(args.prompt_words)
+    raise SystemExit("onestream generate: give a prompt (--prompt TEXT, a positional PROMPT, or --prompt -)")
+
+
+def run(args: argparse.Namespace) -> int:
+    args.prompt = _prompt_text(args)
+    if args.server is not None:
+        from onestream.cluster.client import run_generate
+
+        return int(run_generate(args))
+
+    from onestream.worker.engine import Engine, Finished
+    from onestream.worker.errors import OnestreamError
+    from onestream.worker.request import GenerateRequest
+    from onestream.worker.sampling import SamplingParams
+
+    sampling: dict[str, Any] = {"temperature": args.temperature}
+    sampling |= {
+        name: getattr(args, name) for name, _, _ in SAMPLING_FLAGS if getattr(args, name) is not None
+    }
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        engine = Engine(
+            args.model, backend=args.backend, device=args.device, dtype=args.dtype, spec_k=args.spec_k
+        )
+        request = GenerateRequest(
+            prompt,
+            SamplingParams(**sampling),
+            max_tokens=args.max_tokens,
+            stop=list(args.stop),
+            session_id=args.session,
+            ignore_eos=args.ignore_eos,
+        )
+        stream = engine.generate(request)
+        text: list[str] = []
+        token_ids: list[int] = []
+        finished: Finished | None = None
+        for item in stream:
+            if isinstance(item, Finished):
+                finished = item
+                continue
+            token_ids.extend(item.token_ids)
+            text.append(item.text)
+            if not args.json:
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+    except (OnestreamError, ValueError) as e:
+        print(f"onestream generate: {e}", file=sys.stderr)
+        return 2
+    assert finished is not None
+    if args.json:
+        record = {
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "finish_reason": finished.finish_reason,
+            "stop_reason": finished.stop_reason,
+            "usage": finished.usage.as_dict(),
+            "timings": {k: v for k, v in finished.timings.as_dict().items() if k != "inter_token_s"},
+            "model": engine.model_info(),
+        }
+        print(json.dumps(record, indent=2))
+    else:
+        print()
+        print(describe(finished, engine.model_info()), file=sys.stderr)
+    return 0
+
+
+def describe(finished: Any, info: dict[str, Any]) -> str:
+    """One line of statistics for a finished generation."""
+    u, t = finished.usage, finished.timings
+    decode_tokens = max(u.generated_tokens - 1, 0)
+    parts = [
+        f"finish={finished.finish_reason}",
+        f"prompt={u.prompt_tokens} (cached {u.cached_prompt_tokens})",
+        f"generated={u.generated_tokens}",
+        f"ttft={t.time_to_first_token_s * 1e3:.1f}ms",
+        f"prefill={t.prefill_s * 1e3:.1f}ms",
+        f"decode={decode_tokens / t.decode_s if t.decode_s > 0 else 0.0:.1f} tok/s",
+    ]
+    if u.drafts:
+        parts.append(
+            f"spec k={info['spec_k']}: accepted {u.accepted_draft_tokens}/{u.draft_tokens} drafts, "
+            f"mean accepted length {1 + u.accepted_draft_tokens / u.drafts:.2f}"
+        )
+    parts.append(f"[{info['backend']} {info['device']} {info['dtype']}]")
+    return "  ".join(parts)

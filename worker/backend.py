@@ -1,0 +1,169 @@
+"""The interface the engine loop drives, and the reference back end (the PyTorch model).
+
+A back end executes the model for one sequence: prefill, decode/verify steps, MTP draft steps, and the
+state operations speculative decoding and the session cache need. The megakernel back end
+(`onestream.kernels.backend.MegakernelBackend`) implements the same protocol, so the engine loop does not
+change with the back end.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .config import ModelConfig
+from .errors import OnestreamError
+
+log = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("auto", "reference", "megakernel")
+
+
+class BackendUnavailableError(OnestreamError, RuntimeError):
+    """The requested back end cannot run here (no GPU, kernels failed to build)."""
+
+
+class StepOutput(Protocol):
+    logits: torch.Tensor  # [T, V] fp32
+    hidden: torch.Tensor  # [T, H]: post-norm hidden (main model) or the MTP layer's normed output
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Executes the model for one sequence at a time. States and snapshots are opaque to the engine."""
+
+    name: str
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def has_mtp(self) -> bool: ...
+
+    def new_state(self, max_len: int) -> Any: ...
+
+    def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
+        """Run T prompt tokens at positions `length..` (no per-token state kept)."""
+        ...
+
+    def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
+        """Run a few tokens (1 for plain decode, k+1 to verify drafts); keep_states makes each of the
+        positions reachable by `rollback`."""
+        ...
+
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
+        """MTP step: token t[p+1] with hidden H[p] at MTP positions `mtp_length..`."""
+        ...
+
+    def rollback(self, state: Any, n_tokens: int) -> None: ...
+
+    def rollback_draft(self, state: Any, n_positions: int) -> None: ...
+
+    def release(self, state: Any) -> None:
+        """Free what the last keep_states step recorded for rollback (the state stays valid)."""
+        ...
+
+    def snapshot(self, state: Any) -> Any: ...
+
+    def restore(self, state: Any, snapshot: Any) -> None: ...
+
+    def nbytes(self, state_or_snapshot: Any) -> int: ...
+
+
+class ReferenceBackend:
+    """The PyTorch reference model (`worker/model.py`) on any device and dtype."""
+
+    name = "reference"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        first = next(model.parameters())
+        self.device: torch.device = first.device
+        self.dtype: torch.dtype = first.dtype
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.config.has_mtp
+
+    def new_state(self, max_len: int) -> Any:
+        return self.model.new_state(max_len)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
+        return self.model.forward_step(input_ids, state)
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
+        return self.model.forward_step(input_ids, state, keep_states=keep_states)
+
+    @torch.inference_mode()
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
+        return self.model.mtp_step(input_ids, hidden, state)
+
+    def rollback(self, state: Any, n_tokens: int) -> None:
+        state.rollback(n_tokens)
+
+    def rollback_draft(self, state: Any, n_positions: int) -> None:
+        state.rollback_mtp(n_positions)
+
+    def release(self, state: Any) -> None:
+        state.history = None  # the DeltaNet states recorded by the last keep_states=True step
+
+    def snapshot(self, state: Any) -> Any:
+        return state.snapshot()
+
+    def restore(self, state: Any, snapshot: Any) -> None:
+        state.restore(snapshot)
+
+    def nbytes(self, state_or_snapshot: Any) -> int:
+        return int(state_or_snapshot.nbytes())
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU, fp32 on the CPU (CPU bf16 matmuls are slow and gain nothing)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def create_backend(
+    model_dir: Any,
+    *,
+    kind: str = "auto",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Backend:
+    """Load the model in `model_dir` and wrap it in the chosen back end.
+
+    auto: the megakernel when the device is a CUDA GPU and `onestream.kernels` can build it, else the
+    reference. megakernel: that or a `BackendUnavailableError` saying why not.
+    """
+    from .loading import load_model
+
+    if kind not in BACKEND_CHOICES:
+        raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {kind!r}")
+    if kind == "megakernel" and not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            "backend 'megakernel' needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)"
+        )
+    device = torch.device(device) if device is not None else default_device()
+    if kind == "megakernel" and device.type != "cuda":
+        raise BackendUnavailableError(f"backend 'megakernel' runs on a CUDA device, not {device}")
+    dtype = dtype or default_dtype(device)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    if kind == "reference" or device.type != "cuda":
+        return ReferenceBackend(model)
+    try:
+        from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
+
+        return MegakernelBackend(model)
+    except Exception as e:  # auto falls back on any build failure, and says why
+        if kind == "megakernel":
+            raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
+        log.warning("megakernel back end unavailable (%s); using the reference back end", e)
+        return ReferenceBackend(model)

@@ -1,0 +1,307 @@
+"""The engine: one sequence at a time, with a session cache and MTP speculative decoding.
+
+`Engine.generate(request)` validates everything first (raising InvalidRequestError / ContextLengthError),
+then returns an iterator of `TokenChunk`s ending with one `Finished`. Closing the iterator cancels the
+generation at the next token boundary; `Engine.cancel(request_id)` does the same from another thread and
+still yields `Finished("cancelled")`. Either way the session's state stays consistent and cached.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backend import Backend, create_backend
+from .errors import InvalidRequestError, OnestreamError
+from .output import Finished, StopChecker, Timings, TokenChunk, Usage
+from .request import GenerateRequest
+from .sampling import RequestSampler, SamplingParams
+from .sequence import Sequence
+from .sessions import Session, SessionCache, SessionInfo
+from .speculative import SpecStats, SpeculativeDecoder
+
+__all__ = [
+    "Engine",
+    "EngineBusyError",
+    "Finished",
+    "GenerateRequest",
+    "SamplingParams",
+    "Timings",
+    "TokenChunk",
+    "Usage",
+]
+
+# Chosen by measurement: `onestream eval spec --k 1 2 3 4` on the tiny random checkpoint of
+# worker/testing.py (reference back end, CPU, 16 prompts of 64 tokens from the standard library, 64 greedy
+# tokens each). Its MTP head is untrained (1% of drafts accepted), so every k was slower than plain decoding
+# (k=1 0.44x, k=2 0.36x, k=3 0.21x, k=4 0.11x) and k=1 lost least. To be re-chosen the same way on the
+# embedded default model, whose MTP head is trained.
+DEFAULT_SPEC_K = 1
+DEFAULT_CACHE_BYTES = 4 << 30
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+class EngineBusyError(OnestreamError, RuntimeError):
+    """A second generation was started while one is running (an engine serves one sequence at a time)."""
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        backend: str | Backend = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        spec_k: int | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        max_context: int | None = None,
+        max_checkpoints: int = 4,
+    ) -> None:
+        from .loading import default_model_dir
+        from .tokenizer import load_tokenizer
+
+        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if isinstance(backend, str):
+            self.backend: Backend = create_backend(
+                self.model_dir, kind=backend, device=device, dtype=parse_dtype(dtype)
+            )
+        else:
+            self.backend = backend
+        self.config = self.backend.config
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
+        limit = self.config.max_position_embeddings
+        if max_context is not None and max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {max_context}")
+        self.max_context = min(limit, max_context) if max_context is not None else limit
+        self.spec_k = DEFAULT_SPEC_K if spec_k is None else spec_k
+        self._sessions = SessionCache(cache_bytes, max_checkpoints=max_checkpoints)
+        self._run_lock = threading.Lock()
+        self._cache_lock = threading.RLock()
+        self._active_request: str | None = None
+        self._cancel = threading.Event()
+
+    # ---- configuration -----------------------------------------------------------------------------
+    @property
+    def spec_k(self) -> int:
+        """Drafts per speculative cycle; 0 turns speculative decoding off (and models without MTP have 0)."""
+        return self._spec_k if self.backend.has_mtp else 0
+
+    @spec_k.setter
+    def spec_k(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16:
+            raise ValueError(f"spec_k must be an integer in [0, 16], got {k!r}")
+        self._spec_k = k
+
+    def model_info(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model_dir": str(self.model_dir),
+            "model_name": self.model_dir.name,
+            "model_type": c.model_type,
+            "backend": self.backend.name,
+            "device": str(self.backend.device),
+            "dtype": str(self.backend.dtype).removeprefix("torch."),
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "num_layers": c.num_hidden_layers,
+            "layer_types": list(c.layer_types),
+            "has_mtp": self.backend.has_mtp,
+            "spec_k": self.spec_k,
+            "max_context": self.max_context,
+            "eos_token_ids": sorted(self.eos_token_ids),
+        }
+
+    # ---- sessions --------------------------------------------------------------------------------
+    def sessions(self) -> list[SessionInfo]:
+        with self._cache_lock:
+            return self._sessions.list()
+
+    def close_session(self, session_id: str) -> None:
+        """Forget a session's cached state (UnknownSessionError if the engine holds none)."""
+        with self._cache_lock:
+            self._sessions.close(session_id)
+
+    def cached_bytes(self) -> int:
+        with self._cache_lock:
+            return self._sessions.nbytes()
+
+    @property
+    def busy(self) -> bool:
+        return self._run_lock.locked()
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the running generation with this id to stop at its next token boundary."""
+        if request_id is not None and self._active_request == request_id:
+            self._cancel.set()
+            return True
+        return False
+
+    # ---- generation ------------------------------------------------------------------------------
+    def tokenize_prompt(self, request: GenerateRequest) -> list[int]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if request.is_chat:
+            return self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            )
+        return list(prompt)  # type: ignore[arg-type]
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | Finished]:
+        """Validate `request` now (raising on any problem), then stream its generation."""
+        request.validate(vocab_size=self.config.vocab_size, max_context=self.max_context)
+        prompt_ids = self.tokenize_prompt(request)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty after tokenization")
+        request.check_context(len(prompt_ids), self.max_context)
+        if self.busy:
+            raise EngineBusyError("the engine is already generating (it serves one sequence at a time)")
+        return self._generate(request, prompt_ids)
+
+    def _generate(self, request: GenerateRequest, prompt_ids: list[int]) -> Iterator[TokenChunk | Finished]:
+        if not self._run_lock.acquire(blocking=False):
+            raise EngineBusyError("the engine is already generating (it serves one sequence at a time)")
+        session: Session | None = None
+        consistent = False
+        try:
+            self._active_request = request.request_id
+            self._cancel.clear()
+            t_start = time.perf_counter()
+            session, seq, cached = self._prepare(request.session_id, prompt_ids)
+            out = self._prefill(session, seq, prompt_ids, cached)
+            consistent = True
+            t_prefilled = time.perf_counter()
+
+            sampler = RequestSampler(
+                request.sampling, prompt_ids, self.config.vocab_size, self.backend.device
+            )
+            stop_ids = set(request.stop_token_ids) | (
+                set() if request.ignore_eos else set(self.eos_token_ids)
+            )
+            checker = StopChecker(
+                self.tokenizer.incremental_decoder(skip_special_tokens=True),
+                stop_strings=request.stop,
+                stop_token_ids=stop_ids,
+                max_tokens=request.max_tokens,
+            )
+            stats = SpecStats()
+            use_spec = self.spec_k > 0 and seq.track_mtp
+            speculative = SpeculativeDecoder(self.spec_k, stats) if use_spec else None
+            usage = Usage(prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
+            timings = Timings(prefill_s=t_prefilled - t_start)
+
+            pending = int(sampler.next_tokens(out.logits[-1:])[0])
+            new_tokens = [pending]
+            _, text = checker.push(new_tokens)
+            sampler.commit(new_tokens)
+            t_last = time.perf_counter()
+            timings.time_to_first_token_s = t_last - t_start
+            yield TokenChunk(new_tokens, text)
+
+            while not checker.finished:
+                if self._cancel.is_set():
+                    checker.finish("cancelled")
+                    break
+                consistent = False
+                new_tokens, text = self._step(seq, pending, sampler, checker, speculative)
+                consistent = True
+                sampler.commit(new_tokens)
+                pending = new_tokens[-1]
+                now = time.perf_counter()
+                timings.inter_token_s.append(now - t_last)
+                t_last = now
+                yield TokenChunk(new_tokens, text)
+
+            tail = checker.finish("length")
+            if tail:
+                yield TokenChunk([], tail)
+            usage.generated_tokens = checker.generated
+            usage.drafts, usage.draft_tokens = stats.drafts, stats.draft_tokens
+            usage.accepted_draft_tokens = stats.accepted_tokens
+            usage.accepted_per_position = list(stats.accepted_per_position)
+            t_end = time.perf_counter()
+            timings.decode_s = t_end - t_start - timings.time_to_first_token_s
+            timings.total_s = t_end - t_start
+            assert checker.finish_reason is not None
+            yield Finished(checker.finish_reason, usage, timings, checker.stop_reason)
+        finally:
+            self._active_request = None
+            if session is not None:
+                with self._cache_lock:
+                    if consistent:
+                        session.sequence.release_rollback_records()
+                        self._sessions.put(session)
+                    else:
+                        self._sessions.discard(session)
+            self._run_lock.release()
+
+    def _step(
+        self,
+        seq: Sequence,
+        pending: int,
+        sampler: RequestSampler,
+        checker: StopChecker,
+        speculative: SpeculativeDecoder | None,
+    ) -> tuple[list[int], str]:
+        """Run `pending` and choose what follows: one token, or a speculative cycle's accepted tokens.
+        Returns the tokens kept (up to a stop) and their text; the state has run all but the last."""
+        remaining = checker.max_tokens - checker.generated
+        if speculative is not None and remaining >= 2:
+            cycle = speculative.propose(seq, pending, sampler, min(speculative.k, remaining - 1))
+            kept, text = checker.push(cycle.tokens)
+            speculative.commit(seq, cycle, kept)
+            return cycle.tokens[:kept], text
+        out = seq.feed([pending])
+        new_tokens = [int(sampler.next_tokens(out.logits)[0])]
+        _, text = checker.push(new_tokens)
+        return new_tokens, text
+
+    def _prepare(self, session_id: str | None, prompt: list[int]) -> tuple[Session | None, Sequence, int]:
+        """The sequence to continue and how many prompt tokens it already holds."""
+        track_mtp = self.spec_k > 0
+        if session_id is None:
+            return None, Sequence(self.backend, self.max_context, track_mtp=track_mtp), 0
+        with self._cache_lock:
+            session = self._sessions.take(session_id)
+            if session is None:
+                session = Session(session_id, Sequence(self.backend, self.max_context, track_mtp=track_mtp))
+                self._sessions.begin(session)
+                return session, session.sequence, 0
+        held = session.sequence.tokens
+        if 0 < len(held) < len(prompt) and held == prompt[: len(held)]:
+            # About to extend the previous turn's end: keep it restorable (an edited last message).
+            session.add_checkpoint(self._sessions.max_checkpoints)
+        cached = session.rewind_for(prompt)
+        return session, session.sequence, cached
+
+    def _prefill(self, session: Session | None, seq: Sequence, prompt: list[int], cached: int) -> Any:
+        """Run the uncached prompt tokens; returns the last step's output (its logits give token one)."""
+        if session is None:
+            return seq.feed(prompt[cached:])
+        if cached < len(prompt) - 1:
+            seq.feed(prompt[cached:-1])
+        if len(seq) > 0:
+            session.add_checkpoint(self._sessions.max_checkpoints)  # end of prompt minus its last token
+        return seq.feed(prompt[-1:])

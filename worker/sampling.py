@@ -1,0 +1,234 @@
+"""Sampling parameters and the logits -> next-token pipeline of one request.
+
+Order of processing (vLLM's): penalties -> temperature -> min-p -> top-k -> top-p -> sample.
+Greedy (temperature 0) takes the argmax of the penalised logits.
+
+Penalties follow vLLM / Hugging Face:
+- repetition penalty over prompt + generated tokens: a seen token's logit is divided by the penalty when
+  positive and multiplied by it when negative;
+- frequency penalty subtracts `penalty * count` and presence penalty subtracts `penalty` (once) for every
+  token that has been *generated* so far (prompt tokens do not count).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+def _check_real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise InvalidRequestError unless `value` is a finite real in [low, high] (or (low, high])."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}")
+    left = "(" if low_open else "["
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise InvalidRequestError(f"{name} must be in {left}{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    MAX_TEMPERATURE = 100.0
+    MAX_SEED = 2**63 - 1
+
+    def validate(self) -> None:
+        _check_real("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise InvalidRequestError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer or None, got {type(self.seed).__name__}")
+        if self.seed is not None and not 0 <= self.seed <= self.MAX_SEED:
+            raise InvalidRequestError(f"seed must be in [0, {self.MAX_SEED}], got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def make_generator(self, device: torch.device | str) -> torch.Generator:
+        """A per-request generator: seeded from `seed` (reproducible) or from the OS when None."""
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+class TokenHistory:
+    """What the penalties look at: which tokens the prompt or output contains, and output counts.
+
+    Kept on the logits' device as dense [V] tensors so that penalising costs a few vector ops.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long, device=device)
+        self.seen[ids] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Record generated tokens."""
+        for t in token_ids:
+            self.output_counts[t] += 1
+            self.seen[t] = True
+
+    def rows(
+        self, n_rows: int, before: Sequence[int] = (), per_row: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [T, V], output counts [T, V]): every row also counts `before` as generated, and row j
+        also counts `per_row[:j]` (the drafts ahead of a verified position)."""
+        seen = self.seen.unsqueeze(0).repeat(n_rows, 1)
+        counts = self.output_counts.unsqueeze(0).repeat(n_rows, 1)
+        for t in before:
+            counts[:, t] += 1
+            seen[:, t] = True
+        for j, t in enumerate(per_row[: n_rows - 1]):
+            counts[j + 1 :, t] += 1
+            seen[j + 1 :, t] = True
+        return seen, counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: TokenHistory | None,
+    before: Sequence[int] = (),
+    per_row: Sequence[int] = (),
+) -> torch.Tensor:
+    """Penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`)."""
+    if history is None or not params.has_penalties:
+        return logits
+    seen, counts = history.rows(logits.shape[0], before, per_row)
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1:
+        penalised = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
+        logits = torch.where(seen, penalised, logits)
+    if params.frequency_penalty != 0:
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+    if params.presence_penalty != 0:
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _truncate(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """min-p, then top-k, then top-p on probabilities [T, V]; renormalised; the top token always stays."""
+    if params.min_p > 0:
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    top_k = params.top_k if params.top_k > 0 else 0
+    if top_k and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        total = sorted_probs.sum(dim=-1, keepdim=True)
+        mass_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / total
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[:, 0] = False
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def probabilities(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: TokenHistory | None = None,
+    before: Sequence[int] = (),
+    per_row: Sequence[int] = (),
+) -> torch.Tensor:
+    """The distribution a request samples from, per row of `logits` [T, V] (fp32 [T, V]).
+
+    Greedy requests get a one-hot on the penalised argmax, so that one code path serves both.
+    """
+    logits = apply_penalties(logits.float(), params, history, before, per_row)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.min_p > 0 or params.top_k > 0 or params.top_p < 1:
+        probs = _truncate(probs, params)
+    return probs
+
+
+def greedy_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: TokenHistory | None = None,
+    before: Sequence[int] = (),
+    per_row: Sequence[int] = (),
+) -> torch.Tensor:
+    """Argmax of the penalised logits, per row [T]."""
+    return apply_penalties(logits.float(), params, history, before, per_row).argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [T, V], drawn exactly from that categorical distribution.
+
+    The exponential race (argmax of p / E with E ~ Exp(1)) is equivalent to Gumbel-max and needs no
+    host synchronisation or cumulative sums.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+class RequestSampler:
+    """One request's sampling state: its parameters, its generator and its token history."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> None:
+        self.params = params
+        self.generator = params.make_generator(device)
+        self.history = TokenHistory(prompt_ids, vocab_size, device) if params.has_penalties else None
+
+    def probabilities(
+        self, logits: torch.Tensor, *, before: Sequence[int] = (), per_row: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """The processed distribution of each row of `logits` [T, V]: every row counts `before` as
+        generated, row j also `per_row[:j]`."""
+        return probabilities(logits, self.params, self.history, before, per_row)
+
+    def next_tokens(
+        self, logits: torch.Tensor, *, before: Sequence[int] = (), per_row: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """Sample (or, greedy, take the argmax of) each row, with the history of `probabilities`."""
+        if self.params.greedy:
+            return greedy_tokens(logits, self.params, self.history, before, per_row)
+        return sample(self.probabilities(logits, before=before, per_row=per_row), self.generator)
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """Tokens that were emitted: from now on the penalties count them."""
+        if self.history is not None:
+            self.history.append(token_ids)

@@ -1,0 +1,150 @@
+"""The session cache: per conversation, the sequence state of its last turn and a few checkpoints.
+
+Reuse policy for a new prompt P of a cached session:
+1. P extends the tokens the state has consumed -> keep the state, prefill only the new suffix.
+2. Otherwise restore the longest checkpoint whose tokens are a prefix of P (shorter than P: the last prompt
+   token must still run to give the first logits) and recompute the rest. KV caches could be truncated, but
+   DeltaNet state cannot, so rewinding needs a snapshot.
+3. Otherwise start from an empty state.
+Checkpoints are taken where branches usually start: the end of every turn's prompt minus its last token
+(a regenerated turn restores it), and the end of the previous turn's output when a new turn extends it (an
+edited last message restores it). Each session keeps at most `max_checkpoints`, least recently used dropped.
+
+Memory is bounded by bytes (states, checkpoints and their hiddens); least recently used sessions go first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from .errors import UnknownSessionError
+from .sequence import Checkpoint, Sequence
+
+
+@dataclass
+class Session:
+    session_id: str
+    sequence: Sequence
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # least recently used first
+    last_used: float = field(default_factory=time.time)
+    closed: bool = False  # closed while in use: not cached again
+
+    def nbytes(self) -> int:
+        return self.sequence.nbytes() + sum(c.nbytes for c in self.checkpoints)
+
+    def add_checkpoint(self, max_checkpoints: int) -> None:
+        """Checkpoint the sequence where it is now (unless one exists there), dropping the oldest beyond the cap."""
+        tokens = tuple(self.sequence.tokens)
+        if not tokens or max_checkpoints < 1 or any(c.tokens == tokens for c in self.checkpoints):
+            return
+        self.checkpoints.append(self.sequence.checkpoint())
+        del self.checkpoints[: max(0, len(self.checkpoints) - max_checkpoints)]
+
+    def rewind_for(self, prompt: Seq[int]) -> int:
+        """Bring the sequence to the longest reusable prefix of `prompt` (see the module's policy).
+
+        Returns how many prompt tokens are already in the state; at least one token is always left to run.
+        """
+        tokens = self.sequence.tokens
+        if len(tokens) < len(prompt) and _is_prefix(tokens, prompt):
+            return len(tokens)
+        usable = [c for c in self.checkpoints if len(c.tokens) < len(prompt) and _is_prefix(c.tokens, prompt)]
+        if not usable:
+            self.sequence.reset()
+            return 0
+        best = max(usable, key=lambda c: len(c.tokens))
+        self.sequence.restore(best)
+        self.checkpoints.remove(best)
+        self.checkpoints.append(best)  # most recently used
+        return len(best.tokens)
+
+
+def _is_prefix(prefix: Seq[int], tokens: Seq[int]) -> bool:
+    return len(prefix) <= len(tokens) and list(tokens[: len(prefix)]) == list(prefix)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    tokens: int
+    checkpoints: int
+    nbytes: int
+    last_used: float
+
+
+class SessionCache:
+    """Sessions by id, least recently used first, within `max_bytes`."""
+
+    def __init__(self, max_bytes: int, *, max_checkpoints: int = 4) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.max_checkpoints = max_checkpoints
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._active: Session | None = None
+        self.evictions = 0
+
+    def take(self, session_id: str) -> Session | None:
+        """Remove a session from the cache for the duration of a turn (put it back with `put`)."""
+        session = self._sessions.pop(session_id, None)
+        self._active = session
+        return session
+
+    def begin(self, session: Session) -> None:
+        """Mark a new session as the one in use (so that `close` and `list` see it)."""
+        self._active = session
+
+    def put(self, session: Session) -> None:
+        """Cache a session as most recently used, evicting least recently used ones to fit the budget."""
+        if self._active is session:
+            self._active = None
+        if session.closed:
+            return
+        session.last_used = time.time()
+        self._sessions[session.session_id] = session
+        self._sessions.move_to_end(session.session_id)
+        while self.nbytes() > self.max_bytes and len(self._sessions) > 1:
+            self._sessions.popitem(last=False)
+            self.evictions += 1
+        # Alone and still too big: shed its checkpoints, then the session itself.
+        while session.checkpoints and self.nbytes() > self.max_bytes:
+            session.checkpoints.pop(0)
+        if self.nbytes() > self.max_bytes:
+            self._sessions.pop(session.session_id)
+            self.evictions += 1
+
+    def discard(self, session: Session) -> None:
+        """Forget a session that is in use (its state may be inconsistent after an error)."""
+        if self._active is session:
+            self._active = None
+        self._sessions.pop(session.session_id, None)
+
+    def close(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            del self._sessions[session_id]
+        elif self._active is not None and self._active.session_id == session_id and not self._active.closed:
+            self._active.closed = True
+        else:
+            raise UnknownSessionError(f"no cached session {session_id!r}")
+
+    def list(self) -> list[SessionInfo]:
+        sessions = list(self._sessions.values())
+        if self._active is not None and not self._active.closed:
+            sessions.append(self._active)
+        return [
+            SessionInfo(s.session_id, len(s.sequence), len(s.checkpoints), s.nbytes(), s.last_used)
+            for s in sessions
+        ]
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached sessions (not the one in use)."""
+        return sum(s.nbytes() for s in self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
