@@ -1,1 +1,2 @@
-"""CUDA sources of the decode megakernel and their CuPy launchers."""
+"""The decode megakernel: CUDA sources (*.cu, *.cuh), their NVRTC build and cache (build.py), the host runtime
+(runtime.py) and the engine back end (backend.py). Importing this package needs neither CUDA nor CuPy."""

@@ -1,0 +1,275 @@
+"""Build the decode megakernel for one model config: compile-time constants, source assembly, compilation.
+
+The CUDA sources (kernels/*.cu, *.cuh) take every shape as a compile-time constant. `KernelSpec` turns a
+`ModelConfig` (plus tokens per launch and tuning knobs) into `-D` constants; `assemble_source` inlines the
+headers into one self-contained text (so the compile cache key covers every line); `compile_module` builds it
+with NVRTC through CuPy for the GPU present, and CuPy keeps the binary in its on-disk cache
+(`$CUPY_CACHE_DIR`, default `~/.cupy/kernel_cache`), so later runs skip compilation. `nvcc_compile` builds
+the same text with nvcc (the compile-only test and the register/spill report use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onestream.worker.config import ModelConfig
+from onestream.worker.errors import UnsupportedModelError
+
+from .layout import preamble_defines
+
+CUDA_DIR = Path(__file__).resolve().parent
+MAIN_SOURCE = "megakernel.cu"
+MAX_TOKENS_PER_LAUNCH = 8
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs that change speed, never results (reduction orders do not depend on them, except threads)."""
+
+    threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
+    umax: int = 8  # 16-byte loads per lane per GEMV item
+    part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
+    att_pairs: int = 3  # (query head, token) pairs per attention pass
+    att_min_chunk: int = 64  # positions per flash-decoding chunk, at least
+    pf_bytes: int = 32 * 1024  # L2 prefetch of the next phase per block, at a barrier
+    pf_idle_bytes: int = 128 * 1024  # same, across the DeltaNet / attention phases
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    config: ModelConfig
+    num_sms: int
+    tokens_per_launch: int = 1
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __post_init__(self) -> None:
+        check_supported(self.config, self.tokens_per_launch, self.tuning)
+
+    @property
+    def dn_split(self) -> int:
+        """Column slices per DeltaNet value head: as many work items as the grid has blocks, slices >= 16
+        columns, each slice width dividing the block size."""
+        return dn_split(self.config, self.num_sms, self.tuning.threads)
+
+    @property
+    def att_pairs(self) -> int:
+        c = self.config
+        pairs = c.num_attention_heads // c.num_key_value_heads * self.tokens_per_launch
+        return max(1, min(self.tuning.att_pairs, pairs))
+
+    def defines(self) -> dict[str, int | float]:
+        c, t = self.config, self.tuning
+        shapes: dict[str, int | float] = {
+            "MK_H": c.hidden_size,
+            "MK_NH": c.num_attention_heads,
+            "MK_KVH": c.num_key_value_heads,
+            "MK_HD": c.head_dim,
+            "MK_ROT": c.rotary_dim,
+            "MK_I": c.intermediate_size,
+            "MK_HK": c.linear_num_key_heads,
+            "MK_HV": c.linear_num_value_heads,
+            "MK_DK": c.linear_key_head_dim,
+            "MK_DV": c.linear_value_head_dim,
+            "MK_CONVK": c.linear_conv_kernel_dim,
+            "MK_V": c.vocab_size,
+            "MK_EPS": float(c.rms_norm_eps),
+            "MK_NT": self.tokens_per_launch,
+            "MK_THREADS": t.threads,
+            "MK_UMAX": t.umax,
+            "MK_PART_ROWS": t.part_rows,
+            "MK_DN_SPLIT": self.dn_split,
+            "MK_ATT_PAIRS": self.att_pairs,
+            "MK_ATT_MIN_CHUNK": t.att_min_chunk,
+            "MK_PF_BYTES": t.pf_bytes,
+            "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
+        }
+        return {**preamble_defines(self.tokens_per_launch), **shapes}
+
+    # ---- sizes the host must match ------------------------------------------------------------------
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block (the kernel checks it gets at least this: MK_SMEM_BYTES)."""
+        c, nt = self.config, self.tokens_per_launch
+        kmax = max(c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size)
+        xs = (nt * kmax * 2 + 15) // 16 * 16
+        return xs + 2 * nt * self.tuning.part_rows * 4 + 64 * 4
+
+    def att_max_chunks(self, grid: int) -> int:
+        return max(1, grid // self.config.num_key_value_heads)
+
+
+def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:
+    dv, hv = config.linear_value_head_dim, config.linear_num_value_heads
+
+    def fits(split: int) -> bool:
+        return dv % split == 0 and threads % (dv // split) == 0
+
+    split = 1
+    while split <= dv and not fits(split):
+        split *= 2
+    if split > dv:
+        return 0
+    while fits(split * 2) and dv // (split * 2) >= 16 and hv * split * 2 <= num_sms:
+        split *= 2
+    return split
+
+
+def check_supported(config: ModelConfig, tokens_per_launch: int, tuning: Tuning) -> None:
+    """Raise `UnsupportedModelError` naming the dimension the kernel cannot handle."""
+    c = config
+    problems = []
+    for name, value in (
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("linear value width (heads x dim)", c.linear_value_dim),
+        ("attention width (heads x head_dim)", c.num_attention_heads * c.head_dim),
+    ):
+        if value % 8:
+            problems.append(f"{name}={value} is not a multiple of 8 (16-byte bf16 loads)")
+    if c.head_dim % 8 or c.head_dim > 256:
+        problems.append(f"head_dim={c.head_dim} must be a multiple of 8 and at most 256")
+    if c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+        problems.append(f"rotary dims {c.rotary_dim} must be even and within head_dim")
+    if dn_split(c, 1 << 30, tuning.threads) == 0:
+        problems.append(
+            f"linear_value_head_dim={c.linear_value_head_dim} has no power-of-two slice dividing the block size "
+            f"{tuning.threads}"
+        )
+    if not 1 <= tokens_per_launch <= MAX_TOKENS_PER_LAUNCH:
+        problems.append(f"tokens per launch must be 1..{MAX_TOKENS_PER_LAUNCH}, got {tokens_per_launch}")
+    if c.linear_conv_kernel_dim < 2:
+        problems.append(f"linear_conv_kernel_dim={c.linear_conv_kernel_dim} must be at least 2")
+    if problems:
+        raise UnsupportedModelError("megakernel: " + "; ".join(problems))
+
+
+def _define_text(name: str, value: int | float) -> str:
+    if isinstance(value, float):
+        return f"#define {name} {value!r}f"
+    return f"#define {name} {int(value)}"
+
+
+def assemble_source(spec: KernelSpec) -> str:
+    """One self-contained CUDA text: the constants, then megakernel.cu with its headers inlined once each."""
+    lines = [f"// onestream megakernel, generated for {spec.config.model_type}; do not edit"]
+    lines += [_define_text(k, v) for k, v in spec.defines().items()]
+    seen: set[str] = set()
+
+    def inline(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        path = CUDA_DIR / name
+        for line in path.read_text().splitlines():
+            m = _INCLUDE.match(line)
+            if m:
+                inline(m.group(1))
+            elif line.strip() != "#pragma once":
+                lines.append(line)
+
+    inline(MAIN_SOURCE)
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class BuiltModule:
+    module: Any  # cupy.RawModule
+    spec: KernelSpec
+    compile_s: float
+    kernels: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def kernel(self, name: str) -> Any:
+        if name not in self.kernels:
+            self.kernels[name] = self.module.get_function(name)
+        return self.kernels[name]
+
+    def resources(self, name: str = "mk_decode") -> dict[str, int]:
+        k = self.kernel(name)
+        return {"registers": int(k.num_regs), "local_bytes": int(k.local_size_bytes)}
+
+
+_MODULES: dict[tuple, BuiltModule] = {}
+
+
+def compile_module(spec: KernelSpec) -> BuiltModule:
+    """Compile (or fetch from the in-process and on-disk caches) the kernels for the current CUDA device."""
+    key = (spec.config, spec.num_sms, spec.tokens_per_launch, spec.tuning)
+    if key in _MODULES:
+        return _MODULES[key]
+    import cupy
+
+    source = assemble_source(spec)
+    start = time.perf_counter()
+    module = cupy.RawModule(code=source, options=("--std=c++17",), enable_cooperative_groups=True)
+    module.compile()
+    built = BuiltModule(module, spec, time.perf_counter() - start)
+    _MODULES[key] = built
+    return built
+
+
+def nvcc_compile(spec: KernelSpec, arch: str, *, ptxas_verbose: bool = True, nvcc: str | None = None) -> str:
+    """Compile the assembled source with nvcc for `arch` (e.g. "sm_90"); return the compiler's messages.
+
+    Raises `RuntimeError` with the compiler output if the build fails.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "megakernel_generated.cu"
+        src.write_text(assemble_source(spec))
+        cmd = [
+            nvcc,
+            f"-arch={arch}",
+            "--std=c++17",
+            "-ftz=true",
+            "-c",
+            str(src),
+            "-o",
+            str(Path(tmp) / "mk.o"),
+        ]
+        if ptxas_verbose:
+            cmd += ["-Xptxas", "-v"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+        out = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{out}")
+        return out
+
+
+def ptxas_report(messages: str) -> dict[str, dict[str, int]]:
+    """Registers, spill stores/loads and stack frame per kernel or device function, from `-Xptxas -v`.
+
+    A function compiled for several kernels appears once per kernel: its entry keeps the largest figures.
+    """
+    report: dict[str, dict[str, int]] = {}
+    current = None
+    for line in messages.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = m.group(1)
+            report.setdefault(current, {})
+            continue
+        if current is None:
+            continue
+        entry = report[current]
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            for key, value in zip(
+                ("stack", "spill_stores", "spill_loads"), map(int, m.groups()), strict=True
+            ):
+                entry[key] = max(entry.get(key, 0), value)
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            entry["registers"] = max(entry.get("registers", 0), int(m.group(1)))
+    return report

@@ -1,0 +1,184 @@
+// Shared device helpers of the decode megakernel: types, bf16 rounding, cache-hinted loads, reductions,
+// and the watchdog-bounded grid barrier.
+//
+// No system or CUDA headers on purpose: the same text compiles under nvcc and under NVRTC without an
+// include path, so the run-time build does not depend on where the CUDA headers live.
+#pragma once
+
+typedef unsigned short bf16_t;  // raw bfloat16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(16) vec16 {  // 16 bytes: 8 bf16
+    u32 x, y, z, w;
+};
+
+#define MK_WARP 32
+#define MK_NWARPS (MK_THREADS / MK_WARP)
+#define MK_INF __int_as_float(0x7f800000)
+
+// Thread/block indices read through volatile asm: the megakernel's step loop runs every phase, and
+// with plain threadIdx the compiler hoisted each phase's index arithmetic out of the loop, holding it in
+// registers across all phases until the GEMV loops spilled. Re-reading the special registers is free.
+__device__ __forceinline__ int tid_x() {
+    int r;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ int bid_x() {
+    int r;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ int nblocks() {
+    int r;
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
+    return r;
+}
+
+// ---- bf16 <-> fp32 -----------------------------------------------------------------------------
+__device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ float bf_lo(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float bf_hi(u32 p) { return __uint_as_float(p & 0xffff0000u); }
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+// The value a bf16 tensor would hold: every intermediate that the reference keeps in bf16 goes through this.
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+// torch.nn.functional.softplus with beta 1, threshold 20.
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// ---- loads ---------------------------------------------------------------------------------------
+// Weights are read once per step: stream them (evict-first, no L1 allocation), 16 bytes per lane.
+__device__ __forceinline__ vec16 ld_stream16(const void* p) {
+    vec16 r;
+    asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+// Data written earlier in this launch by other blocks: bypass L1 (not coherent across SMs), read L2.
+__device__ __forceinline__ float ld_cg_f(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ bf16_t ld_cg_bf(const bf16_t* p) {
+    unsigned short r;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ vec16 ld_cg16(const void* p) {
+    vec16 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+// Table entries: read-only for the whole launch. `volatile` keeps the compiler from hoisting every phase's
+// table loads out of the step loop into registers (which made the GEMV loops spill); reloads hit L1.
+__device__ __forceinline__ u64 ld_tab(const u64* p) {
+    u64 v;
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// ---- reductions ----------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block-wide sum in a fixed order (deterministic). `scratch` holds MK_NWARPS floats; every thread gets the sum.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MK_NWARPS; ++w) s += scratch[w];
+    return s;
+}
+
+// ---- errors and the grid barrier ----------------------------------------------------------------
+// The control block (CTRL_*), the error codes (MK_ERR_*) and the table slots are generated from
+// kernels/layout.py into the source preamble, so that host and device agree by construction.
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_volatile_int(const int* p) { return *(const volatile int*)p; }
+
+__device__ __forceinline__ void raise_error(int* ctrl, int code, int info) {
+    if (atomicCAS(ctrl + CTRL_ERR, 0, code) == 0) atomicExch(ctrl + CTRL_ERR_INFO, info);
+}
+
+// Arrive at the grid barrier: a monotonically increasing 64-bit counter (reset only by the host after an
+// error). Returns the target count to wait for. Call from every thread of the block.
+__device__ __forceinline__ u64 grid_arrive(u64* counter, u64* s_target) {
+    __syncthreads();
+    if (tid_x() == 0) {
+        __threadfence();  // release this block's writes (cumulative over the bar.sync above)
+        const u64 n = nblocks();
+        const u64 old = atomicAdd(counter, 1ull);
+        *s_target = (old / n + 1) * n;
+    }
+    __syncthreads();
+    return *s_target;
+}
+
+// Wait until every block has arrived. Bounded: after `timeout_ns`, or as soon as another block has
+// flagged an error, the block records the error and returns false; the caller must then leave the kernel.
+__device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u64 timeout_ns, int info,
+                                          int* s_flag) {
+    if (tid_x() == 0) {
+        int ok = 1;
+        if (ld_acquire_u64(counter) < target) {
+            const u64 t0 = global_timer_ns();
+            unsigned spins = 0;
+            while (ld_acquire_u64(counter) < target) {
+                if ((++spins & 63u) == 0) {
+                    if (ld_volatile_int(ctrl + CTRL_ERR) != 0) {
+                        ok = 0;
+                        break;
+                    }
+                    if (global_timer_ns() - t0 > timeout_ns) {
+                        raise_error(ctrl, MK_ERR_BARRIER_TIMEOUT, info);
+                        ok = 0;
+                        break;
+                    }
+                }
+                __nanosleep(32);
+            }
+        }
+        __threadfence();  // acquire side: later reads see the other blocks' writes
+        *s_flag = ok;
+    }
+    __syncthreads();
+    return *s_flag != 0;
+}

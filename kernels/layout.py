@@ -1,0 +1,133 @@
+"""Slot numbers shared by the host and the CUDA sources: parameter tables, control block, phases, errors.
+
+This module is the one definition; `preamble_defines()` turns it into `#define`s that kernels/build.py puts in
+front of the CUDA source, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class G(IntEnum):
+    """Slots of the globals table (u64 each: a device pointer or an integer)."""
+
+    EMBED = 0
+    LM_HEAD = 1
+    FINAL_NORM = 2  # fp32 (1 + w)
+    INV_FREQ = 3  # fp32 [rotary_dim / 2]
+    H = 4  # bf16 [T, H] residual stream
+    XBUF = 5  # bf16 [T, C] DeltaNet conv output (q | k | v)
+    ZBUF = 6  # bf16 [T, Hv * dv]
+    BETA = 7  # fp32 [T, Hv]
+    GDECAY = 8  # fp32 [T, Hv]
+    CORE = 9  # bf16 [T, Hv * dv] DeltaNet recurrence output
+    QKV_ATT = 10  # bf16 [T, 2 nH hd + 2 nKV hd] attention projections
+    ATT_OUT = 11  # bf16 [T, nH hd] gated attention output
+    ATT_PART = 12  # fp32 flash-decoding partials
+    ACT = 13  # bf16 [T, I] SwiGLU activation
+    LOGITS = 14  # fp32 [T, V]
+    HIDDEN_OUT = 15  # bf16 [T, H] post-norm hidden
+    ARGKEY = 16  # u64 [T] argmax keys
+    KV_CAP = 17  # positions allocated in every KV cache
+    TIMEOUT_NS = 18  # barrier watchdog
+    NUM_LAYERS = 19
+    TOKEN_HIST = 20  # int32 [max_len] or 0: greedy token written at its position
+    COUNT = 21
+
+
+class L(IntEnum):
+    """Slots of one layer's row in the layer table."""
+
+    KIND = 0  # LAYER_LINEAR or LAYER_FULL
+    IN_NORM = 1  # fp32 (1 + w)
+    POST_NORM = 2  # fp32 (1 + w)
+    GATE = 3
+    UP = 4
+    DOWN = 5
+    QKV = 6  # in_proj_qkv
+    Z = 7
+    B = 8
+    A = 9
+    CONV_W = 10  # bf16 [C, kernel]
+    NEG_A = 11  # fp32 -exp(A_log)
+    DT_BIAS = 12  # fp32
+    GNORM_W = 13  # bf16 plain weight of the gated norm
+    OUT = 14  # out_proj
+    CONV_STATE = 15  # bf16 [C, kernel - 1] (the reference state's tensor)
+    REC_STATE = 16  # fp32 [Hv, dk, dv] (the reference state's tensor)
+    Q = 17
+    K = 18
+    V = 19
+    O = 20  # noqa: E741 - the o_proj slot, named like the others (Q, K, V)
+    QNORM = 21  # fp32 (1 + w)
+    KNORM = 22  # fp32 (1 + w)
+    KCACHE = 23  # bf16 [nKV, capacity, hd] (the reference state's tensor)
+    VCACHE = 24
+    COUNT = 25
+
+
+class Phase(IntEnum):
+    DN_IN = 0
+    DN_REC = 1
+    DN_OUT = 2
+    ATT_IN = 3
+    ATT = 4
+    ATT_OUT = 5
+    MLP_IN = 6
+    MLP_DOWN = 7
+    LM_HEAD = 8
+    FINALIZE = 9
+
+
+LAYER_LINEAR = 0
+LAYER_FULL = 1
+
+
+class KernelErrorCode(IntEnum):
+    NONE = 0
+    BARRIER_TIMEOUT = 1
+    ABORTED = 2
+    BAD_TOKEN = 3
+    CONTEXT = 4
+    SMEM = 5
+    BARRIER_BROKEN = 6
+
+
+ERROR_TEXT = {
+    KernelErrorCode.BARRIER_TIMEOUT: "a grid barrier timed out (watchdog)",
+    KernelErrorCode.ABORTED: "the step was aborted",
+    KernelErrorCode.BAD_TOKEN: "an input token id is outside the vocabulary",
+    KernelErrorCode.CONTEXT: "the position is outside the KV cache",
+    KernelErrorCode.SMEM: "the launch gave less dynamic shared memory than the kernel needs",
+    KernelErrorCode.BARRIER_BROKEN: "a block left a grid barrier before every block arrived",
+}
+
+
+def ctrl_slots(tokens_per_launch: int) -> dict[str, int]:
+    """The int32 control block: position, error, error info, flags, input tokens, greedy tokens."""
+    return {
+        "CTRL_POS": 0,
+        "CTRL_ERR": 1,
+        "CTRL_ERR_INFO": 2,
+        "CTRL_FLAGS": 3,
+        "CTRL_TOKEN_IN": 4,
+        "CTRL_TOKEN_OUT": 4 + tokens_per_launch,
+        "CTRL_INTS": 4 + 2 * tokens_per_launch,
+    }
+
+
+CTRL_FLAG_FEEDBACK = 1  # the greedy token of a step becomes the next step's input (no host round trip)
+
+
+def preamble_defines(tokens_per_launch: int) -> dict[str, int]:
+    defines: dict[str, int] = {}
+    defines.update({f"G_{s.name}": int(s) for s in G})
+    defines.update({f"L_{s.name}": int(s) for s in L})
+    defines.update({f"PH_{s.name}": int(s) for s in Phase})
+    defines.update({f"MK_ERR_{s.name}": int(s) for s in KernelErrorCode if s})
+    defines.update(ctrl_slots(tokens_per_launch))
+    defines["CTRL_FLAG_FEEDBACK"] = CTRL_FLAG_FEEDBACK
+    defines["LAYER_LINEAR"] = LAYER_LINEAR
+    defines["LAYER_FULL"] = LAYER_FULL
+    return defines

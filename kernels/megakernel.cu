@@ -1,0 +1,260 @@
+// The decode megakernel: one persistent launch runs a whole decode step of one sequence (MK_NT tokens):
+// embedding rows, every layer (Gated DeltaNet or gated attention, SwiGLU MLP, residuals, norms), the
+// final norm, the lm_head and the greedy argmax. Phases are separated by a software grid barrier whose
+// spin is bounded by a watchdog; while a block waits it prefetches its share of the next phase's weights
+// into L2. The grid must be co-resident: the host sizes it from the occupancy query and launches it
+// cooperatively.
+//
+// Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test.
+#include "common.cuh"
+#include "gemv.cuh"
+#include "model.cuh"
+#include "phases.cuh"
+
+#ifndef MK_PF_BYTES
+#define MK_PF_BYTES 32768  // next-phase weights each block pulls into L2 while waiting at a barrier
+#endif
+#ifndef MK_PF_IDLE_BYTES
+#define MK_PF_IDLE_BYTES 131072  // same, around a DeltaNet or attention phase (most blocks are idle)
+#endif
+
+// Per-block state of the step, in shared memory: kept out of registers, which the GEMV loop needs.
+struct BlockState {
+    StepInfo si;
+    GemvDesc desc;
+    Epi epi;
+    int gemv;  // the planned phase streams weights (desc/epi valid)
+    int err;
+    int last;  // attention: this block merges its key/value head's chunks
+    int flag;  // barrier result
+    u64 target;
+};
+
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// Read position and tokens; check shared memory, tokens and KV room. Every block reaches the same verdict,
+// so on an error they all leave before the first barrier.
+__device__ bool read_step(const Tables& tb, BlockState& bs) {
+    if (tid_x() == 0) {
+        int err = 0;
+        if (dynamic_smem_size() < (unsigned)MK_SMEM_BYTES) err = MK_ERR_SMEM;
+        bs.si.pos = ld_volatile_int(tb.ctrl + CTRL_POS);
+        for (int t = 0; t < MK_NT; ++t) {
+            bs.si.tok[t] = ld_volatile_int(tb.ctrl + CTRL_TOKEN_IN + t);
+            if (bs.si.tok[t] < 0 || bs.si.tok[t] >= MK_V) err = MK_ERR_BAD_TOKEN;
+        }
+        if (bs.si.pos < 0 || (long long)bs.si.pos + MK_NT > tb.gi(G_KV_CAP)) err = MK_ERR_CONTEXT;
+        if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
+        bs.err = err;
+    }
+    __syncthreads();
+    return bs.err == 0;
+}
+
+// Fill the GEMV descriptor and epilogue of a weight-streaming phase (thread 0; callers synchronise).
+__device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l, BlockState& bs) {
+    Epi& e = bs.epi;
+    bs.gemv = 1;
+    switch (phase) {
+        case PH_DN_IN:
+            bs.desc = desc_dn_in(tb, l);
+            e.kind = EPI_DN_IN;
+            e.out = tb.gp<bf16_t>(G_XBUF);
+            e.zbuf = tb.gp<bf16_t>(G_ZBUF);
+            e.beta = tb.gp<float>(G_BETA);
+            e.gdecay = tb.gp<float>(G_GDECAY);
+            e.convw = tb.lp<const bf16_t>(l, L_CONV_W);
+            e.conv_state = tb.lp<bf16_t>(l, L_CONV_STATE);
+            e.neg_a = tb.lp<const float>(l, L_NEG_A);
+            e.dt_bias = tb.lp<const float>(l, L_DT_BIAS);
+            break;
+        case PH_ATT_IN:
+            bs.desc = desc_att_in(tb, l);
+            e.kind = EPI_STORE;
+            e.out = tb.gp<bf16_t>(G_QKV_ATT);
+            e.ld_out = MK_ATT_IN_ROWS;
+            break;
+        case PH_DN_OUT:
+        case PH_ATT_OUT:
+            bs.desc = phase == PH_DN_OUT ? desc_plain(tb.lp<const bf16_t>(l, L_OUT), MK_VD, MK_H)
+                                         : desc_plain(tb.lp<const bf16_t>(l, L_O), MK_AD, MK_H);
+            e.kind = EPI_RESIDUAL;
+            e.out = tb.gp<bf16_t>(G_H);
+            for (int t = 0; t < MK_NT; ++t) e.src[t] = resid_src(tb, si, l, t);
+            break;
+        case PH_MLP_IN:
+            bs.desc = desc_gate_up(tb, l);
+            e.kind = EPI_SWIGLU;
+            e.out = tb.gp<bf16_t>(G_ACT);
+            break;
+        case PH_MLP_DOWN:
+            bs.desc = desc_plain(tb.lp<const bf16_t>(l, L_DOWN), MK_I, MK_H);
+            e.kind = EPI_RESIDUAL;
+            e.out = tb.gp<bf16_t>(G_H);
+            for (int t = 0; t < MK_NT; ++t) e.src[t] = tb.gp<const bf16_t>(G_H) + t * MK_H;
+            break;
+        case PH_LM_HEAD:
+            bs.desc = desc_plain(tb.gp<const bf16_t>(G_LM_HEAD), MK_H, MK_V);
+            e.kind = EPI_LM_HEAD;
+            e.logits = tb.gp<float>(G_LOGITS);
+            e.argkey = tb.gp<u64>(G_ARGKEY);
+            break;
+        default:
+            bs.gemv = 0;
+            break;
+    }
+}
+
+// Block 0, after the last barrier: greedy tokens out, argmax keys reset, position advanced.
+__device__ void finalize_step(const Tables& tb, const StepInfo& si) {
+    if (bid_x() != 0 || tid_x() != 0) return;
+    u64* argkey = tb.gp<u64>(G_ARGKEY);
+    int* hist = tb.gp<int>(G_TOKEN_HIST);
+    int last = 0;
+    for (int t = 0; t < MK_NT; ++t) {
+        const u64 key = *(volatile u64*)(argkey + t);
+        last = (int)(0xffffffffu - (u32)(key & 0xffffffffull));
+        tb.ctrl[CTRL_TOKEN_OUT + t] = last;
+        if (hist != nullptr) hist[si.pos + t] = last;
+        argkey[t] = 0;  // ready for the next step
+    }
+    tb.ctrl[CTRL_POS] = si.pos + MK_NT;
+    if (tb.ctrl[CTRL_FLAGS] & CTRL_FLAG_FEEDBACK) tb.ctrl[CTRL_TOKEN_IN] = last;
+    __threadfence();
+}
+
+// Runs `phase` of layer `l`; returns whether this block had work in it (the DeltaNet and attention
+// phases leave some blocks idle, and those prefetch more while they wait).
+__device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int phase, int l,
+                                          unsigned char* smem_raw) {
+    const Smem sm = carve_smem(smem_raw);
+    const StepInfo& si = bs.si;
+    if (tid_x() == 0) plan_gemv(tb, si, phase, l, bs);
+    __syncthreads();
+    switch (phase) {
+        case PH_DN_IN:
+        case PH_ATT_IN: {
+            const bf16_t* src[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
+            stage_rmsnorm(src, tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red);
+            break;
+        }
+        case PH_DN_REC:
+            return phase_dn_rec(tb, l, sm.part);
+        case PH_DN_OUT:
+            stage_gated_norm(tb.gp<const bf16_t>(G_CORE), tb.gp<const bf16_t>(G_ZBUF),
+                             tb.lp<const bf16_t>(l, L_GNORM_W), sm.xs);
+            break;
+        case PH_ATT:
+            return phase_attention(tb, si, l, sm.part, &bs.last);
+        case PH_ATT_OUT:
+            stage_copy(tb.gp<const bf16_t>(G_ATT_OUT), MK_AD, sm.xs);
+            break;
+        case PH_MLP_IN:
+        case PH_LM_HEAD: {
+            const bf16_t* src[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const bf16_t>(G_H) + t * MK_H;
+            const float* w1 = phase == PH_MLP_IN ? tb.lp<const float>(l, L_POST_NORM) : tb.gp<const float>(G_FINAL_NORM);
+            stage_rmsnorm(src, w1, sm.xs, sm.red);
+            if (phase == PH_LM_HEAD && bid_x() == 0) {  // the post-norm hidden state (the MTP head's input)
+                bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
+                for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) hid[i] = sm.xs[i];
+            }
+            break;
+        }
+        case PH_MLP_DOWN:
+            stage_copy(tb.gp<const bf16_t>(G_ACT), MK_I, sm.xs);
+            break;
+        case PH_FINALIZE:
+            finalize_step(tb, si);
+            return true;
+        default:
+            return true;
+    }
+    // The one copy of the GEMV loop, for every weight-streaming phase.
+    float* red = sm.red;
+    const Epi& epi = bs.epi;
+    gemv_run(bs.desc, sm.xs, sm.part, sm.rowval,
+             [&](int rs, int nr, const float* rowval, int ld) { epi_finish(epi, rs, nr, rowval, ld, red); });
+    return true;
+}
+
+// The step as a flat schedule of (phase, layer) pairs: five phases per layer, then lm_head and finalize.
+__device__ __forceinline__ void schedule(const Tables& tb, int step, int nl, int& phase, int& layer) {
+    if (step >= 5 * nl) {
+        phase = step == 5 * nl ? PH_LM_HEAD : PH_FINALIZE;
+        layer = 0;
+        return;
+    }
+    layer = step / 5;
+    const int k = step - layer * 5;
+    const bool linear = tb.li(layer, L_KIND) == LAYER_LINEAR;
+    if (k == 0) phase = linear ? PH_DN_IN : PH_ATT_IN;
+    else if (k == 1) phase = linear ? PH_DN_REC : PH_ATT;
+    else if (k == 2) phase = linear ? PH_DN_OUT : PH_ATT_OUT;
+    else if (k == 3) phase = PH_MLP_IN;
+    else phase = PH_MLP_DOWN;
+}
+
+// Between two phases: arrive at the grid barrier, prefetch this block's rows of the next weight-streaming
+// phase into L2, wait. Not inlined: its spin loop inside the step loop made ptxas spill the GEMV loop.
+__device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, int step, int phase, bool had) {
+    const int nl = (int)tb.gi(G_NUM_LAYERS);
+    int next_phase, next_layer;
+    schedule(tb, step + 1, nl, next_phase, next_layer);
+    // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights:
+    // prefetch the output projection after it.
+    if (next_phase == PH_DN_REC || next_phase == PH_ATT) schedule(tb, step + 2, nl, next_phase, next_layer);
+    int budget = MK_PF_BYTES;
+    if (phase == PH_DN_IN || phase == PH_ATT_IN || (!had && (phase == PH_DN_REC || phase == PH_ATT)))
+        budget = MK_PF_IDLE_BYTES;
+    const u64 target = grid_arrive(tb.sync, &bs.target);
+    if (tid_x() == 0) plan_gemv(tb, bs.si, next_phase, next_layer, bs);
+    __syncthreads();
+    if (bs.gemv) gemv_prefetch(bs.desc, budget);
+    return grid_wait(tb.sync, target, tb.ctrl, (u64)tb.gi(G_TIMEOUT_NS), step, &bs.flag);
+}
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+    mk_decode(const u64* __restrict__ g, const u64* __restrict__ lt, int* ctrl, u64* sync) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ BlockState bs;
+    const Tables tb{g, lt, ctrl, sync};
+    if (!read_step(tb, bs)) return;
+    const int nsteps = 5 * (int)tb.gi(G_NUM_LAYERS) + 2;
+    for (int step = 0; step < nsteps; ++step) {
+        int phase, layer;
+        schedule(tb, step, (int)tb.gi(G_NUM_LAYERS), phase, layer);
+        const bool had = run_phase(tb, bs, phase, layer, smem_raw);
+        if (step + 1 < nsteps && !between_phases(tb, bs, step, phase, had)) return;
+    }
+}
+
+// One phase of layer `layer` (tests compare each phase with the reference on the same inputs).
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+    mk_phase(const u64* __restrict__ g, const u64* __restrict__ lt, int* ctrl, u64* sync, int phase, int layer) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ BlockState bs;
+    const Tables tb{g, lt, ctrl, sync};
+    if (!read_step(tb, bs)) return;
+    run_phase(tb, bs, phase, layer, smem_raw);
+}
+
+// The grid barrier alone: `rounds` barriers, each checking that every block arrived before any left;
+// block `skip_block` (if >= 0) leaves before the last one, which must end in a watchdog error, not a hang.
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+    mk_barrier_test(int* ctrl, u64* sync, int* arrivals, int rounds, int skip_block, long long timeout_ns) {
+    __shared__ u64 s_target;
+    __shared__ int s_flag;
+    for (int r = 0; r < rounds; ++r) {
+        if (r == rounds - 1 && bid_x() == skip_block) return;
+        if (tid_x() == 0) atomicAdd(arrivals + r, 1);
+        const u64 target = grid_arrive(sync, &s_target);
+        if (!grid_wait(sync, target, ctrl, (u64)timeout_ns, r, &s_flag)) return;
+        if (tid_x() == 0 && ld_volatile_int(arrivals + r) != nblocks()) raise_error(ctrl, MK_ERR_BARRIER_BROKEN, r);
+    }
+}

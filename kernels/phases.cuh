@@ -1,0 +1,615 @@
+// The phases of one decode step. Each phase is run by every block of the persistent grid; the grid
+// barrier between phases lives in megakernel.cu. Rounding: every value the reference model keeps in
+// bf16 is rounded to bf16 here too (rbf), arithmetic is fp32.
+#pragma once
+#include "common.cuh"
+#include "gemv.cuh"
+#include "model.cuh"
+
+// ---- shared memory ------------------------------------------------------------------------------
+#define XS_BYTES (((MK_NT * MK_KMAX * 2) + 15) / 16 * 16)
+#define PART_FLOATS (MK_NT * MK_PART_ROWS)
+#define RED_FLOATS 64
+#define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4)
+
+struct Smem {
+    bf16_t* xs;     // [MK_NT][K] staged GEMV input
+    float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
+    float* rowval;  // GEMV row values of one round
+    float* red;     // block reductions
+};
+__device__ __forceinline__ Smem carve_smem(unsigned char* base) {
+    Smem s;
+    s.xs = (bf16_t*)base;
+    s.part = (float*)(base + XS_BYTES);
+    s.rowval = s.part + PART_FLOATS;
+    s.red = s.rowval + PART_FLOATS;
+    return s;
+}
+
+// ---- prologues: stage the GEMV input in shared memory -------------------------------------------
+// RMSNorm with a zero-centred weight, given as the fp32 (1 + w): y = bf16((x * rsqrt(mean(x^2) + eps)) * w1).
+__device__ void stage_rmsnorm(const bf16_t* const (&src)[MK_NT], const float* w1, bf16_t* xs, float* red) {
+    constexpr int NVEC = MK_H / 8;
+    constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
+    vec16* xv = (vec16*)xs;
+    for (int t = 0; t < MK_NT; ++t) {
+        vec16 v[VPT];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int vi = tid_x() + j * MK_THREADS;
+            if (vi < NVEC) {
+                v[j] = ld_cg16(src[t] + vi * 8);
+                const u32 p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float a = bf_lo(p[e]), b = bf_hi(p[e]);
+                    ss = fmaf(a, a, ss);
+                    ss = fmaf(b, b, ss);
+                }
+            }
+        }
+        const float r = rsqrtf(block_sum(ss, red) / (float)MK_H + MK_EPS);
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int vi = tid_x() + j * MK_THREADS;
+            if (vi < NVEC) {
+                const u32 p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float w0 = __ldg(w1 + vi * 8 + 2 * e), wq = __ldg(w1 + vi * 8 + 2 * e + 1);
+                    const u32 lo = f2bf((bf_lo(p[e]) * r) * w0), hi = f2bf((bf_hi(p[e]) * r) * wq);
+                    o[e] = lo | (hi << 16);
+                }
+                vec16 out;
+                out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
+                xv[t * NVEC + vi] = out;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Plain copy of a bf16 activation [MK_NT][K] written earlier in this launch.
+__device__ void stage_copy(const bf16_t* src, int K, bf16_t* xs) {
+    const int nvec = MK_NT * K / 8;
+    vec16* xv = (vec16*)xs;
+    for (int i = tid_x(); i < nvec; i += MK_THREADS) xv[i] = ld_cg16(src + i * 8);
+    __syncthreads();
+}
+
+// DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)), one warp per head.
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, bf16_t* xs) {
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
+        const int t = th / MK_HV, hv = th - t * MK_HV;
+        const int base = t * MK_VD + hv * MK_DV;
+        float ss = 0.0f;
+        for (int i = lane; i < MK_DV; i += 32) {
+            const float o = bf2f(ld_cg_bf(core + base + i));
+            ss = fmaf(o, o, ss);
+        }
+        const float r = rsqrtf(warp_sum(ss) / (float)MK_DV + MK_EPS);
+        for (int i = lane; i < MK_DV; i += 32) {
+            const float n = rbf(bf2f(ld_cg_bf(core + base + i)) * r);
+            const float y = rbf(bf2f(__ldg(w + i)) * n);
+            xs[base + i] = f2bf(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
+        }
+    }
+    __syncthreads();
+}
+
+// ---- GEMV descriptors of the phases ------------------------------------------------------------
+__device__ __forceinline__ GemvDesc desc_plain(const bf16_t* w, int K, int nrows) {
+    GemvDesc d;
+    d.seg[0] = d.seg[1] = d.seg[2] = d.seg[3] = w;
+    d.end[0] = d.end[1] = d.end[2] = d.end[3] = nrows;
+    d.nseg = 1;
+    d.interleave = 0;
+    d.K = K;
+    d.nrows = nrows;
+    d.align = 1;
+    return d;
+}
+__device__ __forceinline__ GemvDesc desc_dn_in(const Tables& tb, int l) {  // in_proj_qkv | _z | _b | _a
+    GemvDesc d = desc_plain(tb.lp<const bf16_t>(l, L_QKV), MK_H, MK_DN_IN_ROWS);
+    d.seg[1] = tb.lp<const bf16_t>(l, L_Z);
+    d.seg[2] = tb.lp<const bf16_t>(l, L_B);
+    d.seg[3] = tb.lp<const bf16_t>(l, L_A);
+    d.end[0] = MK_C;
+    d.end[1] = MK_C + MK_VD;
+    d.end[2] = MK_C + MK_VD + MK_HV;
+    d.nseg = 4;
+    return d;
+}
+__device__ __forceinline__ GemvDesc desc_att_in(const Tables& tb, int l) {  // q_proj | k_proj | v_proj
+    GemvDesc d = desc_plain(tb.lp<const bf16_t>(l, L_Q), MK_H, MK_ATT_IN_ROWS);
+    d.seg[1] = tb.lp<const bf16_t>(l, L_K);
+    d.seg[2] = tb.lp<const bf16_t>(l, L_V);
+    d.end[0] = MK_QROWS;
+    d.end[1] = MK_QROWS + MK_KVROWS;
+    d.nseg = 3;
+    return d;
+}
+__device__ __forceinline__ GemvDesc desc_gate_up(const Tables& tb, int l) {  // rows 2j, 2j+1: gate[j], up[j]
+    GemvDesc d = desc_plain(tb.lp<const bf16_t>(l, L_GATE), MK_H, 2 * MK_I);
+    d.seg[1] = tb.lp<const bf16_t>(l, L_UP);
+    d.interleave = 1;
+    d.align = 2;
+    return d;
+}
+
+// ---- epilogues ----------------------------------------------------------------------------------
+#define EPI_DN_IN 0     // DeltaNet projections: conv + SiLU (updating the window), z, beta, g
+#define EPI_STORE 1     // out[t * ld_out + r] = bf16(v)
+#define EPI_RESIDUAL 2  // h[t][r] = bf16(src[t][r] + bf16(v)); src is h itself or the embedding rows
+#define EPI_SWIGLU 3    // act[t][j] = bf16(bf16(silu(bf16(gate))) * bf16(up)) from the rows (2j, 2j+1)
+#define EPI_LM_HEAD 4   // logits (bf16-rounded, as the reference's) and the argmax
+
+struct Epi {
+    int kind;
+    bf16_t* out;  // EPI_STORE: output; EPI_RESIDUAL: h; EPI_SWIGLU: act; EPI_DN_IN: conv output
+    int ld_out;
+    const bf16_t* src[MK_NT];  // EPI_RESIDUAL
+    bf16_t* zbuf;              // EPI_DN_IN ...
+    float* beta;
+    float* gdecay;
+    const bf16_t* convw;  // [C][kernel]
+    bf16_t* conv_state;   // [C][kernel - 1], oldest first
+    const float* neg_a;   // -exp(A_log)
+    const float* dt_bias;
+    float* logits;  // EPI_LM_HEAD
+    u64* argkey;
+};
+
+// Ordered key of a logit and its index: the largest logit wins, the lowest index among equal ones
+// (torch.argmax's choice).
+__device__ __forceinline__ u64 argmax_key(float v, int idx) {
+    u32 b = __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xffffffffu - (u32)idx);
+}
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+__device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int ld) {
+    for (int i = tid_x(); i < nr; i += MK_THREADS) {
+        const int r = rs + i;
+        if (r < MK_C) {
+            float w[MK_CONVK], st[MK_CONVK - 1];
+#pragma unroll
+            for (int j = 0; j < MK_CONVK; ++j) w[j] = bf2f(e.convw[r * MK_CONVK + j]);
+#pragma unroll
+            for (int j = 0; j < MK_CONVK - 1; ++j) st[j] = bf2f(e.conv_state[r * (MK_CONVK - 1) + j]);
+            for (int t = 0; t < MK_NT; ++t) {
+                // (window * w).sum() in bf16 products, as the reference's decode step; then SiLU in bf16.
+                const float x = rbf(rowval[t * ld + i]);
+                float y = 0.0f;
+#pragma unroll
+                for (int j = 0; j < MK_CONVK - 1; ++j) y += rbf(st[j] * w[j]);
+                y += rbf(x * w[MK_CONVK - 1]);
+                e.out[t * MK_C + r] = f2bf(silu_f(rbf(y)));
+#pragma unroll
+                for (int j = 0; j + 1 < MK_CONVK - 1; ++j) st[j] = st[j + 1];
+                st[MK_CONVK - 2] = x;
+            }
+#pragma unroll
+            for (int j = 0; j < MK_CONVK - 1; ++j) e.conv_state[r * (MK_CONVK - 1) + j] = f2bf(st[j]);
+        } else if (r < MK_C + MK_VD) {
+            for (int t = 0; t < MK_NT; ++t) e.zbuf[t * MK_VD + r - MK_C] = f2bf(rowval[t * ld + i]);
+        } else if (r < MK_C + MK_VD + MK_HV) {
+            const int hv = r - MK_C - MK_VD;
+            for (int t = 0; t < MK_NT; ++t) e.beta[t * MK_HV + hv] = rbf(sigmoid_f(rbf(rowval[t * ld + i])));
+        } else {
+            const int hv = r - MK_C - MK_VD - MK_HV;
+            for (int t = 0; t < MK_NT; ++t)
+                e.gdecay[t * MK_HV + hv] = e.neg_a[hv] * softplus_f(rbf(rowval[t * ld + i]) + e.dt_bias[hv]);
+        }
+    }
+}
+
+__device__ void epi_lm_head(const Epi& e, int rs, int nr, const float* rowval, int ld, float* red) {
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    u64* wk = (u64*)red;
+    for (int t = 0; t < MK_NT; ++t) {
+        u64 best = 0;
+        for (int i = tid_x(); i < nr; i += MK_THREADS) {
+            const float v = rbf(rowval[t * ld + i]);
+            e.logits[(long long)t * MK_V + rs + i] = v;
+            const u64 k = argmax_key(v, rs + i);
+            best = k > best ? k : best;
+        }
+        best = warp_max_u64(best);
+        if (lane == 0) wk[warp] = best;
+        __syncthreads();
+        if (tid_x() == 0) {
+            u64 m = 0;
+            for (int w = 0; w < MK_NWARPS; ++w) m = wk[w] > m ? wk[w] : m;
+            atomicMax(e.argkey + t, m);
+        }
+        __syncthreads();
+    }
+}
+
+__device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, int ld, float* red) {
+    switch (e.kind) {
+        case EPI_DN_IN:
+            epi_dn_in(e, rs, nr, rowval, ld);
+            break;
+        case EPI_STORE:
+            for (int k = tid_x(); k < nr * MK_NT; k += MK_THREADS) {
+                const int t = k / nr, i = k - t * nr;
+                e.out[t * e.ld_out + rs + i] = f2bf(rowval[t * ld + i]);
+            }
+            break;
+        case EPI_RESIDUAL:
+            for (int k = tid_x(); k < nr * MK_NT; k += MK_THREADS) {
+                const int t = k / nr, i = k - t * nr, r = rs + i;
+                const float old = bf2f(ld_cg_bf(e.src[t] + r));
+                e.out[t * MK_H + r] = f2bf(old + rbf(rowval[t * ld + i]));
+            }
+            break;
+        case EPI_SWIGLU: {
+            const int np = nr / 2;
+            for (int k = tid_x(); k < np * MK_NT; k += MK_THREADS) {
+                const int t = k / np, p = k - t * np;
+                const float g = rbf(rowval[t * ld + 2 * p]), u = rbf(rowval[t * ld + 2 * p + 1]);
+                e.out[t * MK_I + (rs >> 1) + p] = f2bf(rbf(silu_f(g)) * u);
+            }
+            break;
+        }
+        case EPI_LM_HEAD:
+            epi_lm_head(e, rs, nr, rowval, ld, red);
+            break;
+        default:
+            break;
+    }
+}
+
+// ---- Gated DeltaNet recurrence ------------------------------------------------------------------
+// Work item = (value head, slice of DN_SW state columns). Columns are independent in the delta rule, so a
+// block owns its slice of S [dk, dv] in registers for all MK_NT tokens.
+#define DN_SW (MK_DV / MK_DN_SPLIT)
+#define DN_RG (MK_THREADS / DN_SW)
+#define DN_RPT ((MK_DK + DN_RG - 1) / DN_RG)
+static_assert(2 * MK_DK + MK_THREADS + DN_SW + 4 <= PART_FLOATS, "DeltaNet scratch exceeds shared memory");
+
+// Returns whether this block had an item (blocks without one prefetch while they wait).
+__device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
+    const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
+    float* qn = scratch;
+    float* kn = qn + MK_DK;
+    float* red = kn + MK_DK;
+    float* dl = red + MK_THREADS;
+    float* sc = dl + DN_SW;
+    const bf16_t* xbuf = tb.gp<const bf16_t>(G_XBUF);
+    const float* beta = tb.gp<const float>(G_BETA);
+    const float* gdecay = tb.gp<const float>(G_GDECAY);
+    bf16_t* core = tb.gp<bf16_t>(G_CORE);
+    float* S = tb.lp<float>(layer, L_REC_STATE);
+    const float qscale = rsqrtf((float)MK_DK);
+    const int col = tid % DN_SW, rg = tid / DN_SW;
+    const int nitems = MK_HV * MK_DN_SPLIT;
+    bool any = false;
+    for (int item = bid_x(); item < nitems; item += nblocks()) {
+        any = true;
+        const int hv = item / MK_DN_SPLIT, c0 = (item % MK_DN_SPLIT) * DN_SW, hk = hv / MK_VR;
+        float* Sh = S + (long long)hv * MK_DK * MK_DV + c0 + col;
+        float s[DN_RPT];
+#pragma unroll
+        for (int r = 0; r < DN_RPT; ++r) {
+            const int i = rg + r * DN_RG;
+            s[r] = (i < MK_DK) ? Sh[i * MK_DV] : 0.0f;
+        }
+        for (int t = 0; t < MK_NT; ++t) {
+            const bf16_t* xt = xbuf + t * MK_C;
+            if (warp < 2) {  // warp 0: q, warp 1: k; l2-normalised in fp32 (eps 1e-6), q scaled by dk^-0.5
+                const bf16_t* src = xt + (warp == 0 ? 0 : MK_HK * MK_DK) + hk * MK_DK;
+                float ss = 0.0f;
+                for (int i = lane; i < MK_DK; i += 32) {
+                    const float v = bf2f(ld_cg_bf(src + i));
+                    ss = fmaf(v, v, ss);
+                }
+                const float inv = rsqrtf(warp_sum(ss) + 1e-6f);
+                for (int i = lane; i < MK_DK; i += 32) {
+                    const float v = bf2f(ld_cg_bf(src + i)) * inv;
+                    if (warp == 0) qn[i] = v * qscale;
+                    else kn[i] = v;
+                }
+            } else if (warp == 2 && lane == 0) {
+                sc[0] = ld_cg_f(beta + t * MK_HV + hv);
+                sc[1] = expf(ld_cg_f(gdecay + t * MK_HV + hv));
+            }
+            __syncthreads();
+            const float b = sc[0], decay = sc[1];
+            float pk = 0.0f;
+#pragma unroll
+            for (int r = 0; r < DN_RPT; ++r) {
+                const int i = rg + r * DN_RG;
+                if (i < MK_DK) {
+                    s[r] *= decay;
+                    pk = fmaf(s[r], kn[i], pk);
+                }
+            }
+            red[tid] = pk;
+            __syncthreads();
+            if (rg == 0) {
+                float kv = 0.0f;
+                for (int g = 0; g < DN_RG; ++g) kv += red[g * DN_SW + col];
+                const float v = bf2f(ld_cg_bf(xt + 2 * MK_HK * MK_DK + hv * MK_DV + c0 + col));
+                dl[col] = (v - kv) * b;
+            }
+            __syncthreads();
+            const float d = dl[col];
+            float po = 0.0f;
+#pragma unroll
+            for (int r = 0; r < DN_RPT; ++r) {
+                const int i = rg + r * DN_RG;
+                if (i < MK_DK) {
+                    s[r] = fmaf(kn[i], d, s[r]);
+                    po = fmaf(s[r], qn[i], po);
+                }
+            }
+            red[tid] = po;
+            __syncthreads();
+            if (rg == 0) {
+                float o = 0.0f;
+                for (int g = 0; g < DN_RG; ++g) o += red[g * DN_SW + col];
+                core[t * MK_VD + hv * MK_DV + c0 + col] = f2bf(o);
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int r = 0; r < DN_RPT; ++r) {
+            const int i = rg + r * DN_RG;
+            if (i < MK_DK) Sh[i * MK_DV] = s[r];
+        }
+    }
+    return any;
+}
+
+// ---- gated full attention -----------------------------------------------------------------------
+// Work item = (key/value head, chunk of positions): flash-decoding partials (max, sum, unnormalised output)
+// per (query head, token); the last item of a key/value head to finish (arrival counter) merges the chunks
+// in chunk order, applies the sigmoid gate and writes the attention output. Queries are processed
+// MK_ATT_PAIRS (head, token) pairs per pass to bound registers.
+#define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
+#define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
+#define ATT_PASSES ((MK_GQ_PAIRS + MK_ATT_PAIRS - 1) / MK_ATT_PAIRS)
+static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
+static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <= PART_FLOATS,
+              "attention scratch exceeds shared memory");
+
+// One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
+// out[0..HD) (fp32 holding bf16 values).
+__device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* inv_freq, int p, float* out) {
+    const int lane = tid_x() & 31;
+    float x[ATT_NPL];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        x[j] = d < MK_HD ? bf2f(ld_cg_bf(src + d)) : 0.0f;
+        ss = fmaf(x[j], x[j], ss);
+    }
+    const float r = rsqrtf(warp_sum(ss) / (float)MK_HD + MK_EPS);
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d < MK_HD) out[d] = rbf((x[j] * r) * __ldg(w1 + d));
+    }
+    __syncwarp();
+    float y[ATT_NPL];
+    constexpr int half = MK_ROT / 2;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        y[j] = d < MK_HD ? out[d] : 0.0f;
+        if (d < MK_ROT) {
+            const float f = (float)p * __ldg(inv_freq + (d % half));
+            const float c = rbf(cosf(f)), s = rbf(sinf(f));
+            const float rot = d < half ? -out[d + half] : out[d - half];
+            y[j] = rbf(rbf(y[j] * c) + rbf(rot * s));
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d < MK_HD) out[d] = y[j];
+    }
+    __syncwarp();
+}
+
+__device__ __forceinline__ void unpack8(const vec16& v, float (&f)[8]) {
+    f[0] = bf_lo(v.x), f[1] = bf_hi(v.x), f[2] = bf_lo(v.y), f[3] = bf_hi(v.y);
+    f[4] = bf_lo(v.z), f[5] = bf_hi(v.z), f[6] = bf_lo(v.w), f[7] = bf_hi(v.w);
+}
+
+__device__ __forceinline__ int att_max_chunks() { return max(1, (int)nblocks() / MK_KVH); }
+
+__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
+    const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
+    const int pos = si.pos, L = pos + MK_NT;
+    const int maxch = att_max_chunks();
+    const int nch0 = min(maxch, (L + MK_ATT_MIN_CHUNK - 1) / MK_ATT_MIN_CHUNK);
+    const int cl = (L + nch0 - 1) / nch0;
+    const int nch = (L + cl - 1) / cl;
+    const long long cap = tb.gi(G_KV_CAP);
+    const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
+    const float* inv_freq = tb.gp<const float>(G_INV_FREQ);
+    float* part = tb.gp<float>(G_ATT_PART);
+    bf16_t* att_out = tb.gp<bf16_t>(G_ATT_OUT);
+    bf16_t* kc = tb.lp<bf16_t>(layer, L_KCACHE);
+    bf16_t* vc = tb.lp<bf16_t>(layer, L_VCACHE);
+    const float* qn_w = tb.lp<const float>(layer, L_QNORM);
+    const float* kn_w = tb.lp<const float>(layer, L_KNORM);
+    const float scale = rsqrtf((float)MK_HD);
+
+    float* qsm = scratch;                          // [PAIRS][HD]
+    float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [PAIRS][HD]
+    float* wm = accs + MK_ATT_PAIRS * MK_HD;       // [NWARPS][PAIRS]
+    float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
+    float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [HD]
+
+    bool any = false;
+    for (int item = bid_x(); item < MK_KVH * nch; item += nblocks()) {
+        any = true;
+        const int kvh = item / nch, c = item - kvh * nch;
+        const int p0 = c * cl, p1 = min(L, p0 + cl);
+        bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
+        bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
+        // New positions of this chunk: normed, rotated key and raw value into the cache.
+        if (warp == 0) {
+            for (int t = 0; t < MK_NT; ++t) {
+                const int p = pos + t;
+                if (p < p0 || p >= p1) continue;
+                const bf16_t* row = qkv + t * MK_ATT_IN_ROWS;
+                norm_rope_head(row + MK_QROWS + kvh * MK_HD, kn_w, inv_freq, p, knew);
+                for (int d = lane; d < MK_HD; d += 32) {
+                    kh[(long long)p * MK_HD + d] = f2bf(knew[d]);
+                    vh[(long long)p * MK_HD + d] = ld_cg_bf(row + MK_QROWS + MK_KVROWS + kvh * MK_HD + d);
+                }
+                __syncwarp();
+            }
+        }
+        for (int pass = 0; pass < ATT_PASSES; ++pass) {
+            if (warp < MK_ATT_PAIRS) {
+                const int pp = pass * MK_ATT_PAIRS + warp;
+                if (pp < MK_GQ_PAIRS) {
+                    const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+                    norm_rope_head(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD, qn_w, inv_freq, pos + t,
+                                   qsm + warp * MK_HD);
+                }
+            }
+            __syncthreads();  // queries ready; this block's cache writes visible
+            const bool active = lane * ATT_DPL < MK_HD;
+            float q[MK_ATT_PAIRS][ATT_DPL], acc[MK_ATT_PAIRS][ATT_DPL], m[MK_ATT_PAIRS], l[MK_ATT_PAIRS];
+            int lastpos[MK_ATT_PAIRS];
+#pragma unroll
+            for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                const int pp = pass * MK_ATT_PAIRS + j;
+                lastpos[j] = pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
+                m[j] = -MK_INF;
+                l[j] = 0.0f;
+#pragma unroll
+                for (int e = 0; e < ATT_DPL; ++e) {
+                    q[j][e] = active ? qsm[j * MK_HD + lane * ATT_DPL + e] : 0.0f;
+                    acc[j][e] = 0.0f;
+                }
+            }
+            for (int p = p0 + warp; p < p1; p += MK_NWARPS) {
+                float kf[8], vf[8];
+                if (active) {
+                    unpack8(ld_cg16(kh + (long long)p * MK_HD + lane * ATT_DPL), kf);
+                    unpack8(ld_cg16(vh + (long long)p * MK_HD + lane * ATT_DPL), vf);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) kf[e] = vf[e] = 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                    if (p > lastpos[j]) continue;  // warp-uniform
+                    float s = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s = fmaf(q[j][e], kf[e], s);
+                    s = warp_sum(s) * scale;
+                    const float mn = fmaxf(m[j], s);
+                    const float corr = expf(m[j] - mn), w = expf(s - mn);
+                    l[j] = l[j] * corr + w;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(acc[j][e], corr, w * vf[e]);
+                    m[j] = mn;
+                }
+            }
+            // Merge the warps of the block in warp order (deterministic).
+            if (lane == 0) {
+#pragma unroll
+                for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                    wm[warp * MK_ATT_PAIRS + j] = m[j];
+                    wl[warp * MK_ATT_PAIRS + j] = l[j];
+                }
+            }
+            __syncthreads();
+            float M[MK_ATT_PAIRS];
+#pragma unroll
+            for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                M[j] = -MK_INF;
+                for (int w = 0; w < MK_NWARPS; ++w) M[j] = fmaxf(M[j], wm[w * MK_ATT_PAIRS + j]);
+            }
+            for (int w = 0; w < MK_NWARPS; ++w) {
+                if (warp == w && active) {
+#pragma unroll
+                    for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                        const float f = (m[j] == -MK_INF) ? 0.0f : expf(m[j] - M[j]);
+#pragma unroll
+                        for (int e = 0; e < ATT_DPL; ++e) {
+                            const int d = j * MK_HD + lane * ATT_DPL + e;
+                            accs[d] = (w == 0 ? 0.0f : accs[d]) + acc[j][e] * f;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            for (int e = tid; e < MK_ATT_PAIRS * (MK_HD + 2); e += MK_THREADS) {
+                const int j = e / (MK_HD + 2), d = e - j * (MK_HD + 2);
+                const int pp = pass * MK_ATT_PAIRS + j;
+                if (pp >= MK_GQ_PAIRS) continue;
+                float v;
+                if (d < MK_HD) {
+                    v = accs[j * MK_HD + d];
+                } else if (d == MK_HD) {
+                    v = M[j];
+                } else {
+                    v = 0.0f;
+                    for (int w = 0; w < MK_NWARPS; ++w) {
+                        const float mw = wm[w * MK_ATT_PAIRS + j];
+                        if (mw != -MK_INF) v += wl[w * MK_ATT_PAIRS + j] * expf(mw - M[j]);
+                    }
+                }
+                part[(((long long)kvh * maxch + c) * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d] = v;
+            }
+            __syncthreads();
+        }
+        // Arrival: the last chunk of this key/value head merges all chunks.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const u64 prev = atomicAdd(tb.sync + 1 + kvh, 1ull);
+            *s_last = (prev == (u64)(nch - 1));
+        }
+        __syncthreads();
+        if (*s_last) {
+            __threadfence();
+            for (int e = tid; e < MK_GQ_PAIRS * MK_HD; e += MK_THREADS) {
+                const int pp = e / MK_HD, d = e - pp * MK_HD;
+                const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2);
+                const long long cstride = (long long)MK_GQ_PAIRS * (MK_HD + 2);
+                float M = -MK_INF;
+                for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, ld_cg_f(pb + cc * cstride + MK_HD));
+                float num = 0.0f, den = 0.0f;
+                for (int cc = 0; cc < nch; ++cc) {
+                    const float mc = ld_cg_f(pb + cc * cstride + MK_HD);
+                    if (mc == -MK_INF) continue;
+                    const float f = expf(mc - M);
+                    num = fmaf(ld_cg_f(pb + cc * cstride + d), f, num);
+                    den = fmaf(ld_cg_f(pb + cc * cstride + MK_HD + 1), f, den);
+                }
+                const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+                const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
+                att_out[t * MK_AD + hq * MK_HD + d] = f2bf(rbf(num / den) * rbf(sigmoid_f(gate)));
+            }
+            if (tid == 0) atomicExch(tb.sync + 1 + kvh, 0ull);
+        }
+        __syncthreads();
+    }
+    return any;
+}

@@ -1,0 +1,113 @@
+"""The megakernel's host-side pieces that need no GPU: constants, source assembly, limits, reports."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+from onestream.kernels.build import KernelSpec, assemble_source, dn_split, ptxas_report
+from onestream.kernels.layout import G, L, Phase, ctrl_slots, preamble_defines
+from onestream.kernels.random_model import config_27b, random_model
+from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+from onestream.worker.config import ModelConfig
+from onestream.worker.errors import UnsupportedModelError
+from onestream.worker.testing import tiny_config
+
+
+def test_assembled_source_is_self_contained_and_carries_the_shapes() -> None:
+    spec = KernelSpec(config_27b(), num_sms=132)
+    src = assemble_source(spec)
+    assert not re.search(r'^\s*#\s*include\s+"', src, re.M)  # headers inlined: the cache key sees every line
+    assert "#pragma once" not in src
+    for name, value in (("MK_H", 5120), ("MK_V", 248320), ("MK_HV", 48), ("MK_I", 17408), ("MK_ROT", 64)):
+        assert f"#define {name} {value}\n" in src
+    assert "#define MK_EPS 1e-06f" in src
+    assert src.count('extern "C" __global__') == 3
+
+
+def test_table_slots_are_distinct_and_dense() -> None:
+    for enum in (G, L, Phase):
+        values = [int(m) for m in enum if m.name != "COUNT"]
+        assert sorted(values) == list(range(len(values)))
+    defines = preamble_defines(4)
+    assert defines["CTRL_TOKEN_OUT"] == defines["CTRL_TOKEN_IN"] + 4
+    assert ctrl_slots(1)["CTRL_INTS"] == 6
+
+
+def test_deltanet_split_fills_the_grid_with_block_sized_slices() -> None:
+    assert dn_split(config_27b(), 132, 384) == 2  # 48 heads x 2 slices of 64 columns <= 132 blocks
+    assert dn_split(config_27b(), 82, 384) == 1
+    split = dn_split(tiny_config(), 132, 384)
+    assert split >= 1 and 384 % (tiny_config().linear_value_head_dim // split) == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_size": 100}, "hidden_size=100"),
+        ({"head_dim": 512}, "head_dim=512"),
+        ({"intermediate_size": 130}, "intermediate_size=130"),
+    ],
+)
+def test_unsupported_shapes_are_named(overrides: dict, message: str) -> None:
+    config = tiny_config(**overrides)
+    with pytest.raises(UnsupportedModelError, match=message):
+        KernelSpec(config, num_sms=132)
+
+
+def test_tokens_per_launch_is_bounded() -> None:
+    with pytest.raises(UnsupportedModelError, match="tokens per launch"):
+        KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=9)
+    assert KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=8).defines()["MK_NT"] == 8
+
+
+def test_shared_memory_of_one_token_fits_ampere_and_hopper() -> None:
+    spec = KernelSpec(config_27b(), num_sms=132)
+    assert spec.smem_bytes <= 99 * 1024  # the sm_86 per-block limit (sm_90: 227 KB)
+    # Several tokens per launch stage several activation rows: it grows with T (issue 7 chunks the widest).
+    assert KernelSpec(config_27b(), num_sms=132, tokens_per_launch=2).smem_bytes > spec.smem_bytes
+
+
+def test_ptxas_report_parsing() -> None:
+    text = """ptxas info    : Compiling entry function 'mk_decode' for 'sm_90'
+ptxas info    : Function properties for mk_decode
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 8 bytes cumulative stack size
+ptxas info    : Function properties for _Z3foov
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+    report = ptxas_report(text)
+    assert report["mk_decode"] == {"stack": 8, "spill_stores": 4, "spill_loads": 12, "registers": 168}
+    assert report["_Z3foov"]["spill_stores"] == 0
+
+
+def test_runner_refuses_a_cpu_model() -> None:
+    model = random_model(tiny_config(), device="cpu")
+    with pytest.raises(MegakernelError, match="CUDA"):
+        MegakernelRunner(model)
+
+
+def test_random_model_is_bf16_with_fp32_decay_parameters() -> None:
+    model = random_model(tiny_config(), seed=3, device="cpu")
+    la = model.model.layers[0].linear_attn
+    assert model.dtype == torch.bfloat16 and la.A_log.dtype == torch.float32
+    other = random_model(tiny_config(), seed=4, device="cpu")
+    assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
+
+
+def test_27b_config_has_the_real_shapes() -> None:
+    config = config_27b()
+    assert isinstance(config, ModelConfig)
+    assert len(config.linear_attention_layers) == 48 and len(config.full_attention_layers) == 16
+    assert config.linear_qkv_dim == 10240
+
+
+def test_bench_command_registers() -> None:
+    from onestream.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "decode", "--layers", "8", "--skip-hf"])
+    assert args.layers == 8 and args.skip_hf and args.func is bench.run_decode

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build, test and time the decode megakernel on the GPU machine, in one call:
+#   run: bash tools/gpu/check_kernels.sh [quick]
+# Logs go to $OUT (the device tool brings them back), or to /tmp/onestream-gpu-logs elsewhere. Each stage has its own time
+# limit and runs in its own process, so a failing stage still leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/onestream-gpu-logs}
+mkdir -p "$OUT"
+MODE=${1:-full}
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
+
+# The GPU machine has the dependencies but not this project installed: expose the package layout of
+# pyproject.toml (onestream.kernels -> kernels/, onestream.worker -> worker/, ...) through links.
+PKG=/tmp/onestream-pkg
+rm -rf "$PKG" && mkdir -p "$PKG/onestream"
+cp -r onestream/. "$PKG/onestream/"
+for part in kernels worker cluster protos; do ln -s "$PWD/$part" "$PKG/onestream/$part"; done
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+REPO=$PWD
+# Run from the link tree: `python -m` puts the working directory first on sys.path, and the repository's own
+# onestream/ (without kernels/, worker/, ...) would shadow the linked package.
+cd "$PKG"
+
+{
+  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
+  python3 -c "import onestream.kernels, onestream.worker; print('package from', onestream.kernels.__file__)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.log"
+
+echo "== GPU tests" | tee -a "$OUT/env.log"
+timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_kernels_gpu.py" 2>&1 | tee "$OUT/tests.log"
+echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+
+if [ "$MODE" = quick ]; then
+  BENCH_ARGS=(--layers 16 --steps 32 --ref-steps 8)
+else
+  BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep)
+fi
+echo "== bench decode ${BENCH_ARGS[*]}" | tee -a "$OUT/env.log"
+timeout "${BENCH_TIMEOUT:-180}" python3 -m onestream bench decode "${BENCH_ARGS[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
