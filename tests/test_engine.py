@@ -275,3 +275,13 @@ def test_forcing_the_megakernel_without_a_gpu_is_a_clear_error(model_dir: Path) 
     with pytest.raises(BackendUnavailableError, match="backend must be one of"):
         create_backend(model_dir, kind="fast")
     assert create_backend(model_dir, kind="auto").name == "reference"  # auto falls back on the CPU
+
+
+def test_errors_live_in_errors_and_keep_their_old_import_paths() -> None:
+    from onestream.worker import backend, engine, errors, state
+
+    assert engine.EngineBusyError is errors.EngineBusyError
+    assert backend.BackendUnavailableError is errors.BackendUnavailableError
+    assert state.StateError is errors.StateError
+    for cls in (errors.EngineBusyError, errors.BackendUnavailableError, errors.StateError):
+        assert issubclass(cls, errors.OnestreamError)

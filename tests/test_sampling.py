@@ -99,6 +99,15 @@ def test_penalties_match_their_definition() -> None:
     got_before = apply_penalties(logits[:1], params, history, before=drafts)
     want = naive_penalties(logits[0].tolist(), params, prompt, output + drafts)
     torch.testing.assert_close(got_before[0], torch.tensor(want), rtol=1e-5, atol=1e-5)
+    # Drafts may stay on the device as a tensor (duplicates included): the same penalties.
+    repeated = [*drafts, drafts[0]]
+    as_tensor = apply_penalties(
+        logits, params, history, before=torch.tensor(repeated), per_row=torch.tensor(drafts)
+    )
+    as_list = apply_penalties(logits, params, history, before=repeated, per_row=drafts)
+    assert torch.equal(as_tensor, as_list)
+    want = naive_penalties(logits[3].tolist(), params, prompt, output + repeated + drafts)
+    torch.testing.assert_close(as_list[3], torch.tensor(want), rtol=1e-5, atol=1e-5)
 
 
 def test_prompt_tokens_get_only_the_repetition_penalty() -> None:

@@ -189,3 +189,53 @@ def test_closing_the_session_in_use_drops_it_when_the_turn_ends(engine: Engine) 
     assert "busy" not in {s.session_id for s in engine.sessions()}
     with pytest.raises(UnknownSessionError):
         engine.close_session("busy")
+
+
+def test_checkpoints_cost_the_deltanet_state_not_the_context(engine: Engine) -> None:
+    seq = Sequence(engine.backend, 1024, track_mtp=True)
+    seq.feed(tokens(10))
+    short = seq.checkpoint()
+    seq.feed(tokens(400))
+    long = seq.checkpoint()
+    assert short.nbytes == long.nbytes < seq.nbytes() / 4
+    session = Session("light", seq, [short, long])
+    assert session.nbytes() == seq.nbytes() + 2 * long.nbytes  # what the cache's byte budget counts
+
+
+def test_restoring_a_checkpoint_whose_mtp_pairs_are_still_owed(engine: Engine) -> None:
+    """Restore an early checkpoint, re-run tokens without drafting (their MTP pairs are owed), then restore a
+    later checkpoint: the owed pairs it needs are run first, and drafting continues as from scratch."""
+    backend = engine.backend
+    prefix, middle, tail = tokens(12), tokens(10), tokens(5)
+    seq = Sequence(backend, 256, track_mtp=True)
+    seq.feed(prefix)
+    early = seq.checkpoint()
+    seq.feed(middle)
+    late = seq.checkpoint()
+    seq.feed(tail)
+    seq.restore(early)
+    seq.feed(middle)
+    seq.feed(tail[:2])
+    assert seq.can_restore(late)
+    seq.restore(late)
+    assert seq.tokens == prefix + middle
+    fresh_seq = Sequence(backend, 256, track_mtp=True)
+    fresh_seq.feed(prefix + middle)
+    torch.testing.assert_close(
+        seq.draft_first(tail[0]).logits[-1], fresh_seq.draft_first(tail[0]).logits[-1], rtol=1e-4, atol=1e-4
+    )
+
+
+def test_a_checkpoint_of_an_abandoned_branch_is_dropped(engine: Engine, fresh: Engine) -> None:
+    p1 = tokens(14)
+    o1, _ = turn(engine, p1, "branch")
+    p2 = p1 + o1 + tokens(6)
+    turn(engine, p2, "branch")  # checkpoints: end of p1 - 1, end of turn 1, end of p2 - 1
+    session = next(s for s in engine.sessions() if s.session_id == "branch")
+    assert session.checkpoints == 3
+    p3 = [*p1[:-1], (p1[-1] + 1) % 256, *tokens(4)]  # diverges at p1's last token
+    o3, f3 = turn(engine, p3, "branch")
+    assert f3.usage.cached_prompt_tokens == len(p1) - 1
+    assert o3 == turn(fresh, p3, None)[0]
+    session = next(s for s in engine.sessions() if s.session_id == "branch")
+    assert session.checkpoints == 2  # p1 - 1 (still a prefix) and p3 - 1; turn 2's are gone

@@ -1,4 +1,5 @@
-"""SequenceState: snapshot / restore / rollback / clone / nbytes, and KV caches that do not reallocate per token."""
+"""SequenceState: snapshot / restore (full and light) / rollback / clone / nbytes, KV caches that do not reallocate
+per token, and `forward_step`'s logits option."""
 
 from __future__ import annotations
 
@@ -225,3 +226,93 @@ def test_state_of_another_dtype_is_refused(model):
     with pytest.raises(StateError, match="new_state"):
         half.forward_step(tokens(model, 2, 32), state)
     assert state.length == 0
+
+
+def test_logits_last_is_the_last_row_of_all(model):
+    ids = tokens(model, 40, 40)
+    full_state, last_state = model.new_state(64), model.new_state(64)
+    full = model.forward_step(ids, full_state)
+    last = model.forward_step(ids, last_state, logits="last")
+    assert last.logits.shape == (1, model.config.vocab_size) and last.hidden.shape == full.hidden.shape
+    assert torch.equal(last.hidden, full.hidden)
+    # One row instead of T: only the matmul's blocking differs.
+    torch.testing.assert_close(last.logits, full.logits[-1:], rtol=1e-5, atol=1e-5)
+    pairs = tokens(model, 39, 41)
+    mtp_full = model.mtp_step(pairs, full.hidden[:-1], full_state)
+    mtp_last = model.mtp_step(pairs, last.hidden[:-1], last_state, logits="last")
+    torch.testing.assert_close(mtp_last.logits, mtp_full.logits[-1:], rtol=1e-5, atol=1e-5)
+    assert mtp_last.hidden.shape == (
+        39,
+        mtp_full.hidden.shape[1],
+    )
+    with pytest.raises(InvalidRequestError, match="logits must be one of"):
+        model.forward_step(ids[:1], full_state, logits="first")
+    with pytest.raises(InvalidRequestError, match="logits must be one of"):
+        model.mtp_step(ids[:1], full.hidden[:1], full_state, logits="none")
+    assert full_state.length == 40 and full_state.mtp_length == 39
+
+
+def test_light_snapshot_restores_by_truncation(model):
+    ids, cont, other = tokens(model, 30, 42), tokens(model, 6, 43), tokens(model, 9, 44)
+    state = model.new_state(128)
+    main = model.forward_step(ids, state)
+    model.mtp_step(ids[1:], main.hidden[:-1], state)
+    light, full = state.snapshot(include_kv=False), state.snapshot()
+    assert light.light and not full.light
+    expected = decode(model, state, cont)
+    state.restore(light)
+    assert state.length == 30 and state.mtp_length == 29 and state.token_ids == ids.tolist()
+    assert torch.equal(decode(model, state, cont), expected)
+    state.restore(light)  # restorable again, also after the full snapshot's restore
+    state.restore(full)
+    assert torch.equal(decode(model, state, cont), expected)
+    # Once positions before the snapshot's end hold other tokens, its KV prefix is gone.
+    state.restore(model.new_state(128).snapshot(include_kv=False))  # empty: length 0
+    assert state.length == 0 and state.token_ids == []
+    model.forward_step(other, state)
+    assert not state.can_restore(light)
+    with pytest.raises(StateError, match="no longer holds"):
+        state.restore(light)
+    assert state.can_restore(full)  # a full snapshot carries its own KV
+    state.restore(full)
+    assert torch.equal(decode(model, state, cont), expected)
+
+
+def test_light_snapshot_bytes_do_not_grow_with_the_context(model):
+    state = model.new_state(1024)
+    model.forward_step(tokens(model, 20, 45), state)
+    short = state.snapshot(include_kv=False)
+    model.forward_step(tokens(model, 500, 46), state)
+    long = state.snapshot(include_kv=False)
+    deltanet = sum(t.numel() * t.element_size() for t in (*state.conv.values(), *state.recurrent.values()))
+    assert short.nbytes() == long.nbytes() == deltanet
+    kv_bytes = sum(2 * c.k[:, :520].numel() * c.k.element_size() for c in state.kv.values())
+    assert state.snapshot().nbytes() == long.nbytes() + kv_bytes  # the full one carries the KV prefix
+
+
+def test_release_history_frees_the_rollback_records(model):
+    state = model.new_state(64)
+    model.forward_step(tokens(model, 10, 47), state)
+    model.forward_step(tokens(model, 4, 48), state, keep_states=True)
+    recorded = state.nbytes()
+    state.release_history()
+    assert state.nbytes() < recorded
+    with pytest.raises(StateError, match="none recorded"):
+        state.rollback(1)
+
+
+def test_token_ids_survive_many_unread_steps_and_rollbacks(model):
+    """Token ids are read back lazily: hundreds of one-token steps, rollbacks into unread ones, a snapshot."""
+    ids = tokens(model, 300, 49)
+    state = model.new_state(512)
+    model.forward_step(ids[:20], state)
+    for i in range(20, 290):
+        model.forward_step(ids[i : i + 1], state)
+    model.forward_step(ids[290:], state, keep_states=True)
+    state.rollback(4)
+    assert state.token_ids == ids[:296].tolist()
+    model.forward_step(ids[296:299], state, keep_states=True)
+    state.rollback(2)
+    snap = state.snapshot(include_kv=False)
+    assert snap.token_ids == tuple(ids[:297].tolist())
+    assert state.clone().token_ids == state.token_ids

@@ -14,25 +14,29 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .config import ModelConfig
-from .errors import OnestreamError
+from .errors import BackendUnavailableError
 
 log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "megakernel")
 
-
-class BackendUnavailableError(OnestreamError, RuntimeError):
-    """The requested back end cannot run here (no GPU, kernels failed to build)."""
+__all__ = ["BACKEND_CHOICES", "Backend", "BackendUnavailableError", "ReferenceBackend", "create_backend"]
 
 
 class StepOutput(Protocol):
-    logits: torch.Tensor  # [T, V] fp32
+    logits: torch.Tensor  # [T, V] fp32 from decode; prefill and draft may return only the last row [1, V]
     hidden: torch.Tensor  # [T, H]: post-norm hidden (main model) or the MTP layer's normed output
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """Executes the model for one sequence at a time. States and snapshots are opaque to the engine."""
+    """Executes the model for one sequence at a time. States and snapshots are opaque to the engine.
+
+    `input_ids` are LongTensors on the back end's device. The engine reads only the last row of the logits
+    of `prefill` and `draft` (a back end should not compute the others: a prompt chunk's [T, V] fp32 logits
+    are 0.5 GB for T = 512 and a 248k vocabulary) but every row of `hidden`, and every row of `decode`'s
+    logits (they verify drafts).
+    """
 
     name: str
     config: ModelConfig
@@ -45,7 +49,8 @@ class Backend(Protocol):
     def new_state(self, max_len: int) -> Any: ...
 
     def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
-        """Run T prompt tokens at positions `length..` (no per-token state kept)."""
+        """Run T prompt tokens at positions `length..` (no per-token state kept); logits of at least the
+        last row."""
         ...
 
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
@@ -54,7 +59,8 @@ class Backend(Protocol):
         ...
 
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
-        """MTP step: token t[p+1] with hidden H[p] at MTP positions `mtp_length..`."""
+        """MTP step: token t[p+1] with hidden H[p] at MTP positions `mtp_length..`; logits of at least the
+        last row."""
         ...
 
     def rollback(self, state: Any, n_tokens: int) -> None: ...
@@ -65,7 +71,10 @@ class Backend(Protocol):
         """Free what the last keep_states step recorded for rollback (the state stays valid)."""
         ...
 
-    def snapshot(self, state: Any) -> Any: ...
+    def snapshot(self, state: Any) -> Any:
+        """A restorable point. It may leave out the KV caches (restore then truncates them): the engine
+        restores a snapshot only while the state still holds the snapshot's tokens as a prefix."""
+        ...
 
     def restore(self, state: Any, snapshot: Any) -> None: ...
 
@@ -93,7 +102,7 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
-        return self.model.forward_step(input_ids, state)
+        return self.model.forward_step(input_ids, state, logits="last")
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
@@ -101,7 +110,7 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
-        return self.model.mtp_step(input_ids, hidden, state)
+        return self.model.mtp_step(input_ids, hidden, state, logits="last")
 
     def rollback(self, state: Any, n_tokens: int) -> None:
         state.rollback(n_tokens)
@@ -110,10 +119,10 @@ class ReferenceBackend:
         state.rollback_mtp(n_positions)
 
     def release(self, state: Any) -> None:
-        state.history = None  # the DeltaNet states recorded by the last keep_states=True step
+        state.release_history()
 
     def snapshot(self, state: Any) -> Any:
-        return state.snapshot()
+        return state.snapshot(include_kv=False)  # DeltaNet states only; KV caches restore by truncation
 
     def restore(self, state: Any, snapshot: Any) -> None:
         state.restore(snapshot)

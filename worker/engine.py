@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .backend import Backend, create_backend
-from .errors import InvalidRequestError, OnestreamError
+from .errors import EngineBusyError, InvalidRequestError
 from .output import Finished, StopChecker, Timings, TokenChunk, Usage
 from .request import GenerateRequest
 from .sampling import RequestSampler, SamplingParams
@@ -43,6 +43,7 @@ __all__ = [
 # embedded default model, whose MTP head is trained.
 DEFAULT_SPEC_K = 1
 DEFAULT_CACHE_BYTES = 4 << 30
+BUSY_MESSAGE = "the engine is already generating (it serves one sequence at a time)"
 DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -51,10 +52,6 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-
-
-class EngineBusyError(OnestreamError, RuntimeError):
-    """A second generation was started while one is running (an engine serves one sequence at a time)."""
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -177,12 +174,12 @@ class Engine:
             raise InvalidRequestError("prompt is empty after tokenization")
         request.check_context(len(prompt_ids), self.max_context)
         if self.busy:
-            raise EngineBusyError("the engine is already generating (it serves one sequence at a time)")
+            raise EngineBusyError(BUSY_MESSAGE)
         return self._generate(request, prompt_ids)
 
     def _generate(self, request: GenerateRequest, prompt_ids: list[int]) -> Iterator[TokenChunk | Finished]:
         if not self._run_lock.acquire(blocking=False):
-            raise EngineBusyError("the engine is already generating (it serves one sequence at a time)")
+            raise EngineBusyError(BUSY_MESSAGE)
         session: Session | None = None
         consistent = False
         try:
@@ -192,7 +189,6 @@ class Engine:
             session, seq, cached = self._prepare(request.session_id, prompt_ids)
             out = self._prefill(session, seq, prompt_ids, cached)
             consistent = True
-            t_prefilled = time.perf_counter()
 
             sampler = RequestSampler(
                 request.sampling, prompt_ids, self.config.vocab_size, self.backend.device
@@ -210,12 +206,15 @@ class Engine:
             use_spec = self.spec_k > 0 and seq.track_mtp
             speculative = SpeculativeDecoder(self.spec_k, stats) if use_spec else None
             usage = Usage(prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
-            timings = Timings(prefill_s=t_prefilled - t_start)
 
-            pending = int(sampler.next_tokens(out.logits[-1:])[0])
-            new_tokens = [pending]
+            # The sampled token stays on the device as the next step's input; only its host copy syncs.
+            pending_ids: torch.Tensor | None = sampler.next_tokens(out.logits[-1:])
+            new_tokens = pending_ids.tolist()
+            pending = new_tokens[0]
+            # Measured after that read: on an accelerator the prefill has only been queued before it.
+            timings = Timings(prefill_s=time.perf_counter() - t_start)
             _, text = checker.push(new_tokens)
-            sampler.commit(new_tokens)
+            sampler.commit(pending_ids)  # the device copy: no upload
             t_last = time.perf_counter()
             timings.time_to_first_token_s = t_last - t_start
             yield TokenChunk(new_tokens, text)
@@ -225,9 +224,11 @@ class Engine:
                     checker.finish("cancelled")
                     break
                 consistent = False
-                new_tokens, text = self._step(seq, pending, sampler, checker, speculative)
+                new_tokens, text, pending_ids = self._step(
+                    seq, pending, pending_ids, sampler, checker, speculative
+                )
                 consistent = True
-                sampler.commit(new_tokens)
+                sampler.commit(new_tokens if pending_ids is None else pending_ids)
                 pending = new_tokens[-1]
                 now = time.perf_counter()
                 timings.inter_token_s.append(now - t_last)
@@ -261,22 +262,26 @@ class Engine:
         self,
         seq: Sequence,
         pending: int,
+        pending_ids: torch.Tensor | None,
         sampler: RequestSampler,
         checker: StopChecker,
         speculative: SpeculativeDecoder | None,
-    ) -> tuple[list[int], str]:
-        """Run `pending` and choose what follows: one token, or a speculative cycle's accepted tokens.
-        Returns the tokens kept (up to a stop) and their text; the state has run all but the last."""
+    ) -> tuple[list[int], str, torch.Tensor | None]:
+        """Run `pending` (`pending_ids`: the same token on the device, if at hand) and choose what follows:
+        one token, or a speculative cycle's accepted tokens. Returns the tokens kept (up to a stop), their
+        text and the last one on the device (or None); the state has run all but the last.
+        One host synchronisation either way."""
         remaining = checker.max_tokens - checker.generated
         if speculative is not None and remaining >= 2:
             cycle = speculative.propose(seq, pending, sampler, min(speculative.k, remaining - 1))
             kept, text = checker.push(cycle.tokens)
             speculative.commit(seq, cycle, kept)
-            return cycle.tokens[:kept], text
-        out = seq.feed([pending])
-        new_tokens = [int(sampler.next_tokens(out.logits)[0])]
+            return cycle.tokens[:kept], text, None
+        out = seq.feed([pending], ids=pending_ids)
+        next_ids = sampler.next_tokens(out.logits)
+        new_tokens = next_ids.tolist()
         _, text = checker.push(new_tokens)
-        return new_tokens, text
+        return new_tokens, text, next_ids
 
     def _prepare(self, session_id: str | None, prompt: list[int]) -> tuple[Session | None, Sequence, int]:
         """The sequence to continue and how many prompt tokens it already holds."""
@@ -289,6 +294,8 @@ class Engine:
                 session = Session(session_id, Sequence(self.backend, self.max_context, track_mtp=track_mtp))
                 self._sessions.begin(session)
                 return session, session.sequence, 0
+        if not track_mtp and session.sequence.track_mtp:
+            session.sequence.stop_tracking_mtp()  # spec_k was set to 0: owed MTP pairs would only pile up
         held = session.sequence.tokens
         if 0 < len(held) < len(prompt) and held == prompt[: len(held)]:
             # About to extend the previous turn's end: keep it restorable (an edited last message).

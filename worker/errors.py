@@ -28,3 +28,16 @@ class UnknownSessionError(OnestreamError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else "unknown session"
+
+
+class StateError(OnestreamError, ValueError):
+    """A sequence-state operation that cannot be done: rollback past what is reachable, restore of a foreign
+    or stale snapshot, a state made by another model."""
+
+
+class EngineBusyError(OnestreamError, RuntimeError):
+    """A second generation was started while one is running (an engine serves one sequence at a time)."""
+
+
+class BackendUnavailableError(OnestreamError, RuntimeError):
+    """The requested back end cannot run here (no GPU, kernels failed to build)."""

@@ -15,19 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .errors import InvalidRequestError, UnsupportedModelError
+from .errors import InvalidRequestError, StateError, UnsupportedModelError
 from .layers.attention import RotaryEmbedding
 from .layers.decoder import DecoderLayer
 from .layers.deltanet import GatedDeltaNet
 from .layers.mtp import MTPHead
 from .layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
-from .state import DeltaNetHistory, SequenceState, StateError
+from .state import DeltaNetHistory, SequenceState
 
 INIT_STD = 0.02  # transformers' initializer_range default
+LOGITS_CHOICES = ("all", "last")
 
 
 class StepOutput(NamedTuple):
-    logits: torch.Tensor  # [T, V] fp32
+    logits: torch.Tensor  # [T, V] fp32, or [1, V] (the last row) when asked for logits="last"
     hidden: torch.Tensor  # [T, H] after the final norm (main model) or after mtp.norm (MTP head)
 
 
@@ -84,6 +85,16 @@ class Qwen35ForCausalLM(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight).float()
 
+    def _step_logits(self, hidden: torch.Tensor, rows: str) -> torch.Tensor:
+        """Logits of every row, or of the last one only: a 512-token chunk of a 248k vocabulary would
+        otherwise make 0.5 GB of fp32 logits that a prefill throws away."""
+        return self._logits(hidden[-1:] if rows == "last" else hidden)
+
+    @staticmethod
+    def _check_logits_option(logits: str) -> None:
+        if logits not in LOGITS_CHOICES:
+            raise InvalidRequestError(f"logits must be one of {LOGITS_CHOICES}, got {logits!r}")
+
     def _require_mtp(self) -> MTPHead:
         if not self.config.has_mtp:
             raise UnsupportedModelError("this model has no MTP head (config mtp_num_hidden_layers=0)")
@@ -118,16 +129,24 @@ class Qwen35ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_step(
-        self, input_ids: torch.Tensor, state: SequenceState, *, keep_states: bool = False
+        self,
+        input_ids: torch.Tensor,
+        state: SequenceState,
+        *,
+        keep_states: bool = False,
+        logits: str = "all",
     ) -> StepOutput:
         """Run tokens `input_ids [T]` of one sequence at positions `state.length…` and advance the state.
 
         T == 1 uses the recurrent DeltaNet form, T > 1 the chunked form continuing from the state. With
         `keep_states`, the DeltaNet states at each of the positions `state.length … state.length + T` are
         recorded so that `state.rollback(n)` for n <= T is a copy (those steps use the recurrent form).
+        `logits="last"` returns the logits of the last token only (`[1, V]`); `hidden` always has T rows.
+        The state keeps a reference to `input_ids` (its token ids are read back lazily, not per step).
         """
         self._check_ids(input_ids, 1)
         self._check_state(state)
+        self._check_logits_option(logits)
         t = input_ids.shape[0]
         start = state.check_room(t)
         h = self.model.embed_tokens(input_ids)
@@ -145,19 +164,22 @@ class Qwen35ForCausalLM(nn.Module):
                 conv_record[i] = torch.cat((before[0][None], history[0]))
                 rec_record[i] = torch.cat((before[1][None], history[1]))
         hidden = self.model.norm(h)
-        state.length += t
-        state.token_ids.extend(input_ids.tolist())
+        state.advance(input_ids)
         state.history = DeltaNetHistory(start, conv_record, rec_record) if keep_states else None
-        return StepOutput(self._logits(hidden), hidden)
+        return StepOutput(self._step_logits(hidden, logits), hidden)
 
     @torch.no_grad()
-    def mtp_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState) -> StepOutput:
+    def mtp_step(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState, *, logits: str = "all"
+    ) -> StepOutput:
         """MTP head over `T` pairs at MTP positions `state.mtp_length…`: pair j is token `input_ids[j]` (= t[p+1])
         with `hidden[j]` (= H[p], the main model's post-norm hidden, or the previous MTP output when drafting).
-        Returns the draft logits and the MTP layer's normed output; advances `state.mtp_length` by T."""
+        Returns the draft logits (all rows, or the last with `logits="last"`) and the MTP layer's normed
+        output; advances `state.mtp_length` by T."""
         mtp = self._require_mtp()
         self._check_ids(input_ids, 1)
         self._check_state(state)
+        self._check_logits_option(logits)
         t = input_ids.shape[0]
         if hidden.shape != (t, self.config.hidden_size):
             raise InvalidRequestError(
@@ -169,7 +191,7 @@ class Qwen35ForCausalLM(nn.Module):
         assert state.mtp_kv is not None
         out = mtp.norm(mtp.layer.step_attention(x, cos, sin, state.mtp_kv, start))
         state.mtp_length += t
-        return StepOutput(self._logits(out), out)
+        return StepOutput(self._step_logits(out, logits), out)
 
     # ---- stateless, batched, differentiable ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

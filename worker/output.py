@@ -34,7 +34,7 @@ class Usage:
 
 @dataclass
 class Timings:
-    prefill_s: float = 0.0  # restoring cached state + computing the rest of the prompt
+    prefill_s: float = 0.0  # restoring cached state + computing the rest of the prompt + choosing token one
     time_to_first_token_s: float = 0.0  # from the start of the request to the first token
     decode_s: float = 0.0  # from the first token to the end
     total_s: float = 0.0

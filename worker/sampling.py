@@ -80,47 +80,61 @@ class SamplingParams:
         return generator
 
 
+# Token ids given as host ints or as a LongTensor already on the device (drafts never leave the device).
+TokenIds = Sequence[int] | torch.Tensor
+
+
 class TokenHistory:
     """What the penalties look at: which tokens the prompt or output contains, and output counts.
 
-    Kept on the logits' device as dense [V] tensors so that penalising costs a few vector ops.
+    Kept on the logits' device as dense [V] tensors so that penalising costs a few vector ops, none of
+    which synchronises with the host.
     """
 
     def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab_size], dtype=torch.long, device=device)
-        self.seen[ids] = True
+        self.seen[self._ids([t for t in prompt_ids if 0 <= t < vocab_size])] = True
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
 
-    def append(self, token_ids: Sequence[int]) -> None:
+    def _ids(self, token_ids: TokenIds) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            return token_ids.reshape(-1).to(device=self.device, dtype=torch.long)
+        return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+
+    def append(self, token_ids: TokenIds) -> None:
         """Record generated tokens."""
-        for t in token_ids:
-            self.output_counts[t] += 1
-            self.seen[t] = True
+        ids = self._ids(token_ids)
+        self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self.seen[ids] = True
 
     def rows(
-        self, n_rows: int, before: Sequence[int] = (), per_row: Sequence[int] = ()
+        self, n_rows: int, before: TokenIds = (), per_row: TokenIds = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen [T, V], output counts [T, V]): every row also counts `before` as generated, and row j
         also counts `per_row[:j]` (the drafts ahead of a verified position)."""
-        seen = self.seen.unsqueeze(0).repeat(n_rows, 1)
         counts = self.output_counts.unsqueeze(0).repeat(n_rows, 1)
-        for t in before:
-            counts[:, t] += 1
-            seen[:, t] = True
-        for j, t in enumerate(per_row[: n_rows - 1]):
-            counts[j + 1 :, t] += 1
-            seen[j + 1 :, t] = True
-        return seen, counts
+        before_ids = self._ids(before)
+        if before_ids.numel():
+            counts.index_add_(
+                1, before_ids, torch.ones(n_rows, before_ids.numel(), dtype=torch.int32, device=self.device)
+            )
+        ahead = self._ids(per_row)[: n_rows - 1]
+        if ahead.numel():
+            one_hot = torch.zeros(ahead.numel(), self.vocab_size, dtype=torch.int32, device=self.device)
+            one_hot.scatter_(1, ahead.unsqueeze(1), 1)
+            counts[1 : ahead.numel() + 1] += one_hot.cumsum(0, dtype=torch.int32)
+        # `seen` already holds every generated token; the extra counts add the drafts.
+        return self.seen.unsqueeze(0) | (counts > 0), counts
 
 
 def apply_penalties(
     logits: torch.Tensor,
     params: SamplingParams,
     history: TokenHistory | None,
-    before: Sequence[int] = (),
-    per_row: Sequence[int] = (),
+    before: TokenIds = (),
+    per_row: TokenIds = (),
 ) -> torch.Tensor:
     """Penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`)."""
     if history is None or not params.has_penalties:
@@ -162,8 +176,8 @@ def probabilities(
     logits: torch.Tensor,
     params: SamplingParams,
     history: TokenHistory | None = None,
-    before: Sequence[int] = (),
-    per_row: Sequence[int] = (),
+    before: TokenIds = (),
+    per_row: TokenIds = (),
 ) -> torch.Tensor:
     """The distribution a request samples from, per row of `logits` [T, V] (fp32 [T, V]).
 
@@ -182,8 +196,8 @@ def greedy_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
     history: TokenHistory | None = None,
-    before: Sequence[int] = (),
-    per_row: Sequence[int] = (),
+    before: TokenIds = (),
+    per_row: TokenIds = (),
 ) -> torch.Tensor:
     """Argmax of the penalised logits, per row [T]."""
     return apply_penalties(logits.float(), params, history, before, per_row).argmax(dim=-1)
@@ -214,21 +228,26 @@ class RequestSampler:
         self.history = TokenHistory(prompt_ids, vocab_size, device) if params.has_penalties else None
 
     def probabilities(
-        self, logits: torch.Tensor, *, before: Sequence[int] = (), per_row: Sequence[int] = ()
+        self, logits: torch.Tensor, *, before: TokenIds = (), per_row: TokenIds = ()
     ) -> torch.Tensor:
         """The processed distribution of each row of `logits` [T, V]: every row counts `before` as
         generated, row j also `per_row[:j]`."""
         return probabilities(logits, self.params, self.history, before, per_row)
 
     def next_tokens(
-        self, logits: torch.Tensor, *, before: Sequence[int] = (), per_row: Sequence[int] = ()
+        self, logits: torch.Tensor, *, before: TokenIds = (), per_row: TokenIds = ()
     ) -> torch.Tensor:
         """Sample (or, greedy, take the argmax of) each row, with the history of `probabilities`."""
         if self.params.greedy:
             return greedy_tokens(logits, self.params, self.history, before, per_row)
         return sample(self.probabilities(logits, before=before, per_row=per_row), self.generator)
 
-    def commit(self, token_ids: Sequence[int]) -> None:
+    @property
+    def uses_history(self) -> bool:
+        """Whether the penalties look at the tokens before a row (`before`, `per_row`)."""
+        return self.history is not None
+
+    def commit(self, token_ids: TokenIds) -> None:
         """Tokens that were emitted: from now on the penalties count them."""
         if self.history is not None:
             self.history.append(token_ids)

@@ -19,13 +19,16 @@ import torch
 from .backend import Backend, StepOutput
 
 # Tokens per forward call when running a prompt or an MTP backlog: bounds the T x T attention scores and
-# the T x V logits (the model returns logits for every row).
+# the other per-chunk activations (prefill and draft calls return the last row's logits only).
 MAX_TOKENS_PER_CALL = 512
 
 
 @dataclass
 class Checkpoint:
-    """A restorable point of a sequence: its first `len(tokens)` tokens and the state after them."""
+    """A restorable point of a sequence: its first `len(tokens)` tokens and the state after them.
+
+    The back end's snapshot may leave out the KV caches (the reference back end's does), so a checkpoint is
+    restored only while the sequence still holds its tokens as a prefix (`Sequence.can_restore`)."""
 
     tokens: tuple[int, ...]
     snapshot: Any
@@ -53,11 +56,20 @@ class Sequence:
         owed = sum(h.numel() * h.element_size() for h in self._backlog_hidden)
         return self.backend.nbytes(self.state) + owed
 
+    def stop_tracking_mtp(self) -> None:
+        """Stop queueing MTP pairs (speculative decoding was turned off): the MTP cache is not kept complete
+        from here on, so this sequence will not draft again."""
+        self.track_mtp = False
+        self._backlog_tokens, self._backlog_hidden = [], []
+
     def release_rollback_records(self) -> None:
         """Drop what the last verify kept for rollback (before the sequence is parked in a cache)."""
         self.backend.release(self.state)
 
-    def _ids(self, tokens: Seq[int]) -> torch.Tensor:
+    def ids(self, tokens: Seq[int]) -> torch.Tensor:
+        """Host token ids as a tensor on the back end's device.
+
+        A copy from pageable host memory waits for the device's queue: upload before enqueueing work."""
         return torch.tensor(list(tokens), dtype=torch.long, device=self.backend.device)
 
     def _owe_mtp(self, tokens: Seq[int], hidden: torch.Tensor) -> None:
@@ -73,26 +85,30 @@ class Sequence:
             self._backlog_hidden.append(previous)
 
     # ---- running tokens ---------------------------------------------------------------------------
-    def feed(self, tokens: Seq[int]) -> StepOutput:
+    def feed(self, tokens: Seq[int], *, ids: torch.Tensor | None = None) -> StepOutput:
         """Run `tokens` (a prompt or one decoded token) through the main model, in chunks; returns the
-        last chunk's output."""
+        last chunk's output. `ids`: the same tokens already on the device (saves an upload)."""
         out = None
+        # One upload: a copy per chunk would wait for the previous chunk to finish.
+        all_ids = self.ids(tokens) if ids is None else ids
         for start in range(0, len(tokens), MAX_TOKENS_PER_CALL):
             piece = tokens[start : start + MAX_TOKENS_PER_CALL]
-            ids = self._ids(piece)
+            piece_ids = all_ids[start : start + MAX_TOKENS_PER_CALL]
             if len(piece) > 1:
-                out = self.backend.prefill(ids, self.state)
+                out = self.backend.prefill(piece_ids, self.state)
             else:
-                out = self.backend.decode(ids, self.state)
+                out = self.backend.decode(piece_ids, self.state)
             self._owe_mtp(piece, out.hidden)
             self.tokens.extend(piece)
-            self.last_hidden = out.hidden[-1]
+            # A copy, so that a parked sequence does not keep a whole prompt chunk's hiddens alive.
+            self.last_hidden = out.hidden[-1].clone() if len(piece) > 1 else out.hidden[-1]
         assert out is not None
         return out
 
-    def run_verify(self, inputs: Seq[int]) -> StepOutput:
-        """Run [pending, d1..dk] keeping every position reachable; `accept_verified` then commits."""
-        return self.backend.decode(self._ids(inputs), self.state, keep_states=True)
+    def run_verify(self, inputs: torch.Tensor) -> StepOutput:
+        """Run [pending, d1..dk] (on the device) keeping every position reachable; `accept_verified` then
+        commits."""
+        return self.backend.decode(inputs, self.state, keep_states=True)
 
     def accept_verified(self, inputs: Seq[int], verify: StepOutput, kept: int) -> None:
         """Keep the first `kept` verified inputs in the state (roll back the rest).
@@ -115,26 +131,33 @@ class Sequence:
         self._backlog_tokens, self._backlog_hidden = [], []
         return self._run_mtp(tokens, hidden)
 
-    def draft_next(self, token: int, mtp_hidden: torch.Tensor) -> StepOutput:
-        """A further draft step: the previous draft with the MTP layer's own output."""
-        return self.backend.draft(self._ids([token]), mtp_hidden, self.state)
+    def draft_next(self, token: torch.Tensor, mtp_hidden: torch.Tensor) -> StepOutput:
+        """A further draft step: the previous draft (`[1]`, left on the device) with the MTP layer's own
+        output."""
+        return self.backend.draft(token, mtp_hidden, self.state)
 
     def drop_draft_positions(self, n: int) -> None:
         """Forget the MTP positions written by draft steps after the first (their hiddens were drafts')."""
         self.backend.rollback_draft(self.state, n)
 
-    def flush_mtp(self) -> None:
-        """Run the owed MTP pairs now (before a snapshot, so that the snapshot's MTP cache is complete)."""
-        if self._backlog_tokens:
-            self._run_mtp(self._backlog_tokens, torch.cat(self._backlog_hidden))
-            self._backlog_tokens, self._backlog_hidden = [], []
+    def flush_mtp(self, limit: int | None = None) -> None:
+        """Run the owed MTP pairs now (all, or the first `limit`): before a snapshot, so that the snapshot's
+        MTP cache is complete, and before a restore that needs those MTP positions."""
+        n = len(self._backlog_tokens) if limit is None else min(limit, len(self._backlog_tokens))
+        if n <= 0:
+            return
+        hidden = torch.cat(self._backlog_hidden)
+        self._run_mtp(self._backlog_tokens[:n], hidden[:n])
+        self._backlog_tokens = self._backlog_tokens[n:]
+        self._backlog_hidden = [hidden[n:]] if self._backlog_tokens else []
 
     def _run_mtp(self, tokens: Seq[int], hidden: torch.Tensor) -> StepOutput:
         """MTP pairs in chunks (a whole prompt's backlog would make T x T attention scores)."""
         out = None
+        ids = self.ids(tokens)
         for start in range(0, len(tokens), MAX_TOKENS_PER_CALL):
             end = start + MAX_TOKENS_PER_CALL
-            out = self.backend.draft(self._ids(tokens[start:end]), hidden[start:end], self.state)
+            out = self.backend.draft(ids[start:end], hidden[start:end], self.state)
         assert out is not None
         return out
 
@@ -146,7 +169,17 @@ class Sequence:
         hidden_bytes = last.numel() * last.element_size() if last is not None else 0
         return Checkpoint(tuple(self.tokens), snapshot, last, self.backend.nbytes(snapshot) + hidden_bytes)
 
+    def can_restore(self, checkpoint: Checkpoint) -> bool:
+        """Whether the sequence still holds the checkpoint's tokens (so its KV caches are still valid)."""
+        n = len(checkpoint.tokens)
+        return n <= len(self.tokens) and tuple(self.tokens[:n]) == checkpoint.tokens
+
     def restore(self, checkpoint: Checkpoint) -> None:
+        """Return to `checkpoint`, which `can_restore` must allow."""
+        if self.track_mtp and len(checkpoint.tokens) > 1:
+            # The checkpoint's MTP cache covers its len - 1 pairs; ours may still owe some of them.
+            in_cache = len(self.tokens) - 1 - len(self._backlog_tokens)
+            self.flush_mtp(len(checkpoint.tokens) - 1 - in_cache)
         self.backend.restore(self.state, checkpoint.snapshot)
         self.tokens = list(checkpoint.tokens)
         self.last_hidden = checkpoint.last_hidden.clone() if checkpoint.last_hidden is not None else None

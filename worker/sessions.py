@@ -3,8 +3,10 @@
 Reuse policy for a new prompt P of a cached session:
 1. P extends the tokens the state has consumed -> keep the state, prefill only the new suffix.
 2. Otherwise restore the longest checkpoint whose tokens are a prefix of P (shorter than P: the last prompt
-   token must still run to give the first logits) and recompute the rest. KV caches could be truncated, but
-   DeltaNet state cannot, so rewinding needs a snapshot.
+   token must still run to give the first logits) and of the tokens the state holds, and recompute the rest.
+   KV caches are truncated, but DeltaNet state cannot be, so rewinding needs a checkpoint of it. Checkpoints
+   hold no KV caches (O(layers x state) bytes, not O(context)): one is usable only while the state still
+   holds its tokens, and those that are not a prefix of P are dropped, since running P overwrites them.
 3. Otherwise start from an empty state.
 Checkpoints are taken where branches usually start: the end of every turn's prompt minus its last token
 (a regenerated turn restores it), and the end of the previous turn's output when a new turn extends it (an
@@ -37,8 +39,10 @@ class Session:
 
     def add_checkpoint(self, max_checkpoints: int) -> None:
         """Checkpoint the sequence where it is now (unless one exists there), dropping the oldest beyond the cap."""
-        tokens = tuple(self.sequence.tokens)
-        if not tokens or max_checkpoints < 1 or any(c.tokens == tokens for c in self.checkpoints):
+        n = len(self.sequence)
+        if n == 0 or max_checkpoints < 1:
+            return
+        if any(len(c.tokens) == n and self.sequence.can_restore(c) for c in self.checkpoints):
             return
         self.checkpoints.append(self.sequence.checkpoint())
         del self.checkpoints[: max(0, len(self.checkpoints) - max_checkpoints)]
@@ -48,10 +52,12 @@ class Session:
 
         Returns how many prompt tokens are already in the state; at least one token is always left to run.
         """
+        # Running the prompt overwrites the KV positions of checkpoints that are not a prefix of it.
+        self.checkpoints = [c for c in self.checkpoints if _is_prefix(c.tokens, prompt)]
         tokens = self.sequence.tokens
         if len(tokens) < len(prompt) and _is_prefix(tokens, prompt):
             return len(tokens)
-        usable = [c for c in self.checkpoints if len(c.tokens) < len(prompt) and _is_prefix(c.tokens, prompt)]
+        usable = [c for c in self.checkpoints if len(c.tokens) < len(prompt) and self.sequence.can_restore(c)]
         if not usable:
             self.sequence.reset()
             return 0
@@ -106,13 +112,15 @@ class SessionCache:
         session.last_used = time.time()
         self._sessions[session.session_id] = session
         self._sessions.move_to_end(session.session_id)
-        while self.nbytes() > self.max_bytes and len(self._sessions) > 1:
-            self._sessions.popitem(last=False)
+        total = self.nbytes()
+        while total > self.max_bytes and len(self._sessions) > 1:
+            _, evicted = self._sessions.popitem(last=False)
+            total -= evicted.nbytes()
             self.evictions += 1
         # Alone and still too big: shed its checkpoints, then the session itself.
-        while session.checkpoints and self.nbytes() > self.max_bytes:
-            session.checkpoints.pop(0)
-        if self.nbytes() > self.max_bytes:
+        while session.checkpoints and total > self.max_bytes:
+            total -= session.checkpoints.pop(0).nbytes
+        if total > self.max_bytes:
             self._sessions.pop(session.session_id)
             self.evictions += 1
 

@@ -11,6 +11,10 @@ What is preserved exactly:
   sampling applies. The draft distribution q is processed the same way; any q keeps the output exact, a q
   closer to p only raises acceptance. The random stream differs from plain sampling, so a seeded speculative
   run reproduces itself, not a seeded plain run.
+
+On an accelerator a cycle synchronises with the host once: drafts stay on the device from one draft step to
+the next and into the verify pass, and the acceptance decisions are computed there and read back together
+with the drafts.
 """
 
 from __future__ import annotations
@@ -33,35 +37,53 @@ def accept_greedy(target_tokens: Seq[int], drafts: Seq[int]) -> tuple[int, int]:
     return accepted, int(target_tokens[accepted])
 
 
-def accept_sampled(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: Seq[int], generator: torch.Generator
-) -> tuple[int, int]:
-    """Speculative rejection sampling.
+def sampled_decisions(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """Speculative rejection sampling, computed on the device without synchronising.
 
     target_probs [k+1, V]: p at each verified position (row j conditions on drafts[:j]);
-    draft_probs [k, V]: the q each draft was sampled from. Draft x_j is accepted with probability
-    min(1, p_j(x_j) / q_j(x_j)); at the first rejection the next token is drawn from norm(max(0, p_j - q_j));
-    when all k are accepted a bonus token is drawn from p_k. Returns (accepted drafts, next token).
+    draft_probs [k, V]: the q each draft was sampled from; drafts [k] (LongTensor). Draft x_j is accepted
+    with probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the next token is drawn from
+    norm(max(0, p_j - q_j)); when all k are accepted a bonus token is drawn from p_k. Every position's
+    residual token is drawn up front (independently of the acceptance tests, so the first rejected one is
+    still an exact draw). Returns [2k+1]: rejected flags, residual tokens, bonus token (`resolve_sampled`).
     """
-    k = len(drafts)
-    if k:
-        index = torch.arange(k, device=target_probs.device)
-        ids = torch.as_tensor(list(drafts), device=target_probs.device)
-        p_draft = target_probs[index, ids]
-        q_draft = draft_probs[index, ids]
-        uniform = torch.rand(k, generator=generator, device=target_probs.device)
-        # u < p/q, written without dividing (q > 0: each draft was sampled from q).
-        rejected = (uniform * q_draft >= p_draft).tolist()
-    else:
-        rejected = []
+    k = drafts.shape[0]
+    index = torch.arange(k, device=target_probs.device)
+    p_draft = target_probs[index, drafts]
+    q_draft = draft_probs[index, drafts]
+    uniform = torch.rand(k, generator=generator, device=target_probs.device)
+    # u < p/q, written without dividing (q > 0: each draft was sampled from q).
+    rejected = uniform * q_draft >= p_draft
+    residual = (target_probs[:k] - draft_probs).clamp_(min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # p == q up to rounding: rejection had probability ~0; p itself is the right fallback.
+    residual = torch.where(
+        total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), target_probs[:k]
+    )
+    return torch.cat(
+        [rejected.long(), sample(residual, generator), sample(target_probs[k : k + 1], generator)]
+    )
+
+
+def resolve_sampled(decisions: Seq[int], k: int) -> tuple[int, int]:
+    """(accepted drafts, next token) from `sampled_decisions`' values read back to the host."""
     for j in range(k):
-        if rejected[j]:
-            residual = (target_probs[j] - draft_probs[j]).clamp_(min=0.0)
-            total = residual.sum()
-            # p == q up to rounding: rejection had probability ~0; p itself is the right fallback.
-            residual = residual / total if total > 0 else target_probs[j]
-            return j, int(sample(residual.unsqueeze(0), generator)[0])
-    return k, int(sample(target_probs[k : k + 1], generator)[0])
+        if decisions[j]:
+            return j, int(decisions[k + j])
+    return k, int(decisions[2 * k])
+
+
+def accept_sampled(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: Seq[int] | torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Speculative rejection sampling (see `sampled_decisions`). Returns (accepted drafts, next token)."""
+    ids = torch.as_tensor(drafts, dtype=torch.long, device=target_probs.device).reshape(-1)
+    return resolve_sampled(sampled_decisions(target_probs, draft_probs, ids, generator).tolist(), len(ids))
 
 
 @dataclass
@@ -92,7 +114,7 @@ class SpecStats:
 class Cycle:
     """One draft-and-verify cycle, verified but not yet committed to the sequence."""
 
-    inputs: list[int]  # [pending token, d1..dk], all run through the verify pass
+    inputs: list[int]  # [pending token, d1..dk] (host copy), all run through the verify pass
     verify: StepOutput  # the verify pass's output
     tokens: list[int]  # accepted drafts + the next token: what this cycle yields
 
@@ -111,19 +133,22 @@ class SpeculativeDecoder:
 
         The sequence is left with every verified input run; `commit` rolls back the rejected suffix.
         """
+        pending_ids = seq.ids([pending])  # uploaded while the device is idle (see `Sequence.ids`)
         drafts, draft_probs = self._draft(seq, pending, sampler, k)
-        inputs = [pending, *drafts]
-        verify = seq.run_verify(inputs)
+        verify = seq.run_verify(torch.cat([pending_ids, drafts]))
         if sampler.params.greedy:
-            targets = sampler.next_tokens(verify.logits, per_row=drafts).tolist()
-            accepted, next_token = accept_greedy(targets, drafts)
+            decisions = sampler.next_tokens(verify.logits, per_row=drafts)
         else:
             target_probs = sampler.probabilities(verify.logits, per_row=drafts)
-            accepted, next_token = accept_sampled(
-                target_probs, torch.cat(draft_probs), drafts, sampler.generator
-            )
+            decisions = sampled_decisions(target_probs, torch.cat(draft_probs), drafts, sampler.generator)
+        host = torch.cat([drafts, decisions]).tolist()  # the cycle's one synchronisation
+        host_drafts, host_decisions = host[:k], host[k:]
+        if sampler.params.greedy:
+            accepted, next_token = accept_greedy(host_decisions, host_drafts)
+        else:
+            accepted, next_token = resolve_sampled(host_decisions, k)
         self.stats.record(k, accepted)
-        return Cycle(inputs, verify, [*drafts[:accepted], next_token])
+        return Cycle([pending, *host_drafts], verify, [*host_drafts[:accepted], next_token])
 
     def commit(self, seq: Sequence, cycle: Cycle, kept: int) -> None:
         """Keep the first `kept` tokens the cycle yielded: the pending token and the drafts before the last
@@ -132,20 +157,22 @@ class SpeculativeDecoder:
 
     def _draft(
         self, seq: Sequence, pending: int, sampler: RequestSampler, k: int
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        drafts: list[int] = []
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """k draft tokens ([k] on the device) and, when sampling, the distributions they were drawn from."""
+        drafts: list[torch.Tensor] = []  # [1] each
         draft_probs: list[torch.Tensor] = []
         out = seq.draft_first(pending)
         for step in range(k):
             if step:
                 out = seq.draft_next(drafts[-1], out.hidden[-1:])
             logits = out.logits[-1:]
+            before = torch.cat(drafts) if drafts and sampler.uses_history else ()
             if sampler.params.greedy:
-                token = int(sampler.next_tokens(logits, before=drafts)[0])
+                token = sampler.next_tokens(logits, before=before)
             else:
-                probs = sampler.probabilities(logits, before=drafts)
-                token = int(sample(probs, sampler.generator)[0])
+                probs = sampler.probabilities(logits, before=before)
+                token = sample(probs, sampler.generator)
                 draft_probs.append(probs)
             drafts.append(token)
         seq.drop_draft_positions(k - 1)
-        return drafts, draft_probs
+        return torch.cat(drafts), draft_probs

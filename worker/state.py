@@ -9,7 +9,12 @@ One `SequenceState` holds everything the model needs to continue one sequence:
 
 KV caches roll back by truncation. DeltaNet state cannot be truncated, so a `keep_states=True` step records
 the state before and after each of its tokens (`rollback` to any of those positions is a copy); any other
-position needs a `snapshot()`.
+position needs a `snapshot()`. A light snapshot (`include_kv=False`) holds only the DeltaNet states and the
+lengths, O(layers x state) bytes instead of O(context): it restores by truncating the KV caches, so it is
+valid while the state still holds the snapshot's tokens as a prefix.
+
+The consumed token ids are read back to the host lazily (`token_ids`), so that decoding on an accelerator
+does not synchronise once per step to record them.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from typing import TypeVar
 import torch
 
 from .config import ModelConfig
-from .errors import ContextLengthError, OnestreamError
+from .errors import ContextLengthError, StateError
+
+__all__ = ["KV_CHUNK", "DeltaNetHistory", "KVCache", "SequenceState", "StateError", "StateSnapshot"]
 
 KV_CHUNK = 256  # KV caches grow by at least this many positions at a time
+MAX_UNREAD_PIECES = 256  # token-id tensors not yet read back before they are concatenated into one
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -49,10 +57,6 @@ def _allocates(fn: _F) -> _F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-class StateError(OnestreamError, ValueError):
-    """A state operation that cannot be done: rollback past what is reachable, restore of a foreign snapshot."""
 
 
 class KVCache:
@@ -144,19 +148,26 @@ class DeltaNetHistory:
 
 @dataclass
 class StateSnapshot:
-    """A frozen copy of a `SequenceState` (trimmed to its length); `SequenceState.restore` copies it back."""
+    """A frozen copy of a `SequenceState` (trimmed to its length); `SequenceState.restore` copies it back.
+
+    A light snapshot has no KV caches (`kv is None`): restoring it truncates the state's own caches."""
 
     owner_layout: tuple
     length: int
     mtp_length: int
     token_ids: tuple[int, ...]
-    kv: dict[int, KVCache]
+    kv: dict[int, KVCache] | None
     conv: dict[int, torch.Tensor]
     recurrent: dict[int, torch.Tensor]
     mtp_kv: KVCache | None
 
+    @property
+    def light(self) -> bool:
+        return self.kv is None
+
     def nbytes(self) -> int:
-        total = sum(c.nbytes() for c in self.kv.values())
+        """Device bytes of its tensors (the token ids are a host tuple and not counted)."""
+        total = sum(c.nbytes() for c in (self.kv or {}).values())
         total += sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
         return total + (self.mtp_kv.nbytes() if self.mtp_kv is not None else 0)
 
@@ -179,7 +190,8 @@ class SequenceState:
         self.device = device
         self.length = 0
         self.mtp_length = 0
-        self.token_ids: list[int] = []
+        self._tokens: list[int] = []  # consumed token ids already on the host
+        self._unread: list[torch.Tensor] = []  # token-id tensors consumed after those, not read back yet
         kv_shape = (config.num_key_value_heads, config.head_dim)
         self.kv: dict[int, KVCache] = {
             i: KVCache(*kv_shape, max_len, dtype, device) for i in config.full_attention_layers
@@ -204,6 +216,38 @@ class SequenceState:
             what = "MTP positions" if mtp else "tokens"
             raise ContextLengthError(f"{start} + {n_tokens} {what} exceed the state's max_len {self.max_len}")
         return start
+
+    def advance(self, input_ids: torch.Tensor) -> None:
+        """Record that the model consumed `input_ids [T]` (called by the model after a step).
+
+        The ids are kept as tensors (the caller must not modify them in place afterwards) and read back when
+        `token_ids` is next read, so that recording them on an accelerator costs no synchronisation."""
+        self.length += input_ids.shape[0]
+        self._unread.append(input_ids)
+        if len(self._unread) >= MAX_UNREAD_PIECES:
+            self._unread = [torch.cat(self._unread)]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids this state has consumed, positions 0..length-1 (do not modify the list)."""
+        if self._unread:
+            self._tokens.extend(torch.cat(self._unread).tolist())
+            self._unread = []
+        return self._tokens
+
+    def _truncate_tokens(self, length: int) -> None:
+        """Forget the token ids from `length` on, without reading back the ones that stay unread."""
+        if length <= len(self._tokens):
+            del self._tokens[length:]
+            self._unread = []
+            return
+        keep, pieces = length - len(self._tokens), []
+        for piece in self._unread:
+            if keep <= 0:
+                break
+            pieces.append(piece[:keep])
+            keep -= piece.shape[0]
+        self._unread = pieces
 
     def _layout(self) -> tuple:
         return (self.config, self.dtype, self.device)
@@ -241,7 +285,7 @@ class SequenceState:
                 {i: t[: j + 1] for i, t in hist.recurrent.items()},
             )
         self.length = target
-        del self.token_ids[target:]
+        self._truncate_tokens(target)
 
     def rollback_mtp(self, n_tokens: int) -> None:
         """Forget the last `n_tokens` MTP positions (its KV cache truncates)."""
@@ -251,19 +295,41 @@ class SequenceState:
             )
         self.mtp_length -= n_tokens
 
+    def release_history(self) -> None:
+        """Free the DeltaNet states the last `keep_states=True` step recorded (rollback into it then fails)."""
+        self.history = None
+
     @_allocates
-    def snapshot(self) -> StateSnapshot:
-        """A copy of everything needed to come back to this exact point later (see `restore`)."""
+    def snapshot(self, *, include_kv: bool = True) -> StateSnapshot:
+        """A copy of everything needed to come back to this exact point later (see `restore`).
+
+        `include_kv=False` makes a light snapshot: DeltaNet states and lengths only. It can be restored while
+        this state still holds the snapshot's tokens as a prefix (the KV caches are then truncated)."""
+        kv = mtp_kv = None
+        if include_kv:
+            kv = {i: c.copy_prefix(self.length) for i, c in self.kv.items()}
+            mtp_kv = self.mtp_kv.copy_prefix(self.mtp_length) if self.mtp_kv is not None else None
         return StateSnapshot(
             owner_layout=self._layout(),
             length=self.length,
             mtp_length=self.mtp_length,
             token_ids=tuple(self.token_ids),
-            kv={i: c.copy_prefix(self.length) for i, c in self.kv.items()},
+            kv=kv,
             conv={i: t.clone() for i, t in self.conv.items()},
             recurrent={i: t.clone() for i, t in self.recurrent.items()},
-            mtp_kv=self.mtp_kv.copy_prefix(self.mtp_length) if self.mtp_kv is not None else None,
+            mtp_kv=mtp_kv,
         )
+
+    def can_restore(self, snap: StateSnapshot) -> bool:
+        """Whether `restore(snap)` would succeed: a full snapshot of this layout always can; a light one
+        while the state still holds its tokens (and MTP positions) as a prefix."""
+        if snap.owner_layout != self._layout() or max(snap.length, snap.mtp_length) > self.max_len:
+            return False
+        if not snap.light:
+            return True
+        if snap.length > self.length or snap.mtp_length > self.mtp_length:
+            return False
+        return tuple(self.token_ids[: snap.length]) == snap.token_ids
 
     @_allocates
     def restore(self, snap: StateSnapshot) -> None:
@@ -274,8 +340,15 @@ class SequenceState:
             raise StateError(
                 f"snapshot of {snap.length} tokens does not fit this state's max_len {self.max_len}"
             )
-        for i, c in self.kv.items():
-            c.load_prefix(snap.kv[i], snap.length)
+        if snap.light and not self.can_restore(snap):
+            raise StateError(
+                f"light snapshot at {snap.length} tokens ({snap.mtp_length} MTP positions) cannot be restored: "
+                f"the state (length {self.length}, {self.mtp_length} MTP positions) no longer holds its "
+                "tokens as a prefix"
+            )
+        if snap.kv is not None:
+            for i, c in self.kv.items():
+                c.load_prefix(snap.kv[i], snap.length)
         for i in self.conv:
             self.conv[i].copy_(snap.conv[i])
             self.recurrent[i].copy_(snap.recurrent[i])
@@ -283,7 +356,10 @@ class SequenceState:
             self.mtp_kv.load_prefix(snap.mtp_kv, snap.mtp_length)
         self.length = snap.length
         self.mtp_length = snap.mtp_length
-        self.token_ids = list(snap.token_ids)
+        if snap.light:
+            self._truncate_tokens(snap.length)
+        else:
+            self._tokens, self._unread = list(snap.token_ids), []
         self.history = None
 
     @_allocates
@@ -291,7 +367,8 @@ class SequenceState:
         """An independent deep copy (same capacity, same recorded DeltaNet history)."""
         out = SequenceState.__new__(SequenceState)
         out.config, out.max_len, out.dtype, out.device = self.config, self.max_len, self.dtype, self.device
-        out.length, out.mtp_length, out.token_ids = self.length, self.mtp_length, list(self.token_ids)
+        out.length, out.mtp_length = self.length, self.mtp_length
+        out._tokens, out._unread = list(self.token_ids), []
         out.kv = {i: c.copy_prefix(self.length, capacity=c.capacity) for i, c in self.kv.items()}
         out.conv = {i: t.clone() for i, t in self.conv.items()}
         out.recurrent = {i: t.clone() for i, t in self.recurrent.items()}

@@ -1,0 +1,308 @@
+"""The card: a Ray actor owning one engine on one GPU (or one CPU engine), serving one stream at a time.
+
+The actor is asynchronous: engine work runs on one dedicated thread (so the engine is never entered
+twice at once), while the actor's event loop keeps answering pings, listings and cancellations during a
+generation. `generate` is a Ray streaming generator; `ray.cancel` on its ObjectRefGenerator cancels the
+asyncio task, which stops the engine at the next token boundary.
+
+Each card serves its own Prometheus /metrics on its node (a free port), labelled with its identity.
+The router (cluster/cards.py) creates these actors with `ray.remote(CardActor).options(...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import OnestreamError
+from .output import Finished, TokenChunk
+from .request import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+# A node offers CPU cards by advertising this custom resource (one unit per card), the way GPU nodes
+# offer cards through `GPU`.
+CPU_CARD_RESOURCE = "onestream_cpu_card"
+NODE_ID_CHARS = 12  # the short node id used in card ids and the `node` label
+
+
+@dataclass(frozen=True)
+class CardSettings:
+    """How to build a card's engine; the same for every card of a pool."""
+
+    model_dir: str
+    cpu: bool = False  # a CPU card: reference back end on the CPU
+    slot: int = 0  # the card's index among the node's CPU cards (CPU cards only)
+    backend: str = "auto"
+    dtype: str | None = None
+    torch_threads: int | None = None  # CPU cards: intra-op threads of the engine
+    metrics_host: str | None = None  # None: the node's IP address
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CardIdentity:
+    """Who a card is. `incarnation` changes every time the actor (re)starts: a changed incarnation means
+    the card lost its cache."""
+
+    node_id: str
+    node_ip: str
+    gpu_index: int
+    gpu_uuid: str
+    device_name: str
+    backend: str
+    model: str
+    metrics_endpoint: str
+    incarnation: str
+    pid: int
+
+    @property
+    def node_short(self) -> str:
+        return self.node_id[:NODE_ID_CHARS]
+
+    @property
+    def card_id(self) -> str:
+        return f"{self.node_short}/{self.gpu_index}/{self.gpu_uuid}"
+
+
+@dataclass(frozen=True)
+class CardError:
+    """An error the engine raised for a request, sent to the router as a stream item. `kind` is the
+    error's class name (worker/errors.py), which the router maps to a status code."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    cached_tokens: int
+    cached_bytes: int
+
+
+class _EndOfStream:
+    pass
+
+
+_END = _EndOfStream()
+
+
+class CardActor:
+    """One engine behind a Ray actor. Create with `ray.remote(CardActor).options(...).remote(settings)`."""
+
+    def __init__(self, settings: CardSettings) -> None:
+        from onestream.cluster.http_server import MetricsHTTPServer
+        from onestream.cluster.metrics import CardMetrics
+
+        if settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(settings.torch_threads)
+        self._engine = _build_engine(settings)
+        info = _plain(self._engine.model_info())
+        self._model_info = info if isinstance(info, dict) else {"info": info}
+        model = str(self._model_info.get("model_name") or Path(settings.model_dir).name)
+        gpu_index, gpu_uuid, device_name = _device_identity(settings)
+        node_id, node_ip = _node()
+        self._metrics = CardMetrics(
+            node=node_id[:NODE_ID_CHARS],
+            gpu_index=gpu_index,
+            gpu_uuid=gpu_uuid,
+            model=model,
+            backend=str(self._model_info.get("backend", settings.backend)),
+            device_name=device_name,
+        )
+        self._http = MetricsHTTPServer(settings.metrics_host or node_ip, 0, self._metrics.registry)
+        self.identity = CardIdentity(
+            node_id=node_id,
+            node_ip=node_ip,
+            gpu_index=gpu_index,
+            gpu_uuid=gpu_uuid,
+            device_name=device_name,
+            backend=str(self._model_info.get("backend", settings.backend)),
+            model=model,
+            metrics_endpoint=self._http.endpoint,
+            incarnation=uuid.uuid4().hex,
+            pid=os.getpid(),
+        )
+        # One thread runs every engine call, so the engine never runs two things at once.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._sessions: list[SessionRecord] = []
+        self._busy = False
+        self._refresh_sessions()
+
+    # ---- queries (answered at once, even while generating) -------------------------------------------
+    async def ready(self) -> CardIdentity:
+        return self.identity
+
+    async def ping(self) -> str:
+        return self.identity.incarnation
+
+    async def model_info(self) -> dict[str, Any]:
+        return dict(self._model_info)
+
+    async def sessions(self) -> list[SessionRecord]:
+        return list(self._sessions)
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "busy": self._busy,
+            "cached_sessions": len(self._sessions),
+            "cached_session_bytes": sum(s.cached_bytes for s in self._sessions),
+        }
+
+    # ---- engine work -----------------------------------------------------------------------------
+    async def close_session(self, session_id: str) -> CardError | None:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_thread, self._close_session, session_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Finished | CardError]:
+        """Stream the engine's chunks and final `Finished` (or one `CardError`) for `request`."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[object] = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(item: object) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        self._engine_thread.submit(self._run_generation, request, put, stop)
+        try:
+            while True:
+                item = await items.get()
+                if item is _END:
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            stop.set()  # the caller cancelled or went away: end at the next token boundary
+
+    # ---- on the engine thread ----------------------------------------------------------------------
+    def _run_generation(self, request: GenerateRequest, put: Any, stop: threading.Event) -> None:
+        import torch
+
+        if stop.is_set():  # cancelled while queued behind other engine work: do not start it
+            self._metrics.requests("cancelled").inc()
+            put(_END)
+            return
+        self._busy = True
+        self._metrics.busy.set(1)
+        finished = False
+        try:
+            # Serving never needs autograd; inference mode is thread-local, so it is entered here.
+            with torch.inference_mode():
+                finished = self._stream_engine(request, put, stop)
+        except OnestreamError as e:
+            put(CardError(type(e).__name__, str(e)))
+        except Exception as e:  # a bug: the router answers INTERNAL naming it
+            log.exception("card %s: generation failed", self.identity.card_id)
+            put(CardError("InternalError", f"{type(e).__name__}: {e}"))
+        finally:
+            if not finished and stop.is_set():
+                self._metrics.requests("cancelled").inc()
+            self._refresh_sessions()
+            self._busy = False
+            self._metrics.busy.set(0)
+            put(_END)
+
+    def _stream_engine(self, request: GenerateRequest, put: Any, stop: threading.Event) -> bool:
+        """Forward the engine's items until it finishes (True) or the caller stops it (False)."""
+        stream: Iterator[TokenChunk | Finished] = self._engine.generate(request)
+        try:
+            for item in stream:
+                if isinstance(item, TokenChunk):
+                    self._metrics.generation_tokens.inc(len(item.token_ids))
+                elif isinstance(item, Finished):
+                    self._observe_finished(item)
+                    put(item)
+                    return True
+                put(item)
+                if stop.is_set():
+                    return False
+            return False
+        finally:
+            stream.close()  # when stopped: cancels the engine's loop at the token boundary
+
+    def _observe_finished(self, item: Finished) -> None:
+        usage, timings = item.usage, item.timings
+        self._metrics.observe_finished(
+            finish_reason=item.finish_reason,
+            prompt_tokens=usage.prompt_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
+            drafts=usage.drafts,
+            draft_tokens=usage.draft_tokens,
+            accepted_draft_tokens=usage.accepted_draft_tokens,
+            accepted_per_position=usage.accepted_per_position,
+            time_to_first_token_s=timings.time_to_first_token_s if usage.generated_tokens else None,
+            inter_token_s=timings.inter_token_s,
+            total_s=timings.total_s,
+        )
+
+    def _close_session(self, session_id: str) -> CardError | None:
+        try:
+            self._engine.close_session(session_id)
+        except OnestreamError as e:
+            return CardError(type(e).__name__, str(e))
+        finally:
+            self._refresh_sessions()
+        return None
+
+    def _refresh_sessions(self) -> None:
+        self._sessions = [_session_record(s) for s in self._engine.sessions()]
+        self._metrics.set_sessions(len(self._sessions), sum(s.cached_bytes for s in self._sessions))
+
+
+def _build_engine(settings: CardSettings) -> Any:
+    from .engine import Engine
+
+    options = dict(settings.engine_options)
+    if settings.dtype:
+        options["dtype"] = settings.dtype  # the engine parses "bf16", "fp32", ...
+    backend = "reference" if settings.cpu and settings.backend == "auto" else settings.backend
+    device = "cpu" if settings.cpu else "cuda"
+    return Engine(settings.model_dir, backend=backend, device=device, **options)
+
+
+def _node() -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+def _device_identity(settings: CardSettings) -> tuple[int, str, str]:
+    """(gpu index on its node, GPU UUID as DCGM spells it, device name); `cpu-N` for CPU cards."""
+    if settings.cpu:
+        return settings.slot, f"cpu-{settings.slot}", platform.processor() or platform.machine() or "cpu"
+    import ray
+    import torch
+
+    gpu_ids = ray.get_gpu_ids()
+    index = int(gpu_ids[0]) if gpu_ids else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(0)  # Ray sets CUDA_VISIBLE_DEVICES to this card alone
+    raw_uuid = str(getattr(props, "uuid", "") or "")
+    gpu_uuid = raw_uuid if raw_uuid.startswith("GPU-") else f"GPU-{raw_uuid}" if raw_uuid else f"gpu-{index}"
+    return index, gpu_uuid, props.name
+
+
+def _plain(value: Any) -> Any:
+    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+
+
+def _session_record(session: Any) -> SessionRecord:
+    """The engine's description of a cached session, whatever its shape (dataclass, dict or id)."""
+    fields = _plain(session)
+    if not isinstance(fields, dict):
+        return SessionRecord(str(fields), 0, 0)
+    return SessionRecord(
+        session_id=str(fields.get("session_id", fields.get("id", ""))),
+        cached_tokens=int(fields.get("tokens", fields.get("cached_tokens", fields.get("length", 0))) or 0),
+        cached_bytes=int(fields.get("nbytes", fields.get("bytes", fields.get("cached_bytes", 0))) or 0),
+    )
