@@ -36,8 +36,18 @@ echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 if [ "$MODE" = quick ]; then
   BENCH_ARGS=(--layers 16 --steps 32 --ref-steps 8)
 else
-  BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep)
+  BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep --small-model "$REPO/worker/assets/default_model")
 fi
 echo "== bench decode ${BENCH_ARGS[*]}" | tee -a "$OUT/env.log"
 timeout "${BENCH_TIMEOUT:-180}" python3 -m onestream bench decode "${BENCH_ARGS[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+
+# Issue 6's correctness bar: the megakernel against the fp32 reference, teacher-forced over held-out tokens of
+# the embedded model (a file of whitespace-separated ids; tools/gpu/README.md says how it is made).
+TOKENS=${KLD_TOKENS:-$REPO/.data/eval/heldout_tokens.txt}
+if [ "$MODE" != quick ] && [ -f "$TOKENS" ]; then
+  echo "== eval kld megakernel vs reference" | tee -a "$OUT/env.log"
+  timeout "${KLD_TIMEOUT:-150}" python3 -m onestream eval kld --backend megakernel --against reference \
+    --tokens "$TOKENS" --ctx 512 2>&1 | tee "$OUT/kld.log"
+  echo "kld exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+fi
