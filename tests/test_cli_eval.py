@@ -168,3 +168,19 @@ def test_prompts_are_cut_evenly_with_room_to_continue() -> None:
     assert prompts[:3] == [list(range(0, 20)), list(range(35, 55)), list(range(70, 90))]
     assert prompts[3] == list(range(0, 20))  # 29 tokens leave no room; 30 leave room for one prompt
     assert prompts[4:] == [list(range(1000, 1020)), list(range(1010, 1030)), list(range(1020, 1040))]
+
+
+def test_backends_built_on_the_reference_are_measured_through_their_own_decode(tmp_path: Path) -> None:
+    """The megakernel back end subclasses ReferenceBackend; eval kld must still run ITS decode steps, not the
+    reference's batched forward (a bug that once made `--backend megakernel` measure the reference)."""
+    from onestream.worker.backend import ReferenceBackend
+    from onestream.worker.evaluation import BackendSteps, ReferenceForward, reference_source
+    from onestream.worker.loading import load_model
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "m"), dtype=torch.float32)
+
+    class DerivedBackend(ReferenceBackend):
+        name = "derived"
+
+    assert isinstance(reference_source(ReferenceBackend(model)), ReferenceForward)
+    assert isinstance(reference_source(DerivedBackend(model)), BackendSteps)

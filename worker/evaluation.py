@@ -97,7 +97,9 @@ def _block_fast_kernels() -> None:
 
 def reference_source(backend: Backend) -> LogitsSource:
     """The cheapest faithful source for a back end: batched forward for the reference, else decode steps."""
-    if isinstance(backend, ReferenceBackend):
+    # Exact type, not isinstance: other back ends (the megakernel) subclass ReferenceBackend for prefill and
+    # state handling, and must be measured through their own decode path.
+    if type(backend) is ReferenceBackend:
         return ReferenceForward(
             backend.model, name=f"reference ({str(backend.dtype).removeprefix('torch.')})"
         )
