@@ -36,12 +36,11 @@ __all__ = [
     "Usage",
 ]
 
-# Chosen by measurement: `onestream eval spec --k 1 2 3 4` on the tiny random checkpoint of
-# worker/testing.py (reference back end, CPU, 16 prompts of 64 tokens from the standard library, 64 greedy
-# tokens each). Its MTP head is untrained (1% of drafts accepted), so every k was slower than plain decoding
-# (k=1 0.44x, k=2 0.36x, k=3 0.21x, k=4 0.11x) and k=1 lost least. To be re-chosen the same way on the
-# embedded default model, whose MTP head is trained.
-DEFAULT_SPEC_K = 1
+# Chosen by measurement: `onestream eval spec --k 1 2 3 4` on the embedded default model (held-out prompts,
+# greedy; tools/default_model/results/): k=2 was fastest on the CPU (1.87x plain; k=3 1.63x, k=4 1.61x) and
+# on the H200 with the reference back end (1.46x; k=3 1.30x, k=4 1.43x). Longer drafts are accepted more
+# often in total but each extra MTP step costs a serial launch that k=2 does not pay.
+DEFAULT_SPEC_K = 2
 DEFAULT_CACHE_BYTES = 4 << 30
 BUSY_MESSAGE = "the engine is already generating (it serves one sequence at a time)"
 DTYPES = {
