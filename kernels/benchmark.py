@@ -18,6 +18,7 @@ import torch
 from onestream.worker.config import ModelConfig
 
 from .build import Tuning
+from .phase_timing import format_breakdown, step_phases, summarise
 from .random_model import random_model
 from .runtime import MegakernelRunner
 
@@ -66,6 +67,9 @@ class ModelResult:
     context: int
     results: list[MethodResult] = field(default_factory=list)
     kernel: dict[str, Any] = field(default_factory=dict)
+    # Timing builds: per-phase rows (PhaseRow fields) of the last timed step, and the same as text.
+    breakdowns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    breakdown_text: dict[str, str] = field(default_factory=dict)
 
     @property
     def bytes_per_token(self) -> int:
@@ -288,9 +292,14 @@ def bench_model(
             result.results.append(MethodResult("megakernel" + suffix, None, None, error))
             continue
         try:
-            for r in bench_megakernel(runner, model, context, steps):
+            timed = bench_megakernel(runner, model, context, steps)
+            for r in timed:
                 r.method += suffix
                 result.results.append(r)
+            if tuning.phase_timing:  # the stamps of the last launch above
+                rows = summarise(runner.phase_stamps(), step_phases(config))
+                result.breakdowns[label] = [dataclasses.asdict(r) for r in rows]
+                result.breakdown_text[label] = format_breakdown(rows, timed[0].ms_per_token)
         except Exception as e:
             result.results.append(
                 MethodResult("megakernel" + suffix, None, None, f"failed: {type(e).__name__}: {e}"[:300])
@@ -332,8 +341,16 @@ def format_results(ceil: Ceilings, models: list[ModelResult], device: str) -> st
                 f"   {r.method:48s} {r.tok_s:9.1f} {r.ms_per_token:8.3f} {gbs:8.0f} "
                 f"{100 * gbs / ceil.copy_gbs:6.1f} {100 * gbs / ceil.read_gbs:6.1f}"
             )
+        for label, text in m.breakdown_text.items():
+            lines.append(f"   [{label}]")
+            lines.append(text)
     return "\n".join(lines)
 
 
 def as_json(ceil: Ceilings, models: list[ModelResult]) -> dict[str, Any]:
-    return {"ceilings": dataclasses.asdict(ceil), "models": [dataclasses.asdict(m) for m in models]}
+    models_json = []
+    for m in models:
+        d = dataclasses.asdict(m)
+        d.pop("breakdown_text")
+        models_json.append(d)
+    return {"ceilings": dataclasses.asdict(ceil), "models": models_json}

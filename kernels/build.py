@@ -29,6 +29,7 @@ from .layout import preamble_defines
 CUDA_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "megakernel.cu"
 MAX_TOKENS_PER_LAUNCH = 8
+AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 384 threads x 16 B = 144 KB)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -41,8 +42,16 @@ class Tuning:
     part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
     att_pairs: int = 3  # (query head, token) pairs per attention pass
     att_min_chunk: int = 64  # positions per flash-decoding chunk, at least
-    pf_bytes: int = 32 * 1024  # L2 prefetch of the next phase per block, at a barrier
-    pf_idle_bytes: int = 128 * 1024  # same, across the DeltaNet / attention phases
+    pf_bytes: int = 64 * 1024  # L2 prefetch of the next phase per block, at a barrier
+    pf_idle_bytes: int = 192 * 1024  # same, DeltaNet / attention phases (variant 1: of each block's share)
+    # 1: barrier spin without sleeping; on sm_90 one bulk L2 prefetch per row range instead of one prefetch per
+    # 128-byte line; blocks without DeltaNet / attention work prefetch the start of EVERY block's range of the
+    # next GEMV (not only their own). 0: the previous kernel (kept so one bench run times both).
+    variant: int = 1
+    # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
+    # double buffer; None = 3 where the GPU's shared memory holds the ring (sm_90), else 0.
+    stages: int | None = None
+    phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
 
 
 @dataclass(frozen=True)
@@ -51,9 +60,21 @@ class KernelSpec:
     num_sms: int
     tokens_per_launch: int = 1
     tuning: Tuning = field(default_factory=Tuning)
+    smem_limit: int = 99 * 1024  # opt-in shared memory per block of the target GPU (sm_86 99 KB, sm_90 227)
 
     def __post_init__(self) -> None:
         check_supported(self.config, self.tokens_per_launch, self.tuning)
+
+    @property
+    def stages(self) -> int:
+        """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
+        if self.tuning.stages is not None:
+            return self.tuning.stages
+        fits = self._smem_without_ring + self._ring_bytes(AUTO_STAGES) <= self.smem_limit
+        return AUTO_STAGES if fits else 0
+
+    def _ring_bytes(self, stages: int) -> int:
+        return stages * self.tuning.umax * self.tuning.threads * 16
 
     @property
     def dn_split(self) -> int:
@@ -92,13 +113,21 @@ class KernelSpec:
             "MK_ATT_MIN_CHUNK": t.att_min_chunk,
             "MK_PF_BYTES": t.pf_bytes,
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
+            "MK_VARIANT": t.variant,
+            "MK_STAGES": self.stages,
         }
+        if t.phase_timing:
+            shapes["MK_PHASE_TIMING"] = 1
         return {**preamble_defines(self.tokens_per_launch), **shapes}
 
     # ---- sizes the host must match ------------------------------------------------------------------
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block (the kernel checks it gets at least this: MK_SMEM_BYTES)."""
+        return self._smem_without_ring + self._ring_bytes(self.stages)
+
+    @property
+    def _smem_without_ring(self) -> int:
         c, nt = self.config, self.tokens_per_launch
         kmax = max(c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size)
         xs = (nt * kmax * 2 + 15) // 16 * 16
@@ -203,7 +232,7 @@ _MODULES: dict[tuple, BuiltModule] = {}
 
 def compile_module(spec: KernelSpec) -> BuiltModule:
     """Compile (or fetch from the in-process and on-disk caches) the kernels for the current CUDA device."""
-    key = (spec.config, spec.num_sms, spec.tokens_per_launch, spec.tuning)
+    key = (spec.config, spec.num_sms, spec.tokens_per_launch, spec.tuning, spec.smem_limit)
     if key in _MODULES:
         return _MODULES[key]
     import cupy

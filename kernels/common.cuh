@@ -13,6 +13,10 @@ struct __align__(16) vec16 {  // 16 bytes: 8 bf16
     u32 x, y, z, w;
 };
 
+#ifndef MK_VARIANT
+#define MK_VARIANT 1  // 0: the previous kernel (sleeping barrier spin, per-line prefetch of own rows only)
+#endif
+
 #define MK_WARP 32
 #define MK_NWARPS (MK_THREADS / MK_WARP)
 #define MK_INF __int_as_float(0x7f800000)
@@ -65,6 +69,29 @@ __device__ __forceinline__ vec16 ld_stream16(const void* p) {
                  : "l"(p));
     return r;
 }
+// ---- asynchronous global -> shared copies (sm_80+), for the GEMV's shared-memory weight ring -------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// An L2 policy that evicts streamed weights first (what the .cs register loads ask for).
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+// 16 bytes from global `src` to shared `dst_smem` (a shared-window address), bypassing L1; registers stay free.
+__device__ __forceinline__ void cp_async16(u32 dst_smem, const void* src, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst_smem), "l"(src), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Data written earlier in this launch by other blocks: bypass L1 (not coherent across SMs), read L2.
 __device__ __forceinline__ float ld_cg_f(const float* p) {
     float r;
@@ -92,6 +119,17 @@ __device__ __forceinline__ u64 ld_tab(const u64* p) {
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// Bring `bytes` (a multiple of 16, at most MK_PF_PIECE) from the 16-byte aligned `p` into L2. On sm_90 this is
+// one bulk-copy-engine request (cp.async.bulk.prefetch): no registers, no per-line instructions; elsewhere
+// one prefetch per 128-byte line from this thread.
+#define MK_PF_PIECE 32768
+__device__ __forceinline__ void prefetch_l2_bytes(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+    for (unsigned off = 0; off < bytes; off += 128) prefetch_l2((const char*)p + off);
+#endif
 }
 
 // ---- reductions ----------------------------------------------------------------------------------
@@ -173,7 +211,9 @@ __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u
                         break;
                     }
                 }
+#if MK_VARIANT == 0
                 __nanosleep(32);
+#endif
             }
         }
         __threadfence();  // acquire side: later reads see the other blocks' writes

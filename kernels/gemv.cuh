@@ -21,7 +21,12 @@
 #ifndef MK_PART_ROWS
 #define MK_PART_ROWS 4096  // partial sums per token kept in shared memory for one round of rows
 #endif
+#ifndef MK_STAGES
+#define MK_STAGES 0  // > 0: weights stream through a per-thread ring of MK_STAGES items in shared memory (cp.async)
+#endif
 #define GEMV_MAX_SEGS 4
+// Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most.
+#define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
 
 struct GemvDesc {
     const bf16_t* seg[GEMV_MAX_SEGS];  // row segments (segment s holds rows [end[s-1], end[s]))
@@ -75,11 +80,15 @@ __device__ __forceinline__ float dot8(const vec16& w, const vec16& x) {
     return s;
 }
 
-// This block's share [r0, r1) of `nrows` rows, split in units of `align` rows.
-__device__ __forceinline__ void block_row_range(int nrows, int align, int& r0, int& r1) {
+// Block b's share [r0, r1) of `nrows` rows, split in units of `align` rows.
+__device__ __forceinline__ void row_range_of(int b, int nrows, int align, int& r0, int& r1) {
     const long long units = nrows / align;
-    r0 = (int)(units * bid_x() / nblocks()) * align;
-    r1 = (int)(units * (bid_x() + 1) / nblocks()) * align;
+    r0 = (int)(units * b / nblocks()) * align;
+    r1 = (int)(units * (b + 1) / nblocks()) * align;
+}
+// This block's share.
+__device__ __forceinline__ void block_row_range(int nrows, int align, int& r0, int& r1) {
+    row_range_of(bid_x(), nrows, align, r0, r1);
 }
 
 __device__ __forceinline__ void gemv_load(const GemvDesc& d, const GemvPlan& p, int row, int chunk, int lane,
@@ -118,18 +127,105 @@ __device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)
     }
 }
 
+#if MK_STAGES > 0
+// The shared-memory weight ring: slot s, load u of thread `tid` at ring[(s * MK_UMAX + u) * MK_THREADS + tid].
+// Each thread reads back only what it copied itself, so no barrier is needed between copy and use; the
+// copies do not occupy registers, so MK_STAGES items per warp are in flight (the register path: one or two).
+__device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPlan& p, int row, int chunk, int lane,
+                                                 u32 ring_slot, u64 policy) {
+    const vec16* base = (const vec16*)gemv_row(d, row);
+#pragma unroll
+    for (int u = 0; u < MK_UMAX; ++u) {
+        const int v = (chunk * p.u + u) * 32 + lane;
+        if (u < p.u && v < p.nvec) cp_async16(ring_slot + u * MK_THREADS * 16, base + v, policy);
+    }
+}
+
+// The ring's head: this warp's first MK_STAGES - 1 items of the round starting at row `rs`, one commit group each
+// (empty groups where the warp has fewer items, so that group counting stays uniform).
+__device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nitems, int lane,
+                                               int warp, u32 ring0, u64 policy) {
+#pragma unroll
+    for (int k = 0; k < MK_STAGES - 1; ++k) {
+        const int i = warp + k * MK_NWARPS;
+        if (i < nitems)
+            gemv_issue_async(d, p, rs + i / p.nk, i % p.nk, lane, ring0 + k * MK_UMAX * MK_THREADS * 16, policy);
+        cp_async_commit();
+    }
+}
+
+// Issue the head of this block's first round of a coming GEMV phase before its inputs exist (weights do not
+// depend on them): called between phases, so the loads are in flight across the grid barrier and the
+// phase's prologue (norm, staging). gemv_run(..., head_issued = true) then skips issuing it again.
+__device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
+    const GemvPlan p = gemv_plan(d.K);
+    int r0, r1;
+    block_row_range(d.nrows, d.align, r0, r1);
+    const int nitems = min(p.round, max(0, r1 - r0)) * p.nk;
+    gemv_ring_head(d, p, r0, nitems, tid_x() & 31, tid_x() >> 5, smem_addr(ring + tid_x()), evict_first_policy());
+}
+
+// Same arithmetic in the same order as gemv_consume (results are bit-identical to the register path).
+__device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16* slot, int item, int chunk, int lane,
+                                                  const vec16* xs, float* part) {
+    float acc[MK_NT];
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < MK_UMAX; ++u) {
+        const int v = (chunk * p.u + u) * 32 + lane;
+        if (u < p.u && v < p.nvec) {
+            const vec16 w = slot[u * MK_THREADS];
+#pragma unroll
+            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8(w, xs[t * p.nvec + v]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0) part[t * MK_PART_ROWS + item] = s;
+    }
+}
+#endif
+
 // Multiply this block's rows by xs (shared memory, [MK_NT][K] bf16); after each round of rows, call
 // `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for token t.
+// `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only).
 template <class Finish>
-__device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, float* rowval, Finish finish) {
+__device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, float* rowval, vec16* ring,
+                         bool head_issued, Finish finish) {
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_bf;
     int r0, r1;
     block_row_range(d.nrows, d.align, r0, r1);
+#if MK_STAGES > 0
+    const u64 policy = evict_first_policy();
+    const u32 ring0 = smem_addr(ring + tid_x());
+    const vec16* mine = ring + tid_x();
+#endif
     for (int rs = r0; rs < r1; rs += p.round) {
         const int nr = min(p.round, r1 - rs);
         const int nitems = nr * p.nk;
+#if MK_STAGES > 0
+        // This warp's items are warp, warp + NW, ...; item k lives in slot k % MK_STAGES. One commit group per
+        // item (empty groups past the end keep the count uniform), MK_STAGES - 1 issued ahead of the one used.
+        const int count = warp < nitems ? (nitems - 1 - warp) / MK_NWARPS + 1 : 0;
+        if (!(head_issued && rs == r0)) gemv_ring_head(d, p, rs, nitems, lane, warp, ring0, policy);
+        for (int k = 0; k < count; ++k) {
+            const int kn = k + MK_STAGES - 1;
+            if (kn < count) {
+                const int i = warp + kn * MK_NWARPS;
+                gemv_issue_async(d, p, rs + i / p.nk, i % p.nk, lane,
+                                 ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
+            }
+            cp_async_commit();
+            cp_async_wait<MK_STAGES - 1>();  // item k's group is complete
+            const int i = warp + k * MK_NWARPS;
+            gemv_consume_ring(p, mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS, i, i % p.nk, lane, xs, part);
+        }
+        cp_async_wait<0>();
+#else
         vec16 wa[MK_UMAX], wb[MK_UMAX];
         int i = warp;
         if (i < nitems) gemv_load(d, p, rs + i / p.nk, i % p.nk, lane, wa);
@@ -143,6 +239,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, fl
             gemv_consume(p, wb, j, j % p.nk, lane, xs, part);
             i = k;
         }
+#endif
         __syncthreads();
         for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
             const int t = e / nr, r = e - t * nr;
@@ -170,5 +267,23 @@ __device__ void gemv_prefetch(const GemvDesc& d, int max_bytes) {
         const int row = r0 + li / lines_per_row;
         const int off = (li % lines_per_row) * 128;
         prefetch_l2((const char*)gemv_row(d, row) + off);
+    }
+}
+
+// Variant 1: pull bytes [skip, skip + max_bytes) of block `b`'s share of a coming GEMV phase into L2, counted in
+// whole rows (each row is contiguous; segments and the gate/up interleave are resolved per row). The
+// threads of this block each issue bulk requests of at most MK_PF_PIECE bytes.
+__device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, int max_bytes) {
+    if (max_bytes <= 0 || d.nrows <= 0) return;
+    const int row_bytes = d.K * 2;
+    const int pieces = (row_bytes + MK_PF_PIECE - 1) / MK_PF_PIECE;
+    int r0, r1;
+    row_range_of(b, d.nrows, d.align, r0, r1);
+    const int first = r0 + skip_bytes / row_bytes;
+    const int last = min(r1, first + max(1, max_bytes / row_bytes));
+    for (int it = tid_x(); it < (last - first) * pieces; it += MK_THREADS) {
+        const int row = first + it / pieces, piece = it - (it / pieces) * pieces;
+        const int off = piece * MK_PF_PIECE;
+        prefetch_l2_bytes((const char*)gemv_row(d, row) + off, (unsigned)min(MK_PF_PIECE, row_bytes - off));
     }
 }

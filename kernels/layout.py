@@ -33,7 +33,8 @@ class G(IntEnum):
     TIMEOUT_NS = 18  # barrier watchdog
     NUM_LAYERS = 19
     TOKEN_HIST = 20  # int32 [max_len] or 0: greedy token written at its position
-    COUNT = 21
+    TIMING = 21  # u64 [phases of a step][grid][2] or 0: per-block globaltimer stamps (MK_PHASE_TIMING builds)
+    COUNT = 22
 
 
 class L(IntEnum):

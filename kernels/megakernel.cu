@@ -5,6 +5,13 @@
 // into L2. The grid must be co-resident: the host sizes it from the occupancy query and launches it
 // cooperatively.
 //
+// Compile-time switches (kernels/build.py Tuning): MK_VARIANT 0 is the previous kernel (sleeping barrier
+// spin, per-line prefetch of the block's own rows); 1 spins without sleeping, prefetches with bulk requests
+// on sm_90 and lets the blocks idle during the DeltaNet / attention phases prefetch for every block.
+// MK_STAGES > 0 streams GEMV weights through a shared-memory ring (cp.async, several items per warp in
+// flight, no registers held) and issues each phase's first items before the barrier that precedes it.
+// MK_PHASE_TIMING records per-block globaltimer stamps per phase (kernels/phase_timing.py reads them).
+//
 // Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test.
 #include "common.cuh"
 #include "gemv.cuh"
@@ -28,6 +35,10 @@ struct BlockState {
     int last;  // attention: this block merges its key/value head's chunks
     int flag;  // barrier result
     u64 target;
+    int head;  // the weight ring's first items of this phase were issued before the barrier (MK_STAGES > 0)
+#ifdef MK_PHASE_TIMING
+    u64 t_start;  // globaltimer when this block began the current phase
+#endif
 };
 
 __device__ __forceinline__ unsigned dynamic_smem_size() {
@@ -50,6 +61,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         if (bs.si.pos < 0 || (long long)bs.si.pos + MK_NT > tb.gi(G_KV_CAP)) err = MK_ERR_CONTEXT;
         if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
         bs.err = err;
+        bs.head = 0;
     }
     __syncthreads();
     return bs.err == 0;
@@ -178,7 +190,10 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     // The one copy of the GEMV loop, for every weight-streaming phase.
     float* red = sm.red;
     const Epi& epi = bs.epi;
-    gemv_run(bs.desc, sm.xs, sm.part, sm.rowval,
+    const bool head = bs.head != 0;
+    __syncthreads();  // every thread has read bs.head before thread 0 clears it (also planned below in between)
+    if (tid_x() == 0) bs.head = 0;
+    gemv_run(bs.desc, sm.xs, sm.part, sm.rowval, sm.ring, head,
              [&](int rs, int nr, const float* rowval, int ld) { epi_finish(epi, rs, nr, rowval, ld, red); });
     return true;
 }
@@ -200,24 +215,70 @@ __device__ __forceinline__ void schedule(const Tables& tb, int step, int nl, int
     else phase = PH_MLP_DOWN;
 }
 
-// Between two phases: arrive at the grid barrier, prefetch this block's rows of the next weight-streaming
-// phase into L2, wait. Not inlined: its spin loop inside the step loop made ptxas spill the GEMV loop.
-__device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, int step, int phase, bool had) {
+// Between two phases: arrive at the grid barrier, start the next weight-streaming phase's loads (ring head,
+// L2 prefetch), wait. Not inlined: its spin loop inside the step loop made ptxas spill the GEMV loop.
+__device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, int step, int phase, bool had,
+                                            unsigned char* smem_raw) {
     const int nl = (int)tb.gi(G_NUM_LAYERS);
     int next_phase, next_layer;
     schedule(tb, step + 1, nl, next_phase, next_layer);
     // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights:
     // prefetch the output projection after it.
     if (next_phase == PH_DN_REC || next_phase == PH_ATT) schedule(tb, step + 2, nl, next_phase, next_layer);
-    int budget = MK_PF_BYTES;
-    if (phase == PH_DN_IN || phase == PH_ATT_IN || (!had && (phase == PH_DN_REC || phase == PH_ATT)))
-        budget = MK_PF_IDLE_BYTES;
     const u64 target = grid_arrive(tb.sync, &bs.target);
     if (tid_x() == 0) plan_gemv(tb, bs.si, next_phase, next_layer, bs);
     __syncthreads();
+#if MK_VARIANT == 0
+    int budget = MK_PF_BYTES;
+    if (phase == PH_DN_IN || phase == PH_ATT_IN || (!had && (phase == PH_DN_REC || phase == PH_ATT)))
+        budget = MK_PF_IDLE_BYTES;
     if (bs.gemv) gemv_prefetch(bs.desc, budget);
+#else
+#if MK_STAGES > 0
+    // Start the next weight-streaming phase's first loads now, into the ring: across this barrier, and after
+    // a mixer's input projections across the whole DeltaNet / attention phase too (it does not use the ring),
+    // so they are not issued again at the barrier after it.
+    if (bs.gemv && phase != PH_DN_REC && phase != PH_ATT) {
+        gemv_issue_first_head(bs.desc, carve_smem(smem_raw).ring);
+        if (tid_x() == 0) bs.head = 1;
+    }
+#endif
+    if (bs.gemv) {
+        const int nb = nblocks();
+        int busy = nb;  // blocks with work in the phase just finished
+        if (phase == PH_DN_REC) busy = min(nb, dn_rec_items());
+        if (phase == PH_ATT) busy = min(nb, att_items(bs.si));
+        if (busy == nb) {
+            // After a weight-streaming phase (or a DeltaNet / attention phase that kept every block busy): the
+            // start of this block's own share of the next GEMV, so its first loads after the barrier hit L2.
+            // Early finishers keep HBM busy while the last blocks of this phase finish.
+            // With the weight ring, the head just issued covers about the first GEMV_HEAD_BYTES: start after it.
+            if (phase != PH_DN_REC && phase != PH_ATT)
+                gemv_prefetch_share(bs.desc, bid_x(), GEMV_HEAD_BYTES, MK_PF_BYTES);
+        } else if (!had) {
+            // Blocks without DeltaNet / attention work: the next stretch of EVERY block's share, split over the
+            // idle blocks, so that most of the output projection is in L2 when the few busy blocks finish.
+            const int nidle = nb - busy;
+            for (int b = bid_x() - busy; b < nb; b += nidle)
+                gemv_prefetch_share(bs.desc, b, GEMV_HEAD_BYTES + MK_PF_BYTES, MK_PF_IDLE_BYTES);
+        }
+    }
+#endif
     return grid_wait(tb.sync, target, tb.ctrl, (u64)tb.gi(G_TIMEOUT_NS), step, &bs.flag);
 }
+
+#ifdef MK_PHASE_TIMING
+// Debug builds: per (step, block), when the block began the phase and when its own work in it ended (before
+// the barrier). The host turns these into per-phase time, critical-path work and barrier/wait time.
+__device__ __noinline__ void stamp_phase(const Tables& tb, BlockState& bs, int step) {
+    if (tid_x() != 0) return;
+    u64* tm = tb.gp<u64>(G_TIMING);
+    if (tm == nullptr) return;
+    u64* slot = tm + 2 * ((long long)step * nblocks() + bid_x());
+    slot[0] = bs.t_start;
+    slot[1] = global_timer_ns();
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_decode(const u64* __restrict__ g, const u64* __restrict__ lt, int* ctrl, u64* sync) {
@@ -226,11 +287,25 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     const Tables tb{g, lt, ctrl, sync};
     if (!read_step(tb, bs)) return;
     const int nsteps = 5 * (int)tb.gi(G_NUM_LAYERS) + 2;
+#ifdef MK_PHASE_TIMING
+    if (tid_x() == 0) bs.t_start = global_timer_ns();
+#endif
     for (int step = 0; step < nsteps; ++step) {
         int phase, layer;
         schedule(tb, step, (int)tb.gi(G_NUM_LAYERS), phase, layer);
         const bool had = run_phase(tb, bs, phase, layer, smem_raw);
-        if (step + 1 < nsteps && !between_phases(tb, bs, step, phase, had)) return;
+#ifdef MK_PHASE_TIMING
+        stamp_phase(tb, bs, step);
+#endif
+        if (step + 1 < nsteps && !between_phases(tb, bs, step, phase, had, smem_raw)) {
+#if MK_STAGES > 0
+            cp_async_wait<0>();  // leave no copy into shared memory in flight
+#endif
+            return;
+        }
+#ifdef MK_PHASE_TIMING
+        if (tid_x() == 0) bs.t_start = global_timer_ns();
+#endif
     }
 }
 

@@ -10,13 +10,15 @@
 #define XS_BYTES (((MK_NT * MK_KMAX * 2) + 15) / 16 * 16)
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
 #define RED_FLOATS 64
-#define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4)
+#define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
+#define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4 + RING_BYTES)
 
 struct Smem {
     bf16_t* xs;     // [MK_NT][K] staged GEMV input
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
+    vec16* ring;    // GEMV weight ring (MK_STAGES > 0)
 };
 __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
     Smem s;
@@ -24,6 +26,7 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
     s.part = (float*)(base + XS_BYTES);
     s.rowval = s.part + PART_FLOATS;
     s.red = s.rowval + PART_FLOATS;
+    s.ring = (vec16*)(s.red + RED_FLOATS);
     return s;
 }
 
@@ -282,6 +285,9 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
 #define DN_RPT ((MK_DK + DN_RG - 1) / DN_RG)
 static_assert(2 * MK_DK + MK_THREADS + DN_SW + 4 <= PART_FLOATS, "DeltaNet scratch exceeds shared memory");
 
+// Work items of the recurrence; blocks [items, grid) have none.
+__device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
+
 // Returns whether this block had an item (blocks without one prefetch while they wait).
 __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
@@ -297,7 +303,7 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
     float* S = tb.lp<float>(layer, L_REC_STATE);
     const float qscale = rsqrtf((float)MK_DK);
     const int col = tid % DN_SW, rg = tid / DN_SW;
-    const int nitems = MK_HV * MK_DN_SPLIT;
+    const int nitems = dn_rec_items();
     bool any = false;
     for (int item = bid_x(); item < nitems; item += nblocks()) {
         any = true;
@@ -435,6 +441,15 @@ __device__ __forceinline__ void unpack8(const vec16& v, float (&f)[8]) {
 }
 
 __device__ __forceinline__ int att_max_chunks() { return max(1, (int)nblocks() / MK_KVH); }
+
+// Work items of the attention phase at this step (one per key/value head and chunk of positions); blocks
+// [items, grid) have none. Must match the loop of phase_attention.
+__device__ __forceinline__ int att_items(const StepInfo& si) {
+    const int L = si.pos + MK_NT;
+    const int nch0 = min(att_max_chunks(), (L + MK_ATT_MIN_CHUNK - 1) / MK_ATT_MIN_CHUNK);
+    const int cl = (L + nch0 - 1) / nch0;
+    return MK_KVH * ((L + cl - 1) / cl);
+}
 
 __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;

@@ -65,7 +65,11 @@ class MegakernelRunner:
         self.device = embed.device
         props = torch.cuda.get_device_properties(self.device)
         self.spec = KernelSpec(
-            self.config, props.multi_processor_count, tokens_per_launch, tuning or Tuning()
+            self.config,
+            props.multi_processor_count,
+            tokens_per_launch,
+            tuning or Tuning(),
+            smem_limit=_smem_optin(props, self.device),
         )
         self.tokens_per_launch = tokens_per_launch
         self.ctrl_slots = ctrl_slots(tokens_per_launch)
@@ -74,7 +78,7 @@ class MegakernelRunner:
             self.built: BuiltModule = compile_module(self.spec)
         self.threads = self.spec.tuning.threads
         self.smem = self.spec.smem_bytes
-        limit = getattr(props, "shared_memory_per_block_optin", self.smem)
+        limit = self.spec.smem_limit
         if self.smem > limit:
             raise MegakernelError(
                 f"the kernel needs {self.smem} bytes of shared memory per block for {tokens_per_launch} token(s) "
@@ -92,6 +96,11 @@ class MegakernelRunner:
         )
         self._bound: tuple | None = None
         self._hist: torch.Tensor | None = None
+        # Debug builds (Tuning.phase_timing): per (phase of the step, block) start and end stamps, ns.
+        self._timing: torch.Tensor | None = None
+        if self.spec.tuning.phase_timing:
+            steps = 5 * self.config.num_hidden_layers + 2
+            self._timing = torch.zeros((steps, self.grid, 2), dtype=torch.int64, device=self.device)
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -187,6 +196,7 @@ class MegakernelRunner:
         g[G.TIMEOUT_NS] = self.timeout_ns
         g[G.NUM_LAYERS] = c.num_hidden_layers
         g[G.TOKEN_HIST] = self._hist_ptr()
+        g[G.TIMING] = _ptr(self._timing)
 
         rows = []
         for i, layer in enumerate(m.model.layers):
@@ -354,6 +364,13 @@ class MegakernelRunner:
         self.reset()
         return code, [int(x) for x in arrivals.cpu()]
 
+    def phase_stamps(self) -> np.ndarray:
+        """The last launch's per-phase stamps, [phases of a step, grid, (start, end)] in ns (timing builds)."""
+        if self._timing is None:
+            raise MegakernelError("phase stamps need a runner built with Tuning(phase_timing=True)")
+        torch.cuda.synchronize(self.device)
+        return self._timing.cpu().numpy()
+
     def describe(self) -> dict[str, Any]:
         res = self.built.resources("mk_decode")
         return {
@@ -362,8 +379,24 @@ class MegakernelRunner:
             "smem_bytes": self.smem,
             "compile_s": round(self.built.compile_s, 2),
             "dn_split": self.spec.dn_split,
+            "variant": self.spec.tuning.variant,
+            "stages": self.spec.stages,
+            "smem_limit": self.spec.smem_limit,
             **res,
         }
+
+
+def _smem_optin(props: Any, device: torch.device) -> int:
+    """Opt-in shared memory per block of the GPU (decides whether the GEMV weight ring fits)."""
+    value = getattr(props, "shared_memory_per_block_optin", None)
+    if value:
+        return int(value)
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device(device.index or 0).attributes["MaxSharedMemoryPerBlockOptin"])
+    except Exception:  # unknown: assume the sm_86 limit (the kernel then keeps weights in registers)
+        return 99 * 1024
 
 
 def _weight(module: Any) -> torch.Tensor:

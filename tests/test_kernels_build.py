@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 
+import numpy as np
 import pytest
 import torch
-from onestream.kernels.build import KernelSpec, assemble_source, dn_split, ptxas_report
+from onestream.kernels.build import AUTO_STAGES, KernelSpec, Tuning, assemble_source, dn_split, ptxas_report
 from onestream.kernels.layout import G, L, Phase, ctrl_slots, preamble_defines
+from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
 from onestream.worker.config import ModelConfig
@@ -111,3 +113,58 @@ def test_bench_command_registers() -> None:
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "decode", "--layers", "8", "--skip-hf"])
     assert args.layers == 8 and args.skip_hf and args.func is bench.run_decode
+
+
+def test_weight_ring_only_where_shared_memory_holds_it() -> None:
+    ampere = KernelSpec(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
+    hopper = KernelSpec(config_27b(), num_sms=132, smem_limit=227 * 1024)
+    assert ampere.stages == 0 and ampere.defines()["MK_STAGES"] == 0
+    assert hopper.stages == AUTO_STAGES and hopper.defines()["MK_STAGES"] == AUTO_STAGES
+    t = hopper.tuning
+    assert hopper.smem_bytes == ampere.smem_bytes + AUTO_STAGES * t.umax * t.threads * 16 <= 227 * 1024
+    forced = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(stages=0), smem_limit=227 * 1024)
+    assert forced.stages == 0 and forced.smem_bytes == ampere.smem_bytes
+
+
+def test_variant_and_timing_switches_reach_the_source() -> None:
+    plain = KernelSpec(tiny_config(), num_sms=132).defines()
+    assert plain["MK_VARIANT"] == 1 and "MK_PHASE_TIMING" not in plain
+    old = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(variant=0, phase_timing=True)).defines()
+    assert old["MK_VARIANT"] == 0 and old["MK_PHASE_TIMING"] == 1
+
+
+def test_step_phases_follow_the_layer_kinds() -> None:
+    config = config_27b(4)
+    names = step_phases(config)
+    assert len(names) == 5 * 4 + 2 and names[-2:] == ["lm_head", "finalize"]
+    for layer in range(4):
+        kind = names[5 * layer + 1]
+        assert kind == ("attention" if layer in config.full_attention_layers else "dn_rec")
+
+
+def test_phase_breakdown_from_stamps() -> None:
+    rng = np.random.default_rng()
+    names = ["a", "b", "a", "c"]
+    blocks = 5
+    starts, stamps, t = [], np.zeros((4, blocks, 2), dtype=np.int64), 1000
+    busy = rng.integers(1000, 5000, size=(4, blocks))
+    for s in range(4):
+        depart = t + rng.integers(0, 300, size=blocks)  # blocks leave the barrier at slightly different times
+        stamps[s, :, 0] = depart
+        stamps[s, :, 1] = depart + busy[s]
+        starts.append(depart.min())
+        t = int(stamps[s, :, 1].max()) + 700  # barrier
+    rows = {r.name: r for r in summarise(stamps, names)}
+    assert [r for r in rows] == ["a", "b", "c"] and rows["a"].count == 2
+    span_b = (starts[2] - starts[1]) / 1e3
+    assert rows["b"].span_us == pytest.approx(span_b)
+    assert rows["b"].busy_us == pytest.approx(busy[1].mean() / 1e3)
+    assert rows["b"].critical_us == pytest.approx((stamps[1, :, 1].max() - starts[1]) / 1e3)
+    assert rows["b"].barrier_us == pytest.approx((starts[2] - stamps[1, :, 1].max()) / 1e3)
+    assert rows["c"].barrier_us == 0.0  # the last phase has no barrier after it
+    total = sum(r.total_us for r in rows.values())
+    assert total == pytest.approx((stamps[3, :, 1].max() - starts[0]) / 1e3)
+    text = format_breakdown(list(rows.values()))
+    assert "dn_rec" not in text and "\n   b " in text
+    with pytest.raises(ValueError, match="do not match"):
+        summarise(stamps[:3], names)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from onestream.kernels.build import KernelSpec, nvcc_compile, ptxas_report
+from onestream.kernels.build import KernelSpec, Tuning, nvcc_compile, ptxas_report
 from onestream.kernels.random_model import config_27b
 from onestream.worker.testing import tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 SMS = {"sm_90": 132, "sm_86": 82}
+SMEM = {"sm_90": 227 * 1024, "sm_86": 99 * 1024}  # opt-in shared memory per block
 KERNELS = {"mk_decode", "mk_phase", "mk_barrier_test"}
 
 
@@ -23,10 +24,25 @@ KERNELS = {"mk_decode", "mk_phase", "mk_barrier_test"}
 @pytest.mark.parametrize("shape", ["tiny", "27b"])
 def test_sources_compile(shape: str, arch: str) -> None:
     config = tiny_config() if shape == "tiny" else config_27b()
-    spec = KernelSpec(config, num_sms=SMS[arch])
+    spec = KernelSpec(config, num_sms=SMS[arch], smem_limit=SMEM[arch])
     report = ptxas_report(nvcc_compile(spec, arch))
     assert report.keys() >= KERNELS, report
     for name in KERNELS:
         # One resident block per SM needs the registers of the whole block to fit the register file.
         assert report[name]["registers"] * spec.tuning.threads <= 65536, (name, report[name])
     print(f"\n{shape} {arch}: {report['mk_decode']}")
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [Tuning(variant=0, stages=0), Tuning(phase_timing=True), Tuning(stages=3)],
+    ids=["previous-kernel", "phase-timing", "ring-forced"],
+)
+def test_variants_compile(tuning: Tuning) -> None:
+    """The switches the bench sweeps (the previous kernel, the timing build) and the shared-memory weight ring
+    (sm_80+ cp.async: it compiles for sm_86 too, where it only lacks the room) build for 27B shapes."""
+    for arch in ("sm_90", "sm_86") if tuning.stages == 3 else ("sm_90",):
+        spec = KernelSpec(config_27b(), num_sms=SMS[arch], tuning=tuning, smem_limit=SMEM["sm_90"])
+        report = ptxas_report(nvcc_compile(spec, arch))
+        assert report["mk_decode"]["registers"] * spec.tuning.threads <= 65536, report["mk_decode"]
+        print(f"\n{tuning} {arch}: stages {spec.stages} {report['mk_decode']}")

@@ -5,6 +5,7 @@ copy and streaming-read bandwidth of the GPU measured in the same run. Needs a C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,7 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--skip-27b", action="store_true", help="only the small model")
     decode.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate")
     decode.add_argument(
-        "--sweep", action="store_true", help="also time kernel variants (prefetch off, 512 threads)"
+        "--sweep",
+        action="store_true",
+        help="also time kernel variants (the previous kernel, register buffers, ring shape, L2 prefetch off) and "
+        "per-phase timing builds of the new and the previous kernel",
     )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
@@ -54,8 +58,13 @@ def run_decode(args: argparse.Namespace) -> int:
     if not args.skip_27b:
         tunings = {"default": Tuning()}
         if args.sweep:
-            tunings["no prefetch"] = Tuning(pf_bytes=0, pf_idle_bytes=0)
-            tunings["512 threads, 4 loads"] = Tuning(threads=512, umax=4)
+            previous = Tuning(variant=0, stages=0, pf_bytes=32 * 1024, pf_idle_bytes=128 * 1024)
+            tunings["previous kernel (variant 0, register buffers)"] = previous
+            tunings["variant 1, register buffers"] = Tuning(stages=0)
+            tunings["ring of 6 x 4 loads"] = Tuning(umax=4, stages=6)
+            tunings["no L2 prefetch"] = Tuning(pf_bytes=0, pf_idle_bytes=0)
+            tunings["phase timing"] = Tuning(phase_timing=True)
+            tunings["phase timing, variant 0"] = dataclasses.replace(previous, phase_timing=True)
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
         results.append(
             bench_model(

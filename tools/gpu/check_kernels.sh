@@ -3,6 +3,7 @@
 #   run: bash tools/gpu/check_kernels.sh [quick]
 # Logs go to $OUT (the device tool brings them back), or to /tmp/onestream-gpu-logs elsewhere. Each stage has its own time
 # limit and runs in its own process, so a failing stage still leaves the others' results.
+# The stage limits (140 + 180 + 85 s, overridable: TEST_TIMEOUT, BENCH_TIMEOUT, KLD_TIMEOUT) fit a 420 s device call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/onestream-gpu-logs}
@@ -30,7 +31,7 @@ cd "$PKG"
 } 2>&1 | tee "$OUT/env.log"
 
 echo "== GPU tests" | tee -a "$OUT/env.log"
-timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_kernels_gpu.py" 2>&1 | tee "$OUT/tests.log"
+timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_kernels_gpu.py" 2>&1 | tee "$OUT/tests.log"
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 
 if [ "$MODE" = quick ]; then
@@ -47,7 +48,7 @@ echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 TOKENS=${KLD_TOKENS:-$REPO/.data/eval/heldout_tokens.txt}
 if [ "$MODE" != quick ] && [ -f "$TOKENS" ]; then
   echo "== eval kld megakernel vs reference" | tee -a "$OUT/env.log"
-  timeout "${KLD_TIMEOUT:-150}" python3 -m onestream eval kld --backend megakernel --against reference \
+  timeout "${KLD_TIMEOUT:-85}" python3 -m onestream eval kld --backend megakernel --against reference \
     --tokens "$TOKENS" --ctx 512 2>&1 | tee "$OUT/kld.log"
   echo "kld exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 fi

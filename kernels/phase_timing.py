@@ -1,0 +1,84 @@
+"""Where a decode step's time goes: per-phase figures from the stamps of a timing build of the megakernel.
+
+A build with `Tuning(phase_timing=True)` makes every block record, for every phase of the step, the
+globaltimer when it began the phase (kernel start or leaving the previous barrier) and when its own work
+in it ended (arrival at the next barrier). From those: the phase's span (first start to the next phase's
+first start: work plus barrier), its critical path (first start to the last block's end), the mean time a
+block was busy, the finishing spread across blocks (tail / imbalance), and the barrier gap (the last
+arrival to the first departure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onestream.worker.config import ModelConfig
+
+_LINEAR = ("dn_in", "dn_rec", "dn_out", "mlp_in", "mlp_down")
+_FULL = ("att_in", "attention", "att_out", "mlp_in", "mlp_down")
+
+
+def step_phases(config: ModelConfig) -> list[str]:
+    """The phase name of every step of the kernel's schedule (megakernel.cu `schedule`), in order."""
+    full = set(config.full_attention_layers)
+    names: list[str] = []
+    for layer in range(config.num_hidden_layers):
+        names += _FULL if layer in full else _LINEAR
+    return [*names, "lm_head", "finalize"]
+
+
+@dataclass
+class PhaseRow:
+    name: str
+    count: int  # phases of this kind in one step
+    total_us: float  # sum of spans
+    span_us: float  # per phase: start to the next phase's start
+    critical_us: float  # per phase: first start to the last block's end
+    busy_us: float  # per phase: mean over blocks of (end - start)
+    spread_us: float  # per phase: last block's end minus first block's end
+    barrier_us: float  # per phase: last end to the next phase's first start
+
+
+def summarise(stamps: np.ndarray, names: list[str]) -> list[PhaseRow]:
+    """Per-kind figures from stamps [steps, blocks, (start, end)] in ns; kinds in order of first appearance."""
+    if stamps.ndim != 3 or stamps.shape[2] != 2 or stamps.shape[0] != len(names):
+        raise ValueError(f"stamps of shape {stamps.shape} do not match {len(names)} phases x blocks x 2")
+    t = stamps.astype(np.float64) / 1e3
+    start_min = t[:, :, 0].min(axis=1)
+    end_max = t[:, :, 1].max(axis=1)
+    end_min = t[:, :, 1].min(axis=1)
+    next_start = np.append(start_min[1:], end_max[-1])
+    span = next_start - start_min
+    rows: dict[str, PhaseRow] = {}
+    for s, name in enumerate(names):
+        row = rows.setdefault(name, PhaseRow(name, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        row.count += 1
+        row.total_us += span[s]
+        row.critical_us += end_max[s] - start_min[s]
+        row.busy_us += float(np.mean(t[s, :, 1] - t[s, :, 0]))
+        row.spread_us += end_max[s] - end_min[s]
+        row.barrier_us += next_start[s] - end_max[s]
+    for row in rows.values():
+        row.span_us = row.total_us / row.count
+        for attr in ("critical_us", "busy_us", "spread_us", "barrier_us"):
+            setattr(row, attr, getattr(row, attr) / row.count)
+    return list(rows.values())
+
+
+def format_breakdown(rows: list[PhaseRow], ms_per_token: float | None = None) -> str:
+    total = sum(r.total_us for r in rows)
+    head = f"   per-phase breakdown of one step (globaltimer stamps): phases sum to {total / 1e3:.3f} ms"
+    if ms_per_token:
+        head += f" of {ms_per_token:.3f} ms/token measured (timing build)"
+    lines = [
+        head,
+        f"   {'phase':10s} {'n':>4s} {'total ms':>9s} {'share':>6s} {'span us':>8s} {'crit us':>8s} "
+        f"{'busy us':>8s} {'spread':>7s} {'barrier':>8s}",
+    ]
+    for r in rows:
+        lines.append(
+            f"   {r.name:10s} {r.count:4d} {r.total_us / 1e3:9.3f} {100 * r.total_us / max(total, 1e-9):5.1f}% "
+            f"{r.span_us:8.2f} {r.critical_us:8.2f} {r.busy_us:8.2f} {r.spread_us:7.2f} {r.barrier_us:8.2f}"
+        )
+    return "\n".join(lines)
