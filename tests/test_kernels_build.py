@@ -8,7 +8,15 @@ import re
 import numpy as np
 import pytest
 import torch
-from onestream.kernels.build import AUTO_STAGES, KernelSpec, Tuning, assemble_source, dn_split, ptxas_report
+from onestream.kernels.build import (
+    AUTO_STAGES,
+    FP32_ACT_ENV,
+    KernelSpec,
+    Tuning,
+    assemble_source,
+    dn_split,
+    ptxas_report,
+)
 from onestream.kernels.layout import G, L, Phase, ctrl_slots, preamble_defines
 from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
 from onestream.kernels.random_model import config_27b, random_model
@@ -131,6 +139,37 @@ def test_variant_and_timing_switches_reach_the_source() -> None:
     assert plain["MK_VARIANT"] == 1 and "MK_PHASE_TIMING" not in plain
     old = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(variant=0, phase_timing=True)).defines()
     assert old["MK_VARIANT"] == 0 and old["MK_PHASE_TIMING"] == 1
+
+
+def test_activation_precision_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FP32_ACT_ENV, raising=False)
+    assert Tuning().fp32_act and KernelSpec(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 1
+    monkeypatch.setenv(FP32_ACT_ENV, "0")
+    assert not Tuning().fp32_act
+    assert KernelSpec(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 0
+    assert Tuning(fp32_act=True).fp32_act  # an explicit choice wins over the environment
+    monkeypatch.setenv(FP32_ACT_ENV, "maybe")
+    with pytest.raises(ValueError, match=FP32_ACT_ENV):
+        Tuning()
+    # The two precisions are different programs: the source text differs only in the switch.
+    monkeypatch.delenv(FP32_ACT_ENV)
+    a = assemble_source(KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=True)))
+    b = assemble_source(KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=False)))
+    diff = [(x, y) for x, y in zip(a.splitlines(), b.splitlines(), strict=True) if x != y]
+    assert diff == [("#define MK_FP32_ACT 1", "#define MK_FP32_ACT 0")]
+
+
+def test_dynamic_row_switch_reaches_the_source_and_checks_its_knobs() -> None:
+    assert KernelSpec(tiny_config(), num_sms=132).defines()["MK_DYN"] == 0
+    spec = KernelSpec(
+        tiny_config(), num_sms=132, tuning=Tuning(dynamic=True, dyn_static_pct=70, dyn_tile_bytes=8192)
+    )
+    d = spec.defines()
+    assert (d["MK_DYN"], d["MK_DYN_STATIC_PCT"], d["MK_DYN_TILE_BYTES"]) == (1, 70, 8192)
+    with pytest.raises(ValueError, match="dyn_static_pct"):
+        Tuning(dynamic=True, dyn_static_pct=101)
+    with pytest.raises(ValueError, match="dyn_tile_bytes"):
+        Tuning(dynamic=True, dyn_tile_bytes=0)
 
 
 def test_step_phases_follow_the_layer_kinds() -> None:

@@ -35,11 +35,17 @@ def test_sources_compile(shape: str, arch: str) -> None:
 
 @pytest.mark.parametrize(
     "tuning",
-    [Tuning(variant=0, stages=0), Tuning(phase_timing=True), Tuning(stages=3)],
-    ids=["previous-kernel", "phase-timing", "ring-forced"],
+    [
+        Tuning(variant=0, stages=0),
+        Tuning(phase_timing=True),
+        Tuning(stages=3),
+        Tuning(fp32_act=False),
+        Tuning(dynamic=True),
+    ],
+    ids=["previous-kernel", "phase-timing", "ring-forced", "bf16-activations", "dynamic-rows"],
 )
 def test_variants_compile(tuning: Tuning) -> None:
-    """The switches the bench sweeps (the previous kernel, the timing build) and the shared-memory weight ring
+    """The switches the bench sweeps (the previous kernel, the timing build, bf16 activations, dynamic rows) and the shared-memory weight ring
     (sm_80+ cp.async: it compiles for sm_86 too, where it only lacks the room) build for 27B shapes."""
     for arch in ("sm_90", "sm_86") if tuning.stages == 3 else ("sm_90",):
         spec = KernelSpec(config_27b(), num_sms=SMS[arch], tuning=tuning, smem_limit=SMEM["sm_90"])

@@ -5,7 +5,6 @@ copy and streaming-read bandwidth of the GPU measured in the same run. Needs a C
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--sweep",
         action="store_true",
-        help="also time kernel variants (the previous kernel, register buffers, ring shape, L2 prefetch off) and "
-        "per-phase timing builds of the new and the previous kernel",
+        help="also time kernel variants (bf16 activations, dynamic row scheduling) and per-phase timing builds "
+        "of the default and the dynamic kernel",
     )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
@@ -58,13 +57,14 @@ def run_decode(args: argparse.Namespace) -> int:
     if not args.skip_27b:
         tunings = {"default": Tuning()}
         if args.sweep:
-            previous = Tuning(variant=0, stages=0, pf_bytes=32 * 1024, pf_idle_bytes=128 * 1024)
-            tunings["previous kernel (variant 0, register buffers)"] = previous
-            tunings["variant 1, register buffers"] = Tuning(stages=0)
-            tunings["ring of 6 x 4 loads"] = Tuning(umax=4, stages=6)
-            tunings["no L2 prefetch"] = Tuning(pf_bytes=0, pf_idle_bytes=0)
+            # Run 4: the numerics switch (the default keeps activations in fp32) and dynamic row scheduling.
+            tunings["bf16 activations (run-3 numerics)"] = Tuning(fp32_act=False)
+            tunings["dynamic rows (80 % static, 96 KB tiles)"] = Tuning(dynamic=True)
+            tunings["dynamic rows (60 % static, 48 KB tiles)"] = Tuning(
+                dynamic=True, dyn_static_pct=60, dyn_tile_bytes=48 * 1024
+            )
             tunings["phase timing"] = Tuning(phase_timing=True)
-            tunings["phase timing, variant 0"] = dataclasses.replace(previous, phase_timing=True)
+            tunings["phase timing, dynamic rows"] = Tuning(dynamic=True, phase_timing=True)
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
         results.append(
             bench_model(

@@ -1,0 +1,348 @@
+"""The card registry: one card actor per GPU (or CPU card slot) of every live Ray node, kept healthy.
+
+- Discovery: every `discovery_interval_s` it reads `ray.nodes()`; a node offering card slots (GPUs, or
+  the `onestream_cpu_card` resource for CPU cards) gets one actor per slot, pinned to that node. A node
+  that joins while serving has its cards added; a node that leaves has its cards removed.
+- Health: free cards are pinged every `health_interval_s` with a timeout. The router reports cards that
+  die or hang mid-stream. A failed card goes DOWN in the scheduler (its sessions lose their home); a
+  hung one is killed so that Ray restarts it; once the restarted actor answers `ready`, the card rejoins.
+  An actor out of restarts is dropped and its slot refilled by discovery.
+- Every call to an actor has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from onestream.worker.card import CPU_CARD_RESOURCE, NODE_ID_CHARS, CardActor, CardIdentity, CardSettings
+from ray.exceptions import ActorUnavailableError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .config import PoolConfig
+from .policy import CardPhase, Scheduler
+
+log = logging.getLogger(__name__)
+
+STARTING, UP, RECOVERING = "starting", "up", "recovering"
+RECREATE_BACKOFF_S = 10.0  # before refilling a slot whose actor died for good
+
+
+@dataclass
+class CardRecord:
+    """One card slot: a node and the slot's index on it, the actor serving it, and what we know of it."""
+
+    node_id: str
+    slot: int
+    actor: Any  # ray ActorHandle
+    state: str = STARTING
+    identity: CardIdentity | None = None
+    restarts: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.node_id, self.slot)
+
+    @property
+    def card_id(self) -> str:
+        if self.identity is not None:
+            return self.identity.card_id
+        return f"{self.node_id[:NODE_ID_CHARS]}/{self.slot}/starting"
+
+
+class CardRegistry:
+    def __init__(self, config: PoolConfig, scheduler: Scheduler, on_change: Callable[[], None]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self._on_change = on_change
+        self._records: dict[tuple[str, int], CardRecord] = {}
+        self._by_card: dict[str, CardRecord] = {}
+        self._dead_slots: dict[tuple[str, int], float] = {}  # slot -> monotonic time it may be refilled
+        self._loops: list[asyncio.Task[None]] = []
+        self._card_ready = asyncio.Event()
+        self.model_info: dict[str, Any] | None = None
+        self._sd_snapshot: list[dict[str, Any]] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.discover()
+        self._loops = [
+            asyncio.create_task(
+                self._every(self.config.discovery_interval_s, self.discover), name="card-discovery"
+            ),
+            asyncio.create_task(
+                self._every(self.config.health_interval_s, self.check_health), name="card-health"
+            ),
+        ]
+
+    async def wait_until_ready(self, count: int, timeout_s: float) -> None:
+        """Wait until `count` cards serve (and the model info is known)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.live_cards()) < count or self.model_info is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{len(self.live_cards())} of {count} cards ready after {timeout_s:.0f}s; "
+                    f"cards: {[(r.card_id, r.state) for r in self._records.values()]}"
+                )
+            self._card_ready.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._card_ready.wait(), min(remaining, 1.0))
+
+    async def stop(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        for record in list(self._records.values()):
+            self._drop(record, kill=True)
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        self._loops = []
+
+    async def _every(self, interval_s: float, step: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await step()
+            except Exception:
+                log.exception("card registry: %s failed", getattr(step, "__name__", step))
+
+    # ---- discovery ------------------------------------------------------------------------------
+    def _slots(self, node: dict[str, Any]) -> int:
+        resources = node.get("Resources") or {}
+        name = CPU_CARD_RESOURCE if self.config.cpu_cards is not None else "GPU"
+        return int(resources.get(name, 0))
+
+    async def discover(self) -> None:
+        nodes = await asyncio.to_thread(ray.nodes)
+        alive = {n["NodeID"]: n for n in nodes if n.get("Alive")}
+        for record in list(self._records.values()):
+            if record.node_id not in alive:
+                log.warning("card %s: node %s left the cluster", record.card_id, record.node_id)
+                self._drop(record, kill=True)
+        self._dead_slots = {k: t for k, t in self._dead_slots.items() if k[0] in alive}
+        now = time.monotonic()
+        for node_id, node in alive.items():
+            for slot in range(self._slots(node)):
+                key = (node_id, slot)
+                if key in self._records or self._dead_slots.get(key, 0.0) > now:
+                    continue
+                self._dead_slots.pop(key, None)
+                self._create(node_id, slot)
+
+    def _create(self, node_id: str, slot: int) -> None:
+        cpu = self.config.cpu_cards is not None
+        settings = CardSettings(
+            model_dir=str(self.config.model_dir),
+            cpu=cpu,
+            slot=slot,
+            backend=self.config.backend,
+            dtype=self.config.dtype,
+            torch_threads=self.config.card_torch_threads,
+            metrics_host=self.config.card_metrics_host,
+            engine_options=dict(self.config.engine_options),
+        )
+        placement: dict[str, Any] = {"resources": {CPU_CARD_RESOURCE: 1}} if cpu else {"num_gpus": 1}
+        actor = (
+            ray.remote(CardActor)
+            .options(
+                num_cpus=0,
+                **placement,
+                max_restarts=self.config.max_restarts,
+                max_task_retries=0,  # a generation is at most once; the router decides on retries
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                namespace=self.config.ray_namespace,
+            )
+            .remote(settings)
+        )
+        record = CardRecord(node_id=node_id, slot=slot, actor=actor)
+        self._records[record.key] = record
+        log.info("card slot %s/%d: actor created", node_id[:NODE_ID_CHARS], slot)
+        record.task = asyncio.create_task(self._bring_up(record, self.config.card_start_timeout_s))
+        self._changed()
+
+    async def _bring_up(self, record: CardRecord, timeout_s: float, *, replacing: str | None = None) -> None:
+        """Wait for the (re)started actor to answer `ready`, then put the card in the scheduler. With
+        `replacing` (the incarnation of a process we killed), only a new incarnation counts: the old
+        process may still answer for a moment before the kill lands."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                identity: CardIdentity = await asyncio.wait_for(
+                    record.actor.ready.remote(), max(deadline - time.monotonic(), 0.1)
+                )
+                if replacing is None or identity.incarnation != replacing:
+                    break
+                raise ActorUnavailableError("the killed process still answers")
+            except ActorUnavailableError:  # restarting: try again shortly
+                if time.monotonic() > deadline:
+                    self._give_up(record, f"did not come back within {timeout_s:.0f}s")
+                    return
+                await asyncio.sleep(0.5)
+            except RayError as e:  # died for good, or cannot be placed
+                self._give_up(record, f"died while starting: {_first_line(e)}")
+                return
+            except asyncio.TimeoutError:
+                self._give_up(record, f"did not start within {timeout_s:.0f}s")
+                return
+        if self.model_info is None:
+            with contextlib.suppress(Exception):
+                self.model_info = await asyncio.wait_for(
+                    record.actor.model_info.remote(), self.config.call_timeout_s
+                )
+        if record.key not in self._records:
+            return  # dropped meanwhile
+        if record.identity is not None and record.identity.card_id != identity.card_id:
+            self._by_card.pop(record.identity.card_id, None)
+            self.scheduler.remove_card(record.identity.card_id)
+        record.identity = identity
+        record.state = UP
+        self._by_card[identity.card_id] = record
+        self.scheduler.add_card(identity.card_id)
+        log.info("card %s: serving (metrics at %s)", identity.card_id, identity.metrics_endpoint)
+        self._card_ready.set()
+        self._changed()
+
+    def _give_up(self, record: CardRecord, why: str) -> None:
+        log.error("card %s %s; its slot is refilled in %.0fs", record.card_id, why, RECREATE_BACKOFF_S)
+        self._dead_slots[record.key] = time.monotonic() + RECREATE_BACKOFF_S
+        self._drop(record, kill=True)
+
+    def _drop(self, record: CardRecord, *, kill: bool) -> None:
+        self._records.pop(record.key, None)
+        if record.identity is not None:
+            self._by_card.pop(record.identity.card_id, None)
+            self.scheduler.remove_card(record.identity.card_id)
+        if record.task is not None and record.task is not asyncio.current_task():
+            record.task.cancel()
+        if kill:
+            with contextlib.suppress(Exception):
+                ray.kill(record.actor, no_restart=True)
+        self._changed()
+
+    # ---- failures -------------------------------------------------------------------------------
+    def report_failure(self, card_id: str, what: str, *, hung: bool) -> None:
+        """A card died or hung: take it out of service and wait for its actor to come back."""
+        record = self._by_card.get(card_id)
+        if record is None or record.state != UP:
+            return
+        log.warning("card %s %s; restarting it", card_id, what)
+        record.state = RECOVERING
+        record.restarts += 1
+        self.scheduler.card_down(card_id)
+        replacing = None
+        if hung:
+            with contextlib.suppress(Exception):
+                ray.kill(record.actor, no_restart=False)  # Ray restarts it (max_restarts)
+            if record.identity is not None:
+                replacing = record.identity.incarnation
+                # ray.kill asks the actor's own process to exit; a wedged process may never do so.
+                _kill_on_node(record.identity.node_id, record.identity.pid)
+        record.task = asyncio.create_task(
+            self._bring_up(record, self.config.card_start_timeout_s, replacing=replacing)
+        )
+        self._changed()
+
+    async def check_health(self) -> None:
+        """Ping every free card; a changed incarnation means the actor restarted and lost its cache."""
+        free = [
+            r
+            for r in self._records.values()
+            if r.state == UP and self.scheduler.phase(r.card_id) == CardPhase.FREE
+        ]
+        results = await asyncio.gather(*(self._ping(r) for r in free))
+        for record, (ok, what, hung) in zip(free, results, strict=True):
+            if not ok and record.state == UP:
+                self.report_failure(record.card_id, what, hung=hung)
+
+    async def _ping(self, record: CardRecord) -> tuple[bool, str, bool]:
+        try:
+            incarnation = await asyncio.wait_for(record.actor.ping.remote(), self.config.call_timeout_s)
+        except asyncio.TimeoutError:
+            return False, f"did not answer a ping within {self.config.call_timeout_s:.0f}s", True
+        except RayError as e:
+            return False, f"is unreachable: {_first_line(e)}", False
+        if record.identity is not None and incarnation != record.identity.incarnation:
+            return False, "restarted (its cache is gone)", False
+        return True, "", False
+
+    # ---- lookups --------------------------------------------------------------------------------
+    def actor(self, card_id: str) -> Any:
+        record = self._by_card.get(card_id)
+        if record is None:
+            raise KeyError(card_id)
+        return record.actor
+
+    def identity(self, card_id: str) -> CardIdentity | None:
+        record = self._by_card.get(card_id)
+        return record.identity if record else None
+
+    def records(self) -> list[CardRecord]:
+        return sorted(self._records.values(), key=lambda r: (r.node_id, r.slot))
+
+    def live_cards(self) -> list[str]:
+        return [r.card_id for r in self._records.values() if r.state == UP]
+
+    def state_counts(self) -> dict[str, int]:
+        """Cards by the router metric's states: starting and recovering cards count as down."""
+        counts = {"free": 0, "busy": 0, "down": 0}
+        phases = self.scheduler.card_phases()
+        for record in self._records.values():
+            phase = phases.get(record.card_id) if record.state == UP else None
+            counts[phase.value if phase is not None else "down"] += 1
+        return counts
+
+    def sd_targets(self) -> list[dict[str, Any]]:
+        """Prometheus HTTP SD target groups of the live cards (read from the metrics thread)."""
+        return self._sd_snapshot
+
+    def _changed(self) -> None:
+        groups = []
+        for record in self.records():
+            ident = record.identity
+            if ident is None or record.state != UP:
+                continue
+            groups.append(
+                {
+                    "targets": [ident.metrics_endpoint],
+                    "labels": {
+                        "role": "card",
+                        "__meta_onestream_card": ident.card_id,
+                        "__meta_onestream_node": ident.node_short,
+                        "__meta_onestream_node_ip": ident.node_ip,
+                        "__meta_onestream_gpu_index": str(ident.gpu_index),
+                        "__meta_onestream_gpu_uuid": ident.gpu_uuid,
+                    },
+                }
+            )
+        self._sd_snapshot = groups
+        self._on_change()
+
+
+def _kill_process(pid: int) -> bool:
+    import os
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_on_node(node_id: str, pid: int) -> None:
+    """SIGKILL a card's process from a small task on its node (fire and forget): Ray then sees the
+    actor die and restarts it."""
+    ray.remote(num_cpus=0, max_retries=0)(_kill_process).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ).remote(pid)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,40 @@
+"""Settings of a pool: where it listens, how cards are placed, and every timeout of the router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PoolConfig:
+    model_dir: str
+    grpc_address: str = "127.0.0.1:50051"  # port 0 picks a free port
+    metrics_address: str = "127.0.0.1:9400"  # the router's /metrics and /sd; port 0 picks a free port
+    # Cards: one per GPU of every node; or, with `cpu_cards`, CPU engines where nodes advertise the
+    # `onestream_cpu_card` resource (a locally started Ray node advertises `cpu_cards` of them).
+    cpu_cards: int | None = None
+    backend: str = "auto"
+    dtype: str | None = None
+    card_torch_threads: int | None = None
+    card_metrics_host: str | None = None  # None: each node's IP address
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    max_restarts: int = 3  # Ray restarts of a dead card actor before it is recreated from scratch
+    ray_namespace: str = "onestream"
+    # Scheduling (cluster/policy.py).
+    queue_capacity: int = 256
+    home_wait_s: float = 2.0
+    session_ttl_s: float = 6 * 3600.0
+    queue_timeout_s: float = 600.0  # longest a request waits for a card without its own deadline
+    retries_before_first_token: int = 1  # a card that fails before sending a token: retry elsewhere
+    # Timeouts of calls to card actors.
+    call_timeout_s: float = 10.0  # ping, listings, close_session
+    card_start_timeout_s: float = 900.0  # actor start and model load
+    first_token_timeout_s: float = 600.0  # a long prompt's prefill on a slow card
+    token_timeout_s: float = 60.0  # between two items of a stream; longer is a hung card
+    # Background loops.
+    health_interval_s: float = 5.0
+    discovery_interval_s: float = 5.0
+    # Shutdown.
+    drain_timeout_s: float = 300.0
+    stop_grace_s: float = 5.0

@@ -1,0 +1,282 @@
+"""Prometheus metrics of a card and of the router; names and labels are docs/metrics.md's contract."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# No `*_created` series next to every counter and histogram (as vLLM): they double the series count and
+# no dashboard reads them. Process-wide, which suits the card and router processes.
+prometheus_client.disable_created_metrics()
+
+CARD_LABELS = ("node", "gpu_index", "gpu_uuid", "model")
+
+# Seconds. Time to first token spans a cached short suffix (ms) to a long CPU prefill (minutes).
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+INTER_TOKEN_BUCKETS = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+)
+REQUEST_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+QUEUE_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+
+
+class CardMetrics:
+    """One card's series, in its own registry (served by the card's /metrics). Thread-safe."""
+
+    FINISH_REASONS = ("stop", "length", "cancelled")
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        gpu_index: int,
+        gpu_uuid: str,
+        model: str,
+        backend: str,
+        device_name: str,
+        spec_k: int = 0,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        card = {"node": node, "gpu_index": str(gpu_index), "gpu_uuid": gpu_uuid, "model": model}
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, CARD_LABELS, registry=r).labels(**card)
+
+        self.generation_tokens = counter("onestream_generation_tokens", "Tokens generated.")
+        self.prompt_tokens = counter("onestream_prompt_tokens", "Prompt tokens received.")
+        self.cached_prompt_tokens = counter(
+            "onestream_cached_prompt_tokens", "Prompt tokens served from the session cache."
+        )
+        self.prefill_tokens = counter("onestream_prefill_tokens", "Prompt tokens actually computed.")
+        self.drafts = counter("onestream_spec_decode_num_drafts", "Speculative cycles.")
+        self.draft_tokens = counter("onestream_spec_decode_num_draft_tokens", "Drafted tokens.")
+        self.accepted_tokens = counter(
+            "onestream_spec_decode_num_accepted_tokens", "Accepted drafted tokens."
+        )
+        self._requests = Counter(
+            "onestream_requests", "Finished generations.", (*CARD_LABELS, "finish_reason"), registry=r
+        )
+        self._accepted_per_pos = Counter(
+            "onestream_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens, by draft position (0-based).",
+            (*CARD_LABELS, "position"),
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "onestream_time_to_first_token_seconds",
+            "Request start on the card to its first token.",
+            CARD_LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(**card)
+        self.inter_token_latency = Histogram(
+            "onestream_inter_token_latency_seconds",
+            "Time between streamed tokens.",
+            CARD_LABELS,
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**card)
+        self.e2e_request_latency = Histogram(
+            "onestream_e2e_request_latency_seconds",
+            "Whole request on the card.",
+            CARD_LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        ).labels(**card)
+        self.busy = Gauge("onestream_card_busy", "1 while generating.", CARD_LABELS, registry=r).labels(
+            **card
+        )
+        self.cached_sessions = Gauge(
+            "onestream_cached_sessions", "Sessions whose state the card holds.", CARD_LABELS, registry=r
+        ).labels(**card)
+        self.cached_session_bytes = Gauge(
+            "onestream_cached_session_bytes", "Memory those sessions hold.", CARD_LABELS, registry=r
+        ).labels(**card)
+        Gauge(
+            "onestream_card_info",
+            "Card identity, for joins.",
+            (*CARD_LABELS, "backend", "device_name"),
+            registry=r,
+        ).labels(**card, backend=backend, device_name=device_name).set(1)
+        self._card = card
+        # Labelled series exist at zero from the start: a series born at its first increment hides that
+        # increment from rate() and increase().
+        for reason in self.FINISH_REASONS:
+            self.requests(reason)
+        for position in range(spec_k):
+            self._accepted_per_pos.labels(**card, position=str(position))
+
+    def requests(self, finish_reason: str) -> Counter:
+        return self._requests.labels(**self._card, finish_reason=finish_reason)
+
+    def observe_finished(
+        self,
+        *,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_prompt_tokens: int,
+        drafts: int,
+        draft_tokens: int,
+        accepted_draft_tokens: int,
+        accepted_per_position: Iterable[int],
+        time_to_first_token_s: float | None,
+        inter_token_s: Iterable[float],
+        total_s: float | None,
+    ) -> None:
+        """Everything but generated tokens, which are counted as they stream."""
+        self.requests(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        self.prefill_tokens.inc(max(prompt_tokens - cached_prompt_tokens, 0))
+        self.drafts.inc(drafts)
+        self.draft_tokens.inc(draft_tokens)
+        self.accepted_tokens.inc(accepted_draft_tokens)
+        for position, accepted in enumerate(accepted_per_position):
+            self._accepted_per_pos.labels(**self._card, position=str(position)).inc(accepted)
+        if time_to_first_token_s is not None:
+            self.time_to_first_token.observe(time_to_first_token_s)
+        for gap in inter_token_s:
+            self.inter_token_latency.observe(gap)
+        if total_s is not None:
+            self.e2e_request_latency.observe(total_s)
+
+    def set_sessions(self, count: int, nbytes: int) -> None:
+        self.cached_sessions.set(count)
+        self.cached_session_bytes.set(nbytes)
+
+
+class RouterMetrics:
+    """The router's series (labels: model), in its own registry."""
+
+    REJECTION_REASONS = ("queue_full", "invalid_argument", "deadline", "draining", "no_cards")
+    MISS_REASONS = ("new_session", "home_busy", "home_gone")
+    CARD_STATES = ("free", "busy", "down")
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.model = model
+        self.queue_depth = Gauge(
+            "onestream_router_queue_depth", "Requests waiting for a card.", ("model",), registry=r
+        ).labels(model=model)
+        self.queue_time = Histogram(
+            "onestream_request_queue_time_seconds",
+            "Time from arrival to a card.",
+            ("model",),
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        ).labels(model=model)
+        self._rejections = Counter(
+            "onestream_router_rejections", "Rejected requests.", ("model", "reason"), registry=r
+        )
+        self.affinity_hits = Counter(
+            "onestream_router_affinity_hits",
+            "Turns served by the session's home card.",
+            ("model",),
+            registry=r,
+        ).labels(model=model)
+        self._affinity_misses = Counter(
+            "onestream_router_affinity_misses",
+            "Turns moved or placed fresh.",
+            ("model", "reason"),
+            registry=r,
+        )
+        self._cards = Gauge("onestream_router_cards", "Cards by state.", ("model", "state"), registry=r)
+        self.sessions = Gauge(
+            "onestream_router_sessions", "Sessions with a home card.", ("model",), registry=r
+        ).labels(model=model)
+        # Zero series exist from the start, so that rate() and dashboards see them before the first event.
+        for reason in self.REJECTION_REASONS:
+            self._rejections.labels(model=model, reason=reason)
+        for reason in self.MISS_REASONS:
+            self._affinity_misses.labels(model=model, reason=reason)
+        for state in self.CARD_STATES:
+            self._cards.labels(model=model, state=state)
+
+    def rejected(self, reason: str) -> None:
+        self._rejections.labels(model=self.model, reason=reason).inc()
+
+    def affinity(self, outcome: str) -> None:
+        if outcome == "hit":
+            self.affinity_hits.inc()
+        else:
+            self._affinity_misses.labels(model=self.model, reason=outcome).inc()
+
+    def set_cards(self, counts: Mapping[str, int]) -> None:
+        for state in self.CARD_STATES:
+            self._cards.labels(model=self.model, state=state).set(counts.get(state, 0))

@@ -1,0 +1,295 @@
+"""Which card serves which turn: the pool's scheduling policy.
+
+Every card runs one generation at a time. The router keeps, for each session, its *home*: the card that
+served its last turn and so holds its cache (the engine's session state: KV caches, DeltaNet state, token
+history). A turn sent anywhere else re-prefills its whole prompt; a turn sent home prefills only what is
+new. The policy, in order:
+
+1. A turn whose home card is free goes home (an affinity *hit*).
+2. A new session, a one-off request or a session whose home died goes to a free card, preferring the card
+   holding the fewest warm sessions (then the one idle longest), so that sessions spread out and keep
+   their caches (miss reasons `new_session`, `home_gone`).
+3. A turn whose home card is busy waits up to `home_wait_s` for it. If its home frees in that time it
+   goes home; after that it takes any free card and re-prefills there (miss reason `home_busy`), rather
+   than leave the pool idle while it waits.
+4. When no suitable card is free, the turn waits in a bounded queue and is told its position. Service
+   order is FIFO, round-robin across sessions (see cluster/queue.py). When a card frees, queued turns
+   whose home it is are served first (their cache is there), then the rest in service order. A request
+   can be passed over this way only by turns already queued for that card, so nobody starves.
+5. A full queue rejects with RESOURCE_EXHAUSTED; a pool with no healthy card rejects with UNAVAILABLE.
+   Waiters leave the queue when cancelled, aborted or past their deadline.
+6. A card that dies or hangs goes DOWN: its sessions lose their home (their next turn is placed by
+   rule 2), and it rejoins as FREE with no warm sessions once its actor has restarted.
+7. Bindings unused for `session_ttl_s` are forgotten.
+
+The scheduler is pure asyncio state (no Ray, no gRPC): cluster/router.py calls `submit`, `withdraw` and
+`release` around each turn; cluster/cards.py reports cards coming and going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from .errors import NO_CARDS, QUEUE_FULL, PoolError
+from .queue import Assignment, FairQueue, Waiter
+
+AFFINITY_HIT = "hit"
+MISS_NEW_SESSION = "new_session"
+MISS_HOME_BUSY = "home_busy"
+MISS_HOME_GONE = "home_gone"
+
+
+class CardPhase(enum.Enum):
+    FREE = "free"
+    BUSY = "busy"
+    DOWN = "down"
+
+
+@dataclass
+class _Card:
+    phase: CardPhase
+    idle_since: float
+
+
+@dataclass
+class SessionBinding:
+    card_id: str
+    turns: int
+    last_used: float  # monotonic
+    last_used_wall: float  # unix seconds, for listings
+
+
+class Scheduler:
+    """Card states, session homes and the wait queue; every method runs on the router's event loop."""
+
+    def __init__(
+        self,
+        *,
+        queue_capacity: int = 256,
+        home_wait_s: float = 2.0,
+        session_ttl_s: float = 6 * 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.queue = FairQueue(queue_capacity)
+        self.home_wait_s = home_wait_s
+        self.session_ttl_s = session_ttl_s
+        self._clock = clock
+        self._on_change = on_change or (lambda: None)
+        self._cards: dict[str, _Card] = {}
+        self._bindings: dict[str, SessionBinding] = {}
+        self._homeless: set[str] = set()  # sessions whose home died; their next turn is a home_gone miss
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ---- cards ----------------------------------------------------------------------------------
+    def add_card(self, card_id: str) -> None:
+        """A card that is ready to serve (new, or back after a restart with an empty cache)."""
+        self._cards[card_id] = _Card(CardPhase.FREE, self._clock())
+        self.dispatch()
+
+    def card_down(self, card_id: str) -> None:
+        """The card died or hung: it serves nothing until `add_card` again; its sessions lose their home."""
+        card = self._cards.get(card_id)
+        if card is None:
+            return
+        card.phase = CardPhase.DOWN
+        self._unbind_card(card_id)
+        self.dispatch()
+
+    def remove_card(self, card_id: str) -> None:
+        """The card left the pool (its node went away)."""
+        if self._cards.pop(card_id, None) is not None:
+            self._unbind_card(card_id)
+            self.dispatch()
+
+    def phase(self, card_id: str) -> CardPhase | None:
+        card = self._cards.get(card_id)
+        return card.phase if card else None
+
+    def card_phases(self) -> dict[str, CardPhase]:
+        return {card_id: card.phase for card_id, card in self._cards.items()}
+
+    @property
+    def has_healthy_card(self) -> bool:
+        return any(c.phase != CardPhase.DOWN for c in self._cards.values())
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def home_of(self, session_id: str) -> str | None:
+        binding = self._bindings.get(session_id)
+        return binding.card_id if binding else None
+
+    def bindings(self) -> dict[str, SessionBinding]:
+        self._expire_bindings()
+        return dict(self._bindings)
+
+    def forget_session(self, session_id: str) -> None:
+        self._bindings.pop(session_id, None)
+        self._homeless.discard(session_id)
+        self._on_change()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, request_id: str, session_id: str | None, *, retry_of: Waiter | None = None) -> Waiter:
+        """Queue a request (assigning it at once when a card fits). A retry (`retry_of`, the waiter of
+        the failed attempt) keeps its place in line. Raises PoolError when the pool has no healthy card
+        or the queue is full."""
+        if not self.has_healthy_card:
+            down = sum(c.phase == CardPhase.DOWN for c in self._cards.values())
+            raise PoolError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no healthy card in the pool ({len(self._cards)} cards, {down} down)",
+                NO_CARDS,
+            )
+        self._expire_bindings()
+        now = self._clock()
+        waiter = Waiter(
+            request_id=request_id,
+            session_id=session_id,
+            seq=next(self._seq) if retry_of is None else retry_of.seq,
+            arrived=now,
+            home_wait_until=now + self.home_wait_s,
+            tag=None if retry_of is None else retry_of.tag,
+        )
+        self.queue.push(waiter)
+        self.dispatch()
+        if waiter.assignment is None and self.queue.over_capacity:
+            self.queue.remove(waiter)
+            self.dispatch()
+            raise PoolError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request queue is full ({self.queue.capacity} requests waiting for a card)",
+                QUEUE_FULL,
+            )
+        return waiter
+
+    def withdraw(self, waiter: Waiter) -> None:
+        """The request left (cancelled, aborted, past its deadline) before using a card. A card it was
+        assigned but never used is freed again."""
+        if self.queue.remove(waiter):
+            self.dispatch()
+        elif waiter.assignment is not None:
+            self.release(waiter.assignment.card_id, None)
+
+    def release(self, card_id: str, session_id: str | None, *, bind: bool = False) -> None:
+        """The turn on `card_id` ended. With `bind`, the card now holds `session_id`'s cache."""
+        card = self._cards.get(card_id)
+        now = self._clock()
+        if card is not None and card.phase == CardPhase.BUSY:
+            card.phase = CardPhase.FREE
+            card.idle_since = now
+        if bind and session_id is not None and card is not None and card.phase != CardPhase.DOWN:
+            previous = self._bindings.get(session_id)
+            self._bindings[session_id] = SessionBinding(
+                card_id=card_id,
+                turns=(previous.turns if previous else 0) + 1,
+                last_used=now,
+                last_used_wall=time.time(),
+            )
+            self._homeless.discard(session_id)
+        self.dispatch()
+
+    # ---- the policy -----------------------------------------------------------------------------
+    def _live_home(self, session_id: str | None) -> str | None:
+        if session_id is None:
+            return None
+        binding = self._bindings.get(session_id)
+        if binding is None:
+            return None
+        card = self._cards.get(binding.card_id)
+        return binding.card_id if card is not None and card.phase != CardPhase.DOWN else None
+
+    def _warm_sessions(self) -> dict[str, int]:
+        warm = dict.fromkeys(self._cards, 0)
+        for binding in self._bindings.values():
+            if binding.card_id in warm:
+                warm[binding.card_id] += 1
+        return warm
+
+    def dispatch(self) -> None:
+        """Hand free cards to waiters by the policy; publish queue positions."""
+        now = self._clock()
+        free = {cid for cid, c in self._cards.items() if c.phase == CardPhase.FREE}
+        if free and len(self.queue):
+            waiting = self.queue.in_service_order()
+            # Pass 1: queued turns whose home is free go home.
+            for waiter in waiting:
+                home = self._live_home(waiter.session_id)
+                if home in free:
+                    self._assign(waiter, home, AFFINITY_HIT, now)
+                    free.discard(home)
+            # Pass 2: the rest, in service order, to the coldest free card.
+            warm = self._warm_sessions()
+            for waiter in waiting:
+                if not free:
+                    break
+                if waiter.assignment is not None:
+                    continue
+                home = self._live_home(waiter.session_id)
+                if home is not None and now < waiter.home_wait_until:
+                    continue  # still holding out for its busy home
+                if home is not None:
+                    reason = MISS_HOME_BUSY
+                elif waiter.session_id in self._homeless:
+                    reason = MISS_HOME_GONE
+                else:
+                    reason = MISS_NEW_SESSION
+                card_id = min(free, key=lambda cid: (warm[cid], self._cards[cid].idle_since, cid))
+                self._assign(waiter, card_id, reason, now)
+                free.discard(card_id)
+        self._publish_positions()
+        self._arm_home_wait_timer(now)
+        self._on_change()
+
+    def _assign(self, waiter: Waiter, card_id: str, affinity: str, now: float) -> None:
+        self.queue.remove(waiter, served=True)
+        self._cards[card_id].phase = CardPhase.BUSY
+        if waiter.session_id is not None:
+            self._homeless.discard(waiter.session_id)
+        waiter.assignment = Assignment(card_id=card_id, affinity=affinity, queue_wait_s=now - waiter.arrived)
+        waiter.updates.put_nowait(waiter.assignment)
+
+    def _publish_positions(self) -> None:
+        for position, waiter in enumerate(self.queue.in_service_order(), start=1):
+            if waiter.position != position:
+                waiter.position = position
+                waiter.updates.put_nowait(position)
+
+    def _arm_home_wait_timer(self, now: float) -> None:
+        """Wake up when the first waiter stops holding out for its busy home, if a card is free then."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending = [
+            w.home_wait_until
+            for w in self.queue.in_service_order()
+            if w.home_wait_until > now and self._live_home(w.session_id) is not None
+        ]
+        if not pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on a loop (unit use): callers dispatch by hand
+        self._timer = loop.call_later(min(pending) - now + 1e-3, self.dispatch)
+
+    def _unbind_card(self, card_id: str) -> None:
+        for session_id, binding in list(self._bindings.items()):
+            if binding.card_id == card_id:
+                del self._bindings[session_id]
+                self._homeless.add(session_id)
+
+    def _expire_bindings(self) -> None:
+        horizon = self._clock() - self.session_ttl_s
+        for session_id, binding in list(self._bindings.items()):
+            if binding.last_used < horizon:
+                del self._bindings[session_id]
+        # The homeless set only labels one miss; bound it so it cannot grow without end.
+        if len(self._homeless) > 100_000:
+            self._homeless.clear()

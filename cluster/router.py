@@ -1,0 +1,488 @@
+"""The gRPC service (onestream.v1.OneStream): admission, queueing, streaming from cards, errors.
+
+Each Generate call: validate -> wait for a card (cluster/policy.py; queue positions streamed) -> stream
+the card actor's Ray generator -> release the card and bind the session to it. Every failure ends the
+call with one status code and a message naming the problem (see the .proto's header).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from datetime import timezone
+from typing import Any, TypeVar
+
+import grpc
+import ray
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
+from onestream.worker.card import CardError, SessionRecord
+from onestream.worker.errors import InvalidRequestError
+from onestream.worker.output import Finished, TokenChunk
+from onestream.worker.request import GenerateRequest
+from ray.exceptions import RayError, RayTaskError
+
+from . import convert
+from .cards import CardRegistry
+from .config import PoolConfig
+from .errors import (
+    DEADLINE,
+    DRAINING,
+    INVALID_ARGUMENT,
+    CardFailure,
+    PoolError,
+    code_for_engine_error,
+)
+from .metrics import RouterMetrics
+from .policy import CardPhase, Scheduler
+from .queue import Assignment, Waiter
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_CARD_STATES = {
+    CardPhase.FREE: pb.CARD_STATE_FREE,
+    CardPhase.BUSY: pb.CARD_STATE_BUSY,
+    CardPhase.DOWN: pb.CARD_STATE_DOWN,
+}
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    task: asyncio.Task[Any]
+    aborted: bool = False
+
+
+class Router(pb_grpc.OneStreamServicer):
+    def __init__(
+        self, config: PoolConfig, scheduler: Scheduler, registry: CardRegistry, metrics: RouterMetrics
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.registry = registry
+        self.metrics = metrics
+        self.draining = False
+        self._inflight: dict[str, _InFlight] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (queued or generating); False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- Generate -------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        arrived = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._inflight:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        entry = _InFlight(request_id, task)
+        self._inflight[request_id] = entry
+        self._idle.clear()
+        error: PoolError | None = None
+        try:
+            await self._generate(request, entry, arrived, context)
+        except PoolError as e:
+            error = e
+        except asyncio.CancelledError:
+            if not entry.aborted:
+                raise  # the client went away
+            if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation is handled here
+                task.uncancel()
+            error = PoolError(grpc.StatusCode.CANCELLED, f"request {request_id} was aborted (Abort)")
+        finally:
+            del self._inflight[request_id]
+            if not self._inflight:
+                self._idle.set()
+        if error is not None:
+            if error.reason is not None:
+                self.metrics.rejected(error.reason)
+            await context.abort(error.code, error.message)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, entry: _InFlight, arrived: float, context: grpc.aio.ServicerContext
+    ) -> None:
+        request_id = entry.request_id
+        if self.draining:
+            raise PoolError(
+                grpc.StatusCode.UNAVAILABLE, "the server is draining: it admits no new requests", DRAINING
+            )
+        engine_request = self._validated(request, request_id)
+        deadline = self._deadline(request, context, arrived)
+        queue_deadline = min(deadline, arrived + self.config.queue_timeout_s)
+        previous: Waiter | None = None
+        for attempt in range(self.config.retries_before_first_token + 1):
+            waiter = self.scheduler.submit(request_id, engine_request.session_id, retry_of=previous)
+            previous = waiter
+            assignment = await self._wait_for_card(waiter, queue_deadline, deadline, entry, context)
+            if attempt == 0:
+                self.metrics.queue_time.observe(assignment.queue_wait_s)
+            self.metrics.affinity(assignment.affinity)
+            try:
+                await self._stream(engine_request, assignment, arrived, deadline, entry, context)
+                return
+            except CardFailure as failure:
+                if attempt < self.config.retries_before_first_token:
+                    log.warning(
+                        "%s before the first token; retrying request %s elsewhere", failure, request_id
+                    )
+                    continue
+                raise PoolError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{failure} before the first token, and so did the retry; try again later",
+                ) from failure
+
+    def _validated(self, request: pb.GenerateRequest, request_id: str) -> GenerateRequest:
+        info = self.registry.model_info or {}
+        max_context = info.get("max_context")
+        try:
+            engine_request = convert.request_from_proto(request, request_id)
+            engine_request.validate(vocab_size=info.get("vocab_size"), max_context=max_context)
+            if max_context and isinstance(engine_request.prompt, list) and not engine_request.is_chat:
+                engine_request.check_context(len(engine_request.prompt), int(max_context))
+        except InvalidRequestError as e:
+            raise PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e), INVALID_ARGUMENT) from e
+        return engine_request
+
+    def _deadline(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float
+    ) -> float:
+        """The request's deadline on the monotonic clock (inf when none)."""
+        deadline = float("inf")
+        if request.HasField("deadline"):
+            remaining = request.deadline.ToNanoseconds() / 1e9 - time.time()
+            if remaining <= 0:
+                when = request.deadline.ToDatetime(tzinfo=timezone.utc).isoformat()
+                raise PoolError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"deadline {when} already passed {-remaining:.3f}s before the request arrived",
+                    DEADLINE,
+                )
+            deadline = arrived + remaining
+        grpc_remaining = context.time_remaining()
+        if grpc_remaining is not None:
+            deadline = min(deadline, arrived + grpc_remaining)
+        return deadline
+
+    async def _wait_for_card(
+        self,
+        waiter: Waiter,
+        queue_deadline: float,
+        deadline: float,
+        entry: _InFlight,
+        context: grpc.aio.ServicerContext,
+    ) -> Assignment:
+        try:
+            while waiter.assignment is None:
+                _raise_if_stopped(entry, context)
+                remaining = queue_deadline - time.monotonic()
+                if remaining <= 0:
+                    waited = time.monotonic() - waiter.arrived
+                    what = "its deadline" if queue_deadline >= deadline else "the queue timeout"
+                    raise PoolError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no card became free within {what}: waited {waited:.1f}s at queue position {waiter.position}",
+                        DEADLINE,
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    update = await asyncio.wait_for(waiter.updates.get(), remaining)
+                    if isinstance(update, int) and waiter.assignment is None:
+                        await context.write(
+                            pb.GenerateResponse(
+                                request_id=entry.request_id,
+                                queued=pb.QueuePosition(
+                                    position=update, queue_depth=len(self.scheduler.queue)
+                                ),
+                            )
+                        )
+            return waiter.assignment
+        except BaseException:
+            self.scheduler.withdraw(waiter)  # frees a card it was given but will not use
+            raise
+
+    async def _stream(
+        self,
+        request: GenerateRequest,
+        assignment: Assignment,
+        arrived: float,
+        deadline: float,
+        entry: _InFlight,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Run the request on its card and stream the results; always gives the card back."""
+        card_id = assignment.card_id
+        session_id = request.session_id
+        bind = False
+        generator = None
+        sent_tokens = 0
+        try:
+            actor = self.registry.actor(card_id)
+        except KeyError:
+            self.scheduler.release(card_id, None)
+            raise CardFailure(card_id, "left the pool") from None
+        card = convert.card_to_proto(
+            self.registry.identity(card_id), card_id=card_id, state=pb.CARD_STATE_BUSY
+        )
+        try:
+            await context.write(
+                pb.GenerateResponse(
+                    request_id=request.request_id,
+                    assigned=pb.Assigned(card=card, affinity_hit=assignment.affinity == "hit"),
+                )
+            )
+            generator = actor.generate.options(num_returns="streaming").remote(request)
+            first_token_at: float | None = None
+            while True:
+                item = await self._next_item(generator, card_id, sent_tokens, deadline)
+                _raise_if_stopped(entry, context)
+                if isinstance(item, CardError):
+                    code = code_for_engine_error(item.kind)
+                    reason = INVALID_ARGUMENT if code == grpc.StatusCode.INVALID_ARGUMENT else None
+                    raise PoolError(code, item.message, reason)
+                if isinstance(item, TokenChunk):
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                    sent_tokens += len(item.token_ids)
+                    bind = True  # the card now holds this session's prompt
+                    await context.write(
+                        pb.GenerateResponse(request_id=request.request_id, chunk=convert.chunk_to_proto(item))
+                    )
+                elif isinstance(item, Finished):
+                    bind = True
+                    now = time.monotonic()
+                    finished = convert.finished_to_proto(
+                        item,
+                        card,
+                        queue_wait_s=assignment.queue_wait_s,
+                        time_to_first_token_s=(first_token_at or now) - arrived,
+                        total_s=now - arrived,
+                    )
+                    await context.write(pb.GenerateResponse(request_id=request.request_id, finished=finished))
+                    return
+                else:
+                    raise PoolError(
+                        grpc.StatusCode.INTERNAL, f"card {card_id} sent an unexpected {type(item).__name__}"
+                    )
+        except CardFailure as failure:
+            if sent_tokens:
+                raise PoolError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{failure} after streaming {sent_tokens} tokens; send the turn again "
+                    "(the session re-prefills on another card)",
+                ) from failure
+            raise
+        finally:
+            if generator is not None:
+                with contextlib.suppress(Exception):
+                    ray.cancel(generator)  # no-op when it already ended
+            self.scheduler.release(card_id, session_id, bind=bind)
+
+    async def _next_item(self, generator: Any, card_id: str, sent_tokens: int, deadline: float) -> object:
+        """The next stream item, or CardFailure (dead, hung) / PoolError (deadline)."""
+        limit = self.config.token_timeout_s if sent_tokens else self.config.first_token_timeout_s
+        remaining = deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(_next_object(generator), min(limit, max(remaining, 0.0)))
+        except StopAsyncIteration:
+            raise PoolError(
+                grpc.StatusCode.INTERNAL, f"card {card_id} ended the stream without a final message"
+            ) from None
+        except asyncio.TimeoutError:
+            if remaining <= limit:
+                raise PoolError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"deadline passed while generating on card {card_id} ({sent_tokens} tokens sent)",
+                    DEADLINE,
+                ) from None
+            what = f"sent nothing for {limit:.0f}s (hung)"
+            self.registry.report_failure(card_id, what, hung=True)
+            raise CardFailure(card_id, what) from None
+        except RayTaskError as e:  # an exception escaped the actor method: a bug on the card
+            raise PoolError(grpc.StatusCode.INTERNAL, f"card {card_id} failed: {_first_line(e)}") from e
+        except RayError as e:  # the actor died, or its node; its objects are lost
+            self.registry.report_failure(card_id, "died mid-stream", hung=False)
+            raise CardFailure(card_id, f"died mid-stream ({type(e).__name__})") from e
+
+    # ---- Abort, sessions ------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        aborted = []
+        for request_id in request.request_ids:
+            entry = self._inflight.get(request_id)
+            if entry is not None and not entry.aborted:
+                entry.aborted = True
+                entry.task.cancel()
+                aborted.append(request_id)
+        return pb.AbortResponse(aborted=aborted)
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        session_id = request.session_id
+        if not session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
+        card_id = self.scheduler.home_of(session_id)
+        if card_id is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: no card holds it"
+            )
+        assert card_id is not None
+        self.scheduler.forget_session(session_id)
+        # The card finishes its current generation first (one engine call at a time).
+        result = await self._call(
+            self.registry.actor(card_id).close_session.remote(session_id),
+            self.config.first_token_timeout_s,
+            card_id,
+            context,
+        )
+        if isinstance(result, CardError):
+            await context.abort(code_for_engine_error(result.kind), f"card {card_id}: {result.message}")
+        return pb.CloseSessionResponse(card_id=card_id)
+
+    # ---- listings -------------------------------------------------------------------------------
+    async def ListCards(
+        self, request: pb.ListCardsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListCardsResponse:
+        records = self.registry.records()
+        statuses = await asyncio.gather(
+            *(self._quietly(r.actor.status.remote()) if r.identity else _none() for r in records)
+        )
+        phases = self.scheduler.card_phases()
+        cards = []
+        for record, status in zip(records, statuses, strict=True):
+            if record.state == "up" and record.card_id in phases:
+                state = _CARD_STATES[phases[record.card_id]]
+            elif record.state == "starting":
+                state = pb.CARD_STATE_STARTING
+            else:
+                state = pb.CARD_STATE_DOWN
+            status = status or {}
+            cards.append(
+                convert.card_to_proto(
+                    record.identity,
+                    card_id=record.card_id,
+                    state=state,
+                    restarts=record.restarts,
+                    cached_sessions=int(status.get("cached_sessions", 0)),
+                    cached_session_bytes=int(status.get("cached_session_bytes", 0)),
+                )
+            )
+        return pb.ListCardsResponse(cards=cards)
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        bindings = self.scheduler.bindings()
+        card_ids = sorted({b.card_id for b in bindings.values()})
+        listings = await asyncio.gather(*(self._card_sessions(card_id) for card_id in card_ids))
+        held: dict[tuple[str, str], SessionRecord] = {}
+        for card_id, records in zip(card_ids, listings, strict=True):
+            for record in records:
+                held[(card_id, record.session_id)] = record
+        sessions = [
+            convert.session_to_proto(
+                session_id, b.card_id, b.turns, b.last_used_wall, held.get((b.card_id, session_id))
+            )
+            for session_id, b in sorted(bindings.items())
+        ]
+        return pb.ListSessionsResponse(sessions=sessions)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        info = self.registry.model_info
+        if info is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "no card has started yet: the model info is unknown"
+            )
+        assert info is not None
+        return convert.model_info_to_proto(info)
+
+    async def GetPoolStatus(
+        self, request: pb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PoolStatus:
+        counts = self.registry.state_counts()
+        starting = sum(r.state == "starting" for r in self.registry.records())
+        return pb.PoolStatus(
+            queue_depth=len(self.scheduler.queue),
+            queue_capacity=self.scheduler.queue.capacity,
+            cards_free=counts["free"],
+            cards_busy=counts["busy"],
+            cards_down=counts["down"] - starting,
+            cards_starting=starting,
+            sessions=len(self.scheduler.bindings()),
+            draining=self.draining,
+            in_flight=len(self._inflight),
+        )
+
+    # ---- helpers --------------------------------------------------------------------------------
+    async def _card_sessions(self, card_id: str) -> list[SessionRecord]:
+        try:
+            actor = self.registry.actor(card_id)
+        except KeyError:
+            return []
+        return await self._quietly(actor.sessions.remote()) or []
+
+    async def _quietly(self, call: Awaitable[T]) -> T | None:
+        """A listing call to a card: None when the card is slow or gone (listings never fail for it)."""
+        try:
+            return await asyncio.wait_for(call, self.config.call_timeout_s)
+        except (asyncio.TimeoutError, RayError):
+            return None
+
+    async def _call(
+        self, call: Awaitable[T], timeout_s: float, card_id: str, context: grpc.aio.ServicerContext
+    ) -> T:
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"card {card_id} did not answer within {timeout_s:.0f}s"
+            )
+        except RayTaskError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"card {card_id} failed: {_first_line(e)}")
+        except RayError as e:
+            self.registry.report_failure(card_id, "is unreachable", hung=False)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"card {card_id} is unreachable: {_first_line(e)}"
+            )
+        raise AssertionError("unreachable")
+
+
+def _raise_if_stopped(entry: _InFlight, context: grpc.aio.ServicerContext) -> None:
+    """Cancellation (Abort, or the client going away) also reaches the handler as a task cancel, but
+    Python 3.11's `asyncio.wait_for` can swallow a cancel that races a completing wait: check the flags
+    at every step too."""
+    if entry.aborted or context.cancelled():
+        raise asyncio.CancelledError
+
+
+async def _next_object(generator: Any) -> object:
+    ref = await generator.__anext__()
+    return await ref
+
+
+async def _none() -> None:
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,193 @@
+"""The pool's process: gRPC router (with health and reflection), card registry, metrics and discovery.
+
+`PoolServer` runs on an asyncio loop in a process that is already connected to Ray (`onestream serve`
+connects or starts one). `PoolThread` runs one on a background thread, for tests and embedding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
+
+from .cards import CardRegistry
+from .config import PoolConfig
+from .discovery import service_discovery_groups
+from .http_server import MetricsHTTPServer
+from .metrics import RouterMetrics
+from .policy import Scheduler
+from .router import Router
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OneStream"].full_name
+# Long generations may send nothing for a while: accept the clients' keepalive pings (as vLLM does).
+GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class PoolServer:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.grpc_port: int | None = None
+        self.metrics_server: MetricsHTTPServer | None = None
+
+    async def start(self, *, wait_for_cards: int = 1, ready_timeout_s: float | None = None) -> None:
+        """Open the gRPC and metrics ports, start the cards, and wait until `wait_for_cards` serve."""
+        model = self.config.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.metrics = RouterMetrics(model)
+        self.scheduler = Scheduler(
+            queue_capacity=self.config.queue_capacity,
+            home_wait_s=self.config.home_wait_s,
+            session_ttl_s=self.config.session_ttl_s,
+            on_change=self._update_gauges,
+        )
+        self.registry = CardRegistry(self.config, self.scheduler, self._update_gauges)
+        self.router = Router(self.config, self.scheduler, self.registry, self.metrics)
+
+        metrics_host, metrics_port = split_address(self.config.metrics_address)
+        self.metrics_server = MetricsHTTPServer(
+            metrics_host, metrics_port, self.metrics.registry, {"/sd": self._service_discovery}
+        )
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_OneStreamServicer_to_server(self.router, self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.grpc_port = self.server.add_insecure_port(self.config.grpc_address)
+        if not self.grpc_port:
+            raise OSError(f"cannot listen for gRPC on {self.config.grpc_address}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # until a card serves
+        await self.server.start()
+        await self.registry.start()
+        await self.registry.wait_until_ready(
+            wait_for_cards,
+            ready_timeout_s if ready_timeout_s is not None else self.config.card_start_timeout_s,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def grpc_address(self) -> str:
+        host, _ = split_address(self.config.grpc_address)
+        return f"{host}:{self.grpc_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        assert self.metrics_server is not None
+        return self.metrics_server.endpoint
+
+    async def drain(self) -> bool:
+        """Stop admitting (health NOT_SERVING, new requests UNAVAILABLE) and wait for in-flight requests
+        to finish, at most `drain_timeout_s`. True when everything finished."""
+        self.router.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: %d requests in flight", self.router.in_flight)
+        return await self.router.wait_idle(self.config.drain_timeout_s)
+
+    async def stop(self) -> None:
+        """Close the ports and stop the cards (also after a start that did not finish)."""
+        if getattr(self, "server", None) is not None:
+            await self.server.stop(self.config.stop_grace_s)
+        if getattr(self, "registry", None) is not None:
+            await self.registry.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+
+    async def drain_and_stop(self) -> bool:
+        """What SIGTERM does: drain, then stop. True when every in-flight request finished."""
+        finished = await self.drain()
+        if not finished:
+            log.warning("drain timed out after %.0fs; stopping anyway", self.config.drain_timeout_s)
+        await self.stop()
+        return finished
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _service_discovery(self) -> list[dict[str, Any]]:
+        return service_discovery_groups(self.metrics_address, self.registry.sd_targets())
+
+    def _update_gauges(self) -> None:
+        if not hasattr(self, "registry"):
+            return
+        self.metrics.queue_depth.set(len(self.scheduler.queue))
+        self.metrics.sessions.set(len(self.scheduler.bindings()))
+        self.metrics.set_cards(self.registry.state_counts())
+
+
+class PoolThread:
+    """A PoolServer on its own event loop thread; `run(coro)` runs a coroutine on that loop."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pool-server", daemon=True)
+        self._thread.start()
+        self.pool = PoolServer(config)
+
+    def start(self, *, wait_for_cards: int = 1, ready_timeout_s: float | None = None) -> PoolThread:
+        self.run(self.pool.start(wait_for_cards=wait_for_cards, ready_timeout_s=ready_timeout_s))
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self.submit(coro).result(timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a plain function on the loop (to read loop-owned state safely)."""
+
+        async def wrapped() -> Any:
+            return fn(*args)
+
+        return self.run(wrapped())
+
+    @property
+    def grpc_address(self) -> str:
+        return self.pool.grpc_address
+
+    @property
+    def metrics_address(self) -> str:
+        return self.pool.metrics_address
+
+    def stop(self) -> None:
+        try:
+            self.run(self.pool.stop(), timeout_s=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)

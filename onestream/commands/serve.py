@@ -1,0 +1,180 @@
+"""`onestream serve`: run the pool (cards on every node of a Ray cluster, the gRPC router, metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any
+
+EXTRA_CARDS_WAIT_S = 60.0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the pool: a card per GPU of every Ray node, the gRPC router, Prometheus metrics",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (HOST:PORT; 0.0.0.0 for all)")
+    p.add_argument("--metrics", default="127.0.0.1:9400", help="router /metrics and /sd address")
+    p.add_argument("--address", default=None, help="Ray cluster to join (e.g. HEAD:6379); default: start one")
+    p.add_argument(
+        "--cpu-cards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run CPU cards (reference back end) instead of GPU cards: N on the local Ray node; with "
+        "--address, where nodes advertise the onestream_cpu_card resource",
+    )
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "megakernel"))
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the back end's choice)")
+    p.add_argument("--spec-k", type=int, default=None, help="MTP drafts per speculative cycle (0 = off)")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context length of every card")
+    p.add_argument("--cache-gib", type=float, default=None, help="session cache per card, GiB")
+    p.add_argument("--card-threads", type=int, default=None, help="torch threads per CPU card")
+    p.add_argument("--queue", type=int, default=256, help="requests that may wait for a card")
+    p.add_argument("--home-wait", type=float, default=2.0, help="seconds a turn waits for its busy home card")
+    p.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish streams on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from onestream.cluster.config import PoolConfig
+    from onestream.worker.errors import CheckpointError
+    from onestream.worker.loading import default_model_dir
+
+    try:
+        model_dir = args.model or str(default_model_dir())
+    except CheckpointError as e:
+        print(f"onestream serve: {e}", file=sys.stderr)
+        return 2
+    if args.cpu_cards is not None and args.cpu_cards < 0:
+        print("onestream serve: --cpu-cards must be >= 0", file=sys.stderr)
+        return 2
+    engine_options: dict[str, Any] = {}
+    if args.spec_k is not None:
+        engine_options["spec_k"] = args.spec_k
+    if args.max_context is not None:
+        engine_options["max_context"] = args.max_context
+    if args.cache_gib is not None:
+        engine_options["cache_bytes"] = int(args.cache_gib * (1 << 30))
+    config = PoolConfig(
+        model_dir=model_dir,
+        grpc_address=args.listen,
+        metrics_address=args.metrics,
+        cpu_cards=args.cpu_cards,
+        backend=args.backend,
+        dtype=args.dtype,
+        card_torch_threads=args.card_threads,
+        engine_options=engine_options,
+        queue_capacity=args.queue,
+        home_wait_s=args.home_wait,
+        drain_timeout_s=args.drain_timeout,
+    )
+    ray_address = _connect_ray(args.address, args.cpu_cards)
+    if _card_slots(args.cpu_cards) == 0:
+        what = "onestream_cpu_card resources" if args.cpu_cards is not None else "GPUs"
+        if not args.address:
+            hint = (
+                "use --cpu-cards N to run CPU cards"
+                if args.cpu_cards is None
+                else "use --cpu-cards N with N >= 1"
+            )
+            print(f"onestream serve: this machine has no {what}; {hint}", file=sys.stderr)
+            return 2
+        # A cluster may gain GPU nodes later (autoscaling): their cards join when they come.
+        print(
+            f"onestream serve: the Ray cluster has no {what} yet; waiting for nodes that have them",
+            flush=True,
+        )
+    return asyncio.run(_serve(config, ray_address))
+
+
+def _connect_ray(address: str | None, cpu_cards: int | None) -> str:
+    import ray
+
+    from onestream.worker.card import CPU_CARD_RESOURCE
+
+    if address:
+        ray.init(address=address, namespace="onestream", logging_level=logging.WARNING)
+    else:
+        resources = {CPU_CARD_RESOURCE: float(cpu_cards)} if cpu_cards else None
+        ray.init(
+            address="local",  # a new instance, even if another Ray cluster runs on this machine
+            namespace="onestream",
+            resources=resources,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def _card_slots(cpu_cards: int | None) -> int:
+    import ray
+
+    from onestream.worker.card import CPU_CARD_RESOURCE
+
+    resources = ray.cluster_resources()
+    return int(resources.get(CPU_CARD_RESOURCE if cpu_cards is not None else "GPU", 0))
+
+
+async def _serve(config: Any, ray_address: str) -> int:
+    from onestream.cluster.server import PoolServer
+
+    # Signals first: a SIGTERM while cards are still loading stops cleanly too.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    pool = PoolServer(config)
+    print(
+        f"onestream serve: model {config.model_dir}; Ray cluster at {ray_address}; starting cards…",
+        flush=True,
+    )
+    starting = asyncio.create_task(pool.start(wait_for_cards=1))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # signalled while the cards were loading
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await pool.stop()
+        print("onestream serve: interrupted while starting", file=sys.stderr, flush=True)
+        return 1
+    if starting.exception() is not None:
+        await pool.stop()
+        print(f"onestream serve: could not start: {starting.exception()}", file=sys.stderr, flush=True)
+        return 1
+    # The first card serves; give the others a moment so that the listing below is complete.
+    with contextlib.suppress(TimeoutError):
+        await pool.registry.wait_until_ready(len(pool.registry.records()), EXTRA_CARDS_WAIT_S)
+    _print_addresses(pool)
+    await stopping
+    print("onestream serve: draining (finishing the streams in flight)…", flush=True)
+    await pool.drain_and_stop()
+    print("onestream serve: stopped", flush=True)
+    return 0
+
+
+def _print_addresses(pool: Any) -> None:
+    metrics = pool.metrics_address
+    print(f"  gRPC        {pool.grpc_address}  (onestream.v1.OneStream, grpc.health.v1, reflection)")
+    print(f"  metrics     http://{metrics}/metrics")
+    print(f"  discovery   http://{metrics}/sd  (Prometheus http_sd_configs)")
+    for record in pool.registry.records():
+        ident = record.identity
+        where = (
+            f"{ident.device_name}  http://{ident.metrics_endpoint}/metrics" if ident else "(still starting)"
+        )
+        print(f"  card        {record.card_id}  {where}")
+    print("  ready; SIGTERM or Ctrl-C drains and stops", flush=True)

@@ -1,0 +1,175 @@
+"""The metric names and labels of docs/metrics.md are exactly what the card and router export, over a
+real HTTP scrape of the metrics server."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from onestream.cluster.http_server import MetricsHTTPServer
+from onestream.cluster.metrics import CARD_LABELS, CardMetrics, RouterMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+ROW = re.compile(r"^\|\s*`(onestream_[a-z0-9_]+)`\s*\|\s*([a-z]+)[^|]*\|\s*([^|]*)\|")
+
+
+def documented() -> dict[str, list[tuple[str, str, set[str]]]]:
+    """Rows of the doc's two tables: (name, type, labels), card rows first then router rows."""
+    tables: dict[str, list[tuple[str, str, set[str]]]] = {"card": [], "router": []}
+    current = "card"
+    for line in DOC.read_text().splitlines():
+        if line.startswith("Router"):
+            current = "router"
+        match = ROW.match(line)
+        if match:
+            name, kind, labels = match.groups()
+            labels = re.sub(r"\([^)]*\)", "", labels)  # drop the lists of label values
+            tables[current].append((name, kind, set(re.findall(r"`([a-z_]+)`", labels))))
+    return tables
+
+
+def serve_and_scrape(registry: object, routes: dict | None = None) -> tuple[str, MetricsHTTPServer]:
+    server = MetricsHTTPServer("127.0.0.1", 0, registry, routes)  # type: ignore[arg-type]
+    with urllib.request.urlopen(f"http://{server.endpoint}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return response.read().decode(), server
+
+
+def families(text: str) -> dict[str, tuple[str, set[str]]]:
+    """sample-family name as PromQL sees it -> (type, label names)."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = set().union(*(set(s.labels) for s in family.samples)) - {"le"}
+        found[name] = (family.type, labels)
+    return found
+
+
+def card_metrics() -> CardMetrics:
+    metrics = CardMetrics(
+        node="abc123", gpu_index=1, gpu_uuid="GPU-1234", model="tiny", backend="reference", device_name="cpu"
+    )
+    metrics.generation_tokens.inc(7)
+    metrics.observe_finished(
+        finish_reason="stop",
+        prompt_tokens=11,
+        cached_prompt_tokens=4,
+        drafts=3,
+        draft_tokens=6,
+        accepted_draft_tokens=5,
+        accepted_per_position=[3, 2],
+        time_to_first_token_s=0.02,
+        inter_token_s=[0.01, 0.012],
+        total_s=0.1,
+    )
+    return metrics
+
+
+def test_the_doc_lists_both_tables() -> None:
+    tables = documented()
+    assert len(tables["card"]) >= 15 and len(tables["router"]) >= 7
+
+
+def test_card_metrics_match_the_doc() -> None:
+    text, server = serve_and_scrape(card_metrics().registry)
+    server.close()
+    exported = families(text)
+    for name, kind, extra in documented()["card"]:
+        assert name in exported, f"{name} is documented but not exported"
+        assert exported[name][0] == kind, name
+        assert exported[name][1] == set(CARD_LABELS) | extra, name
+    undocumented = set(exported) - {n for n, _, _ in documented()["card"]}
+    assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"
+
+
+def test_router_metrics_match_the_doc() -> None:
+    metrics = RouterMetrics("tiny")
+    metrics.queue_time.observe(0.5)
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    exported = families(text)
+    for name, kind, labels in documented()["router"]:
+        assert name in exported, f"{name} is documented but not exported"
+        assert exported[name][0] == kind, name
+        assert exported[name][1] == {"model"} | labels, name
+    assert set(exported) == {n for n, _, _ in documented()["router"]}
+
+
+def test_card_counts_are_what_was_observed() -> None:
+    metrics = CardMetrics(
+        node="n", gpu_index=0, gpu_uuid="cpu-0", model="m", backend="reference", device_name="cpu"
+    )
+    requests = [(random.randint(1, 50), random.randint(0, 20), random.randint(1, 30)) for _ in range(5)]
+    for prompt, cached, generated in requests:
+        cached = min(cached, prompt)
+        metrics.generation_tokens.inc(generated)
+        metrics.observe_finished(
+            finish_reason=random.choice(["stop", "length"]),
+            prompt_tokens=prompt,
+            cached_prompt_tokens=cached,
+            drafts=0,
+            draft_tokens=0,
+            accepted_draft_tokens=0,
+            accepted_per_position=[],
+            time_to_first_token_s=0.01,
+            inter_token_s=[0.001] * (generated - 1),
+            total_s=0.05,
+        )
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    values = {
+        (s.name, s.labels.get("finish_reason")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    prompt_total = sum(min(c, p) for p, c, _ in requests)
+    assert values[("onestream_generation_tokens_total", None)] == sum(g for _, _, g in requests)
+    assert values[("onestream_prompt_tokens_total", None)] == sum(p for p, _, _ in requests)
+    assert values[("onestream_cached_prompt_tokens_total", None)] == prompt_total
+    assert values[("onestream_inter_token_latency_seconds_count", None)] == sum(g - 1 for _, _, g in requests)
+    by_reason = sum(v for (n, r), v in values.items() if n == "onestream_requests_total" and r)
+    assert by_reason == len(requests)
+
+
+def test_json_routes_and_unknown_paths() -> None:
+    groups = [{"targets": ["10.0.0.1:9000"], "labels": {"role": "card"}}]
+    _, server = serve_and_scrape(RouterMetrics("m").registry, {"/sd": lambda: groups})
+    try:
+        with urllib.request.urlopen(f"http://{server.endpoint}/sd", timeout=10) as response:
+            assert response.headers["Content-Type"] == "application/json"
+            assert json.loads(response.read()) == groups
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://{server.endpoint}/nope", timeout=10)
+        assert missing.value.code == 404 and b"/sd" in missing.value.read()
+    finally:
+        server.close()
+
+
+def test_labelled_card_series_exist_at_zero_before_any_request() -> None:
+    spec_k = random.randint(1, 4)
+    metrics = CardMetrics(
+        node="n",
+        gpu_index=0,
+        gpu_uuid="cpu-0",
+        model="m",
+        backend="reference",
+        device_name="cpu",
+        spec_k=spec_k,
+    )
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    reasons = {s.labels["finish_reason"]: s.value for s in samples if s.name == "onestream_requests_total"}
+    assert reasons == {"stop": 0.0, "length": 0.0, "cancelled": 0.0}
+    positions = {
+        s.labels["position"]: s.value
+        for s in samples
+        if s.name == "onestream_spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert positions == {str(p): 0.0 for p in range(spec_k)}

@@ -1,0 +1,682 @@
+"""The pool end to end on CPU: a real 2-node Ray cluster with 3 CPU cards, the real gRPC router and real
+HTTP scrapes of the metrics. One cluster for the whole module (Ray start-up is slow on 2 cores); the
+drain test runs last because it shuts the router's door."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import ray
+from onestream.cluster.client import PoolClient, make_request
+from onestream.cluster.config import PoolConfig
+from onestream.cluster.server import PoolThread
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.card import CPU_CARD_RESOURCE
+from onestream.worker.testing import write_tiny_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster
+
+pytestmark = pytest.mark.slow
+
+MAX_CONTEXT = 2048  # long enough that a stream of MAX_CONTEXT - 48 tokens outlasts any test step
+CARDS = 3
+FIRST_TOKEN_TIMEOUT_S = 20.0  # the longest prefill in these tests takes well under a second
+HANG_TIMEOUT_S = 8.0  # a card silent this long mid-stream is hung (a tiny CPU model streams every few ms)
+WAIT_S = 180.0  # bound on anything that waits for cards to (re)start on a busy 2-core machine
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: 2}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: 1})
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
+    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
+    config = PoolConfig(
+        model_dir=str(model_dir),
+        grpc_address="127.0.0.1:0",
+        metrics_address="127.0.0.1:0",
+        cpu_cards=0,  # CPU cards where nodes advertise them
+        card_torch_threads=1,
+        engine_options={"max_context": MAX_CONTEXT},
+        queue_capacity=4,
+        home_wait_s=1.0,
+        discovery_interval_s=1.0,
+        health_interval_s=1.0,
+        call_timeout_s=30.0,
+        first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
+        token_timeout_s=HANG_TIMEOUT_S,
+        drain_timeout_s=120.0,
+    )
+    pool = PoolThread(config).start(wait_for_cards=CARDS, ready_timeout_s=WAIT_S)
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def client(pool: PoolThread) -> Iterator[PoolClient]:
+    with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
+        yield client
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """Everything one Generate call streamed back."""
+
+    positions: list[int] = field(default_factory=list)
+    assigned: list[pb.Assigned] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: pb.Finished | None = None
+    error: grpc.RpcError | None = None
+    first_chunk: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    call: Any = None
+
+    @property
+    def card_id(self) -> str:
+        return self.assigned[-1].card.card_id
+
+
+def run_turn(client: PoolClient, request: pb.GenerateRequest, turn: Turn | None = None) -> Turn:
+    turn = turn or Turn()
+    turn.call = client.generate(request, timeout_s=WAIT_S)
+    try:
+        for event in turn.call:
+            kind = event.WhichOneof("event")
+            if kind == "queued":
+                turn.positions.append(event.queued.position)
+            elif kind == "assigned":
+                turn.assigned.append(event.assigned)
+            elif kind == "chunk":
+                turn.token_ids += event.chunk.token_ids
+                turn.text += event.chunk.text
+                turn.first_chunk.set()
+            elif kind == "finished":
+                turn.finished = event.finished
+    except grpc.RpcError as e:
+        turn.error = e
+    finally:
+        turn.first_chunk.set()
+        turn.done.set()
+    return turn
+
+
+def start_turn(client: PoolClient, request: pb.GenerateRequest) -> Turn:
+    """Run a turn on a background thread; wait on `first_chunk` / `done`."""
+    turn = Turn()
+    threading.Thread(target=run_turn, args=(client, request, turn), daemon=True).start()
+    return turn
+
+
+def long_request(session: str, max_tokens: int = MAX_CONTEXT - 48, **kwargs: Any) -> pb.GenerateRequest:
+    return make_request(
+        "def main():", session_id=session, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **kwargs
+    )
+
+
+def new_session() -> str:
+    return f"s-{uuid.uuid4().hex[:10]}"
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def http_get(address: str, path: str) -> str:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as response:
+        return response.read().decode()
+
+
+def card_endpoints(pool: PoolThread) -> dict[str, str]:
+    """card id -> metrics endpoint, read from the router's service discovery."""
+    groups = json.loads(http_get(pool.metrics_address, "/sd"))
+    return {
+        g["labels"]["__meta_onestream_card"]: g["targets"][0] for g in groups if g["labels"]["role"] == "card"
+    }
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a real /metrics scrape, keyed by (name, sorted labels)."""
+    samples = {}
+    for family in text_string_to_metric_families(http_get(address, "/metrics")):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == val for k, val in labels.items())
+    )
+
+
+def idle(client: PoolClient) -> bool:
+    status = client.pool_status()
+    return status.in_flight == 0 and status.cards_busy == 0 and status.cards_free >= CARDS
+
+
+# ---- serving --------------------------------------------------------------------------------------
+def test_more_sessions_than_cards_all_complete_and_see_queue_positions(client: PoolClient) -> None:
+    sessions = [new_session() for _ in range(CARDS + 2)]
+    max_tokens = random.randint(120, 160)
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        turns = list(pool.map(lambda s: run_turn(client, long_request(s, max_tokens)), sessions))
+    for turn in turns:
+        assert turn.error is None, turn.error
+        assert turn.finished is not None and turn.finished.finish_reason == "length"
+        assert turn.finished.usage.generated_tokens == max_tokens == len(turn.token_ids)
+        assert turn.finished.card.card_id == turn.card_id
+    queued = [t for t in turns if t.positions]
+    assert len(queued) >= 2, "with 3 cards, at least two of five concurrent sessions had to queue"
+    for t in queued:
+        assert t.positions[-1] == 1 and all(p >= 1 for p in t.positions)
+        assert t.finished.timings.queue_wait_s > 0
+    assert len({t.card_id for t in turns}) == CARDS, "every card served"
+    assert wait_for(lambda: idle(client), 30, "the pool to be idle")
+
+
+def test_second_turn_hits_its_cards_cache(client: PoolClient) -> None:
+    session = new_session()
+    prompt = [random.randrange(0, 256) for _ in range(random.randint(20, 60))]
+    first = run_turn(client, make_request(prompt, session_id=session, max_tokens=12, temperature=0.0))
+    assert first.error is None and first.finished is not None
+    assert first.finished.usage.cached_prompt_tokens == 0
+    follow_up = prompt + first.token_ids + [random.randrange(0, 256) for _ in range(8)]
+    second = run_turn(client, make_request(follow_up, session_id=session, max_tokens=12, temperature=0.0))
+    assert second.error is None and second.finished is not None
+    assert second.card_id == first.card_id
+    assert second.assigned[-1].affinity_hit
+    usage = second.finished.usage
+    assert usage.prompt_tokens == len(follow_up)
+    assert len(prompt) <= usage.cached_prompt_tokens < len(follow_up)
+    listed = {s.session_id: s for s in client.sessions()}
+    assert listed[session].card_id == first.card_id
+    assert listed[session].turns == 2 and listed[session].cached_tokens >= len(follow_up)
+
+
+def test_cancelling_a_stream_frees_its_card_at_once(client: PoolClient) -> None:
+    running = [start_turn(client, long_request(new_session())) for _ in range(CARDS)]
+    for turn in running:
+        assert turn.first_chunk.wait(WAIT_S) and turn.error is None
+    assert client.pool_status().cards_busy == CARDS
+    cancelled = running[0]
+    cancelled.call.cancel()
+    cancelled_at = time.monotonic()
+    newcomer = start_turn(
+        client, make_request("x = 1", session_id=new_session(), max_tokens=4, temperature=0.0)
+    )
+    assert newcomer.done.wait(WAIT_S)
+    assert newcomer.error is None and newcomer.finished is not None
+    assert newcomer.card_id == cancelled.card_id
+    assert newcomer.finished.timings.queue_wait_s < 5.0, "the cancelled stream's card was freed at once"
+    assert time.monotonic() - cancelled_at < 60
+    assert not any(t.done.is_set() for t in running[1:]), "the other streams were not disturbed"
+    for turn in running[1:]:
+        turn.call.cancel()
+    assert cancelled.error is not None and cancelled.error.code() == grpc.StatusCode.CANCELLED
+    assert wait_for(lambda: idle(client), 30, "every card to be free after cancelling")
+
+
+def test_abort_by_request_id_is_idempotent(client: PoolClient) -> None:
+    request_id = f"abort-{uuid.uuid4().hex[:8]}"
+    turn = start_turn(client, long_request(new_session(), request_id=request_id))
+    assert turn.first_chunk.wait(WAIT_S) and turn.error is None
+    assert client.abort(request_id, "never-sent") == [request_id]
+    assert turn.done.wait(30)
+    assert turn.error is not None and turn.error.code() == grpc.StatusCode.CANCELLED
+    assert request_id in turn.error.details() and "abort" in turn.error.details().lower()
+    assert client.abort(request_id) == []
+    assert wait_for(lambda: idle(client), 30, "the aborted request's card to be free")
+
+
+def test_a_full_queue_rejects_and_a_queued_deadline_expires(pool: PoolThread, client: PoolClient) -> None:
+    running = [start_turn(client, long_request(new_session())) for _ in range(CARDS)]
+    for turn in running:
+        assert turn.first_chunk.wait(WAIT_S) and turn.error is None
+    rejected_before = total(
+        scrape(pool.metrics_address), "onestream_router_rejections_total", reason="queue_full"
+    )
+    late = run_turn(client, long_request(new_session(), 8, deadline_s=1.0))
+    assert late.error is not None and late.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no card became free" in late.error.details() and late.positions == [1]
+    queued = [start_turn(client, long_request(new_session(), 8)) for _ in range(pool.config.queue_capacity)]
+    wait_for(lambda: client.pool_status().queue_depth == pool.config.queue_capacity, 30, "a full queue")
+    overflow = run_turn(client, long_request(new_session(), 8))
+    assert overflow.error is not None and overflow.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in overflow.error.details()
+    rejected_after = total(
+        scrape(pool.metrics_address), "onestream_router_rejections_total", reason="queue_full"
+    )
+    assert rejected_after == rejected_before + 1
+    for turn in queued + running:
+        turn.call.cancel()
+    assert wait_for(lambda: idle(client) and client.pool_status().queue_depth == 0, 60, "an empty pool")
+
+
+def test_a_deadline_passing_while_generating_stops_the_stream(client: PoolClient) -> None:
+    started = time.monotonic()
+    turn = run_turn(client, long_request(new_session(), deadline_s=1.5))
+    assert turn.error is not None and turn.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "while generating" in turn.error.details() and turn.card_id in turn.error.details()
+    assert turn.token_ids, "tokens streamed until the deadline"
+    assert 1.5 <= time.monotonic() - started < 30
+    assert wait_for(lambda: idle(client), 30, "the card to be free after the deadline")
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest], grpc.StatusCode, str]] = [
+    (
+        "empty text prompt",
+        lambda: make_request("", max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt is empty",
+    ),
+    (
+        "no prompt at all",
+        lambda: pb.GenerateRequest(session_id="s"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt",
+    ),
+    (
+        "empty token prompt",
+        lambda: make_request([], max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt",
+    ),
+    (
+        "negative temperature",
+        lambda: make_request("hi", temperature=-0.5),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    ("top_p of zero", lambda: make_request("hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("top_k below -1", lambda: make_request("hi", top_k=-7), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    (
+        "repetition penalty of zero",
+        lambda: make_request("hi", repetition_penalty=0.0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "repetition_penalty",
+    ),
+    (
+        "token prompt over the context",
+        lambda: make_request([65] * (MAX_CONTEXT + 3), max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exceeds the context",
+    ),
+    (
+        "text prompt over the context (found on the card)",
+        lambda: make_request("ab" * (MAX_CONTEXT * 2), max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exceeds the context",
+    ),
+    (
+        "max_tokens over the limit",
+        lambda: make_request("hi", max_tokens=MAX_CONTEXT),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens",
+    ),
+    (
+        "max_tokens of zero",
+        lambda: make_request("hi", max_tokens=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens",
+    ),
+    (
+        "token id outside the vocabulary",
+        lambda: make_request([1, 2, 10**6], max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt[2]",
+    ),
+    (
+        "unknown chat role",
+        lambda: make_request([{"role": "robot", "content": "hi"}], max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "role",
+    ),
+    (
+        "deadline already passed",
+        lambda: make_request("hi", max_tokens=4, deadline_s=-2.0),
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "already passed",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_factory", "code", "fragment"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_requests_get_their_status_code_and_a_message_naming_the_problem(
+    client: PoolClient,
+    request_factory: Callable[[], pb.GenerateRequest],
+    code: grpc.StatusCode,
+    fragment: str,
+) -> None:
+    turn = run_turn(client, request_factory())
+    assert turn.error is not None, "the request should have failed"
+    assert turn.error.code() == code, turn.error.details()
+    assert fragment in turn.error.details()
+    assert not turn.token_ids
+
+
+def test_closing_sessions(client: PoolClient) -> None:
+    unknown = new_session()
+    with pytest.raises(grpc.RpcError) as error:
+        client.close_session(unknown)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND and unknown in error.value.details()
+    session = new_session()
+    turn = run_turn(client, make_request("print(1)", session_id=session, max_tokens=4, temperature=0.0))
+    assert turn.error is None
+    assert client.close_session(session) == turn.card_id
+    assert session not in {s.session_id for s in client.sessions()}
+    with pytest.raises(grpc.RpcError) as again:
+        client.close_session(session)
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---- failures and membership -------------------------------------------------------------------------
+def test_killing_a_card_mid_stream_fails_only_its_stream_and_the_card_returns(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    victim_session = new_session()
+    victim = start_turn(client, long_request(victim_session))
+    bystander = start_turn(client, long_request(new_session(), max_tokens=160))
+    for turn in (victim, bystander):
+        assert turn.first_chunk.wait(WAIT_S) and turn.error is None
+    card_id = victim.card_id
+    assert bystander.card_id != card_id
+    ray.kill(pool.call(pool.pool.registry.actor, card_id), no_restart=False)
+
+    assert victim.done.wait(60)
+    assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert card_id in victim.error.details()
+    assert bystander.done.wait(WAIT_S)
+    assert bystander.error is None and bystander.finished is not None
+    assert bystander.finished.usage.generated_tokens == 160
+
+    def card_back() -> bool:
+        cards = {c.card_id: c for c in client.cards()}
+        return (
+            card_id in cards and cards[card_id].state == pb.CARD_STATE_FREE and cards[card_id].restarts == 1
+        )
+
+    wait_for(card_back, WAIT_S, f"card {card_id} to restart and rejoin")
+    assert card_id in card_endpoints(pool)
+    retry = run_turn(client, make_request("def main():", session_id=victim_session, max_tokens=4))
+    assert retry.error is None and retry.finished is not None
+    assert not retry.assigned[-1].affinity_hit, "the session lost its home with the card's cache"
+
+
+def test_a_hung_card_is_restarted_and_its_stream_ends_unavailable(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    victim = start_turn(client, long_request(new_session()))
+    assert victim.first_chunk.wait(WAIT_S) and victim.error is None
+    card_id = victim.card_id
+    before = {c.card_id: c.restarts for c in client.cards()}
+    identity = pool.call(pool.pool.registry.identity, card_id)
+    os.kill(identity.pid, signal.SIGSTOP)  # the card's process freezes: a hang, not a death
+    try:
+        assert victim.done.wait(HANG_TIMEOUT_S + 60)
+    except AssertionError:
+        os.kill(identity.pid, signal.SIGCONT)  # the router missed the hang: do not leave it frozen
+        raise
+    assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert card_id in victim.error.details() and "hung" in victim.error.details()
+
+    def restarted() -> bool:
+        card = {c.card_id: c for c in client.cards()}.get(card_id)
+        return card is not None and card.state == pb.CARD_STATE_FREE and card.restarts == before[card_id] + 1
+
+    wait_for(restarted, WAIT_S, f"hung card {card_id} to be restarted")
+    assert pool.call(pool.pool.registry.identity, card_id).pid != identity.pid
+
+
+def test_a_card_that_fails_before_the_first_token_is_retried_on_another_card(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    session = new_session()
+    first = run_turn(client, make_request("def main():", session_id=session, max_tokens=4))
+    assert first.error is None
+    home = first.card_id
+    identity = pool.call(pool.pool.registry.identity, home)
+    os.kill(identity.pid, signal.SIGSTOP)  # the home card hangs while free
+    retried = run_turn(client, make_request("def main():\n", session_id=session, max_tokens=4))
+    if retried.error is not None:
+        os.kill(identity.pid, signal.SIGCONT)  # the router missed the hang: do not leave it frozen
+    assert retried.error is None and retried.finished is not None
+    assert len(retried.assigned) == 2 and retried.assigned[0].card.card_id == home
+    assert retried.finished.card.card_id == retried.assigned[1].card.card_id != home
+    assert not retried.assigned[1].affinity_hit
+    assert retried.finished.timings.time_to_first_token_s >= FIRST_TOKEN_TIMEOUT_S
+    wait_for(
+        lambda: {c.card_id: c.state for c in client.cards()}.get(home) == pb.CARD_STATE_FREE,
+        WAIT_S,
+        f"card {home} to be restarted",
+    )
+
+
+def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
+    cluster: Cluster, pool: PoolThread, client: PoolClient
+) -> None:
+    before = {c.card_id for c in client.cards()}
+    node = cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: 1})
+
+    def joined() -> set[str]:
+        free = {c.card_id for c in client.cards() if c.state == pb.CARD_STATE_FREE}
+        return free - before
+
+    (new_card,) = wait_for(joined, WAIT_S, "the new node's card to serve")
+    assert new_card.split("/")[0] == node.node_id[:12]
+    assert new_card in card_endpoints(pool)
+    cluster.remove_node(node)
+    wait_for(lambda: {c.card_id for c in client.cards()} == before, WAIT_S, "the card to leave with its node")
+    assert new_card not in card_endpoints(pool)
+
+
+# ---- observability --------------------------------------------------------------------------------
+def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, client: PoolClient) -> None:
+    endpoints = wait_for(
+        lambda: len(card_endpoints(pool)) == CARDS and card_endpoints(pool), 60, "3 cards in /sd"
+    )
+    before = {card: scrape(address) for card, address in endpoints.items()}
+    router_before = scrape(pool.metrics_address)
+    sessions = [new_session() for _ in range(CARDS)]  # one per card: every second turn finds its home free
+
+    def two_turns(session: str) -> list[Turn]:
+        turns = []
+        for _ in range(2):
+            max_tokens = random.randint(3, 12)
+            turns.append(
+                run_turn(client, make_request("def f(x):", session_id=session, max_tokens=max_tokens))
+            )
+        return turns
+
+    with ThreadPoolExecutor(len(sessions)) as executor:
+        turns = [t for ts in executor.map(two_turns, sessions) for t in ts]
+    expected: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for turn in turns:
+        assert turn.error is None and turn.finished is not None
+        usage, card = turn.finished.usage, turn.finished.card.card_id
+        expected[card]["generated"] += usage.generated_tokens
+        expected[card]["prompt"] += usage.prompt_tokens
+        expected[card]["cached"] += usage.cached_prompt_tokens
+        expected[card]["requests"] += 1
+        expected[card][f"reason:{turn.finished.finish_reason}"] += 1
+    identities = {c.card_id: c for c in client.cards()}
+    for card, address in endpoints.items():
+        after, prior = scrape(address), before[card]
+        ident = identities[card]
+        labels = {"node": ident.node_id, "gpu_index": str(ident.gpu_index), "gpu_uuid": ident.gpu_uuid}
+
+        def delta(name: str, **extra: str) -> float:
+            return total(after, name, **labels, **extra) - total(prior, name, **labels, **extra)  # noqa: B023
+
+        want = expected.get(card, defaultdict(float))
+        assert delta("onestream_generation_tokens_total") == want["generated"], card
+        assert delta("onestream_prompt_tokens_total") == want["prompt"], card
+        assert delta("onestream_cached_prompt_tokens_total") == want["cached"], card
+        assert delta("onestream_prefill_tokens_total") == want["prompt"] - want["cached"], card
+        assert delta("onestream_requests_total") == want["requests"], card
+        for reason in ("stop", "length"):
+            assert delta("onestream_requests_total", finish_reason=reason) == want[f"reason:{reason}"], card
+        assert delta("onestream_e2e_request_latency_seconds_count") == want["requests"], card
+        assert delta("onestream_time_to_first_token_seconds_count") == want["requests"], card
+        wait_for(lambda: total(scrape(address), "onestream_card_busy", **labels) == 0, 30, "an idle card")  # noqa: B023
+        assert total(after, "onestream_card_info", **labels, backend="reference") == 1
+    assert all(e["cached"] > 0 for e in expected.values()), "every second turn used its card's cache"
+    wait_for(
+        lambda: total(scrape(pool.metrics_address), "onestream_router_cards", state="free") == CARDS,
+        30,
+        "every card free in the router's metrics",
+    )
+    router_after = scrape(pool.metrics_address)
+
+    def router_delta(name: str, **labels: str) -> float:
+        return total(router_after, name, **labels) - total(router_before, name, **labels)
+
+    assert router_delta("onestream_request_queue_time_seconds_count") == len(turns)
+    hits = router_delta("onestream_router_affinity_hits_total")
+    misses = router_delta("onestream_router_affinity_misses_total")
+    assert hits + misses == len(turns)
+    assert router_delta("onestream_router_affinity_misses_total", reason="new_session") == len(sessions)
+    assert router_delta("onestream_router_affinity_hits_total") == len(sessions)
+    assert total(router_after, "onestream_router_queue_depth") == 0
+
+
+def test_service_discovery_lists_the_router_and_every_card(pool: PoolThread, client: PoolClient) -> None:
+    groups = json.loads(http_get(pool.metrics_address, "/sd"))
+    roles = [g["labels"]["role"] for g in groups]
+    assert roles.count("router") == 1 and roles.count("card") == CARDS
+    router = next(g for g in groups if g["labels"]["role"] == "router")
+    assert router["targets"] == [pool.metrics_address]
+    listed = {c.card_id: c.metrics_endpoint for c in client.cards()}
+    assert card_endpoints(pool) == listed
+    for group in groups:
+        assert "onestream_" in http_get(group["targets"][0], "/metrics")
+
+
+def test_reflection_lists_the_services(pool: PoolThread) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(pool.grpc_address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"onestream.v1.OneStream", "grpc.health.v1.Health"} <= services
+
+
+def test_status_command_shows_cards_sessions_and_queue(
+    pool: PoolThread, client: PoolClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from onestream.cli import main
+
+    session = new_session()
+    assert run_turn(client, make_request("a = 2", session_id=session, max_tokens=3)).error is None
+    assert main(["status", "--server", pool.grpc_address]) == 0
+    out = capsys.readouterr().out
+    assert "SERVING" in out and session in out
+    for card in client.cards():
+        assert card.card_id in out
+    assert main(["status", "--server", pool.grpc_address, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["cards"]) == CARDS and report["pool"]["queueCapacity"] == pool.config.queue_capacity
+
+
+def test_generate_command_through_the_pool_keeps_its_session(
+    pool: PoolThread, client: PoolClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from onestream.cli import main
+
+    session = new_session()
+    base = ["generate", "--server", pool.grpc_address, "--session", session, "--max-tokens", "6", "--json"]
+    assert main([*base, "--prompt", "def add(a, b):"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["usage"]["generated_tokens"] == len(first["token_ids"]) > 0
+    assert main([*base, "--prompt", "def add(a, b):" + first["text"] + "\n"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["card"]["card_id"] == first["card"]["card_id"]
+    assert second["usage"]["cached_prompt_tokens"] > 0
+    assert main(["generate", "--server", pool.grpc_address, "--max-tokens", "3", "--prompt", "x"]) == 0
+    captured = capsys.readouterr()
+    assert "finish=" in captured.err and "card=" in captured.err
+
+
+def test_chat_command_keeps_one_session_and_resets_it(pool: PoolThread, client: PoolClient) -> None:
+    import argparse
+    import io
+
+    from onestream.commands.chat import ChatLoop
+
+    session = new_session()
+    args = argparse.Namespace(
+        server=pool.grpc_address, session=session, system="be brief", stats=True, max_tokens=5, stop=[]
+    )
+    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "seed"):
+        setattr(args, name, None)
+    args.repetition_penalty = None
+    script = io.StringIO("hello there\n/stats\nand again\n")
+    out, err = io.StringIO(), io.StringIO()
+    loop = ChatLoop(client, args, script, out, err)
+    assert loop.run() == 0
+    assert [m["role"] for m in loop.messages] == ["system", "user", "assistant", "user", "assistant"]
+    listed = {s.session_id: s for s in client.sessions()}
+    assert listed[session].turns == 2
+    assert "finish=" in err.getvalue()  # the first turn's stats line (then /stats turned them off)
+    loop.stdin = io.StringIO("/reset\n/exit\n")
+    assert loop.run() == 0
+    assert session not in {s.session_id for s in client.sessions()}
+    assert loop.session_id != session and loop.messages == [{"role": "system", "content": "be brief"}]
+
+
+# ---- shutdown (last: the router admits nothing afterwards) ----------------------------------------------
+def test_draining_reports_not_serving_and_finishes_in_flight_streams(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    assert client.health() == "SERVING"
+    in_flight = start_turn(client, long_request(new_session(), max_tokens=600))
+    assert in_flight.first_chunk.wait(WAIT_S) and in_flight.error is None
+    drained = pool.submit(pool.pool.drain())
+    wait_for(lambda: client.health() == "NOT_SERVING", 10, "health NOT_SERVING")
+    assert client.health("onestream.v1.OneStream") == "NOT_SERVING"
+    refused = run_turn(client, make_request("hi", max_tokens=2))
+    assert refused.error is not None and refused.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in refused.error.details()
+    assert not drained.done(), "the drain waits for the stream in flight"
+    assert drained.result(WAIT_S) is True, "every in-flight request finished"
+    assert in_flight.done.wait(30) and in_flight.error is None
+    assert in_flight.finished is not None and in_flight.finished.usage.generated_tokens == 600

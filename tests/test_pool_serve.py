@@ -1,0 +1,105 @@
+"""`onestream serve` as users run it: its own local Ray, one CPU card, a real client; SIGTERM drains (the
+in-flight stream finishes) and the process exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from onestream.cluster.client import PoolClient, make_request
+from onestream.worker.testing import write_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+START_TIMEOUT_S = 240.0
+
+
+class Serve:
+    """A running `onestream serve`, its output lines collected on a thread."""
+
+    def __init__(self, model_dir: Path) -> None:
+        command = [
+            sys.executable, "-m", "onestream", "serve", "--model", str(model_dir), "--cpu-cards", "1",
+            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--card-threads", "1", "--max-context", "512",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"`onestream serve` never printed {pattern!r}:\n{''.join(self.output)[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    server = Serve(write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny"))
+    yield server
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(30)
+
+
+def test_serve_prints_its_addresses_serves_and_drains_on_sigterm(serve: Serve) -> None:
+    grpc_address = serve.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
+    metrics_address = serve.wait_for_line(r"metrics\s+http://(\S+)/metrics", 10).group(1)
+    serve.wait_for_line(r"card\s+\S+/0/cpu-0", 10)
+    serve.wait_for_line(r"ready", 10)
+    with PoolClient(grpc_address, timeout_s=60) as client:
+        assert client.health() == "SERVING"
+        assert client.model_info().max_context == 512
+        events = list(client.generate(make_request("def main():", session_id="cli", max_tokens=5)))
+        assert events[-1].finished.usage.generated_tokens > 0
+        with urllib.request.urlopen(f"http://{metrics_address}/sd", timeout=10) as response:
+            assert b'"card"' in response.read()
+
+        in_flight = client.generate(make_request("x", session_id="long", max_tokens=500, ignore_eos=True))
+        first = next(e for e in in_flight if e.WhichOneof("event") == "chunk")
+        assert first.chunk.token_ids
+        serve.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.health() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate(make_request("y", max_tokens=2)))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        rest = list(in_flight)  # the stream in flight finishes despite the signal
+        assert rest[-1].finished.usage.generated_tokens == 500
+    assert serve.process.wait(120) == 0, "".join(serve.output)[-4000:]
+    serve.wait_for_line(r"stopped", 5)
