@@ -105,26 +105,36 @@ class ModelConfig:
             raise CheckpointError("config.json: text_config is not an object")
         text_type = text.get("model_type", "qwen3_5_text")
         if text is not raw and text_type != "qwen3_5_text":
-            raise UnsupportedModelError(f"config.json: text_config.model_type {text_type!r} is not 'qwen3_5_text'")
+            raise UnsupportedModelError(
+                f"config.json: text_config.model_type {text_type!r} is not 'qwen3_5_text'"
+            )
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope", None):
             raise UnsupportedModelError(f"config.json: rope_type {rope_type!r} is not supported")
-        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "eos_token_ids", "model_type", "layer_types")}
+        known = {
+            f
+            for f in cls.__dataclass_fields__
+            if f not in ("extra", "eos_token_ids", "model_type", "layer_types")
+        }
         kwargs: dict[str, Any] = {k: text[k] for k in known if k in text and text[k] is not None}
         kwargs["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
         kwargs["partial_rotary_factor"] = float(
             rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
         )
         # tie_word_embeddings lives on the outer config of multimodal checkpoints.
-        kwargs["tie_word_embeddings"] = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+        kwargs["tie_word_embeddings"] = bool(
+            text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        )
         n = int(text.get("num_hidden_layers", cls.num_hidden_layers))
         if text.get("layer_types"):
             kwargs["layer_types"] = tuple(text["layer_types"])
         else:
             kwargs["layer_types"] = default_layer_types(n, int(text.get("full_attention_interval", 4)))
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        kwargs["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        kwargs["eos_token_ids"] = (
+            tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        )
         kwargs["model_type"] = "qwen3_5_text"
         kwargs["extra"] = {k: v for k, v in text.items() if k not in known}
         try:
@@ -163,5 +173,6 @@ class ModelConfig:
 def default_layer_types(num_layers: int, full_attention_interval: int) -> tuple[str, ...]:
     """transformers' default: layer i is full attention iff (i + 1) % interval == 0."""
     return tuple(
-        FULL_ATTENTION if (i + 1) % full_attention_interval == 0 else LINEAR_ATTENTION for i in range(num_layers)
+        FULL_ATTENTION if (i + 1) % full_attention_interval == 0 else LINEAR_ATTENTION
+        for i in range(num_layers)
     )
