@@ -13,10 +13,10 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from onestream.cluster.client import PoolClient, make_request
 from onestream.worker.testing import write_tiny_checkpoint
 
@@ -27,10 +27,10 @@ START_TIMEOUT_S = 240.0
 class Serve:
     """A running `onestream serve`, its output lines collected on a thread."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, *args: str) -> None:
         command = [
-            sys.executable, "-m", "onestream", "serve", "--model", str(model_dir), "--cpu-cards", "1",
-            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--card-threads", "1", "--max-context", "512",
+            sys.executable, "-m", "onestream", "serve", *args,
+            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--card-threads", "1",
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
         self.process = subprocess.Popen(
@@ -68,7 +68,8 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    server = Serve(write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny"))
+    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
+    server = Serve("--model", str(model_dir), "--cpu-cards", "1", "--max-context", "512")
     yield server
     if server.process.poll() is None:
         os.killpg(server.process.pid, signal.SIGKILL)
@@ -103,3 +104,25 @@ def test_serve_prints_its_addresses_serves_and_drains_on_sigterm(serve: Serve) -
         assert rest[-1].finished.usage.generated_tokens == 500
     assert serve.process.wait(120) == 0, "".join(serve.output)[-4000:]
     serve.wait_for_line(r"stopped", 5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU default only applies without a GPU")
+def test_plain_serve_runs_the_embedded_model_on_cpu_cards_without_a_gpu() -> None:
+    """The README's main command: no --model, no --cpu-cards, on a machine without a GPU."""
+    server = Serve()
+    try:
+        server.wait_for_line(r"no GPU here; running 2 CPU cards", START_TIMEOUT_S)
+        grpc_address = server.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
+        server.wait_for_line(r"ready", 30)
+        with PoolClient(grpc_address, timeout_s=60) as client:
+            assert len(client.cards()) == 2
+            events = list(client.generate(make_request("import os\n", session_id="readme", max_tokens=8)))
+            finished = events[-1].finished
+            assert finished.usage.generated_tokens > 0
+            assert finished.usage.draft_tokens > 0  # the embedded model drafts with its MTP head
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(120) == 0, "".join(server.output)[-4000:]
+    finally:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(30)

@@ -13,6 +13,10 @@ from typing import Any
 EXTRA_CARDS_WAIT_S = 60.0
 
 
+# CPU cards started by a plain `onestream serve` on a machine without GPUs.
+DEFAULT_LOCAL_CPU_CARDS = 2
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -61,6 +65,14 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_cards is not None and args.cpu_cards < 0:
         print("onestream serve: --cpu-cards must be >= 0", file=sys.stderr)
         return 2
+    if args.cpu_cards is None and not args.address and not _local_gpu_count():
+        # A laptop or CI box: the pool still runs, on CPU cards, so `onestream serve` works anywhere.
+        args.cpu_cards = DEFAULT_LOCAL_CPU_CARDS
+        print(
+            f"onestream serve: no GPU here; running {args.cpu_cards} CPU cards (reference back end); "
+            "--cpu-cards N to choose",
+            flush=True,
+        )
     engine_options: dict[str, Any] = {}
     if args.spec_k is not None:
         engine_options["spec_k"] = args.spec_k
@@ -98,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     return asyncio.run(_serve(config, ray_address))
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _connect_ray(address: str | None, cpu_cards: int | None) -> str:
