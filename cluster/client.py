@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 
+# The proto's optional sampling fields, by name (also what the router copies into SamplingParams).
 SAMPLING_FIELDS = (
     "temperature",
     "top_k",

@@ -5,23 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from onestream.cluster.client import SAMPLING_FIELDS
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.card import CardIdentity, SessionRecord
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.output import Finished, TokenChunk
 from onestream.worker.request import GenerateRequest
 from onestream.worker.sampling import SamplingParams
-
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
 
 
 def request_from_proto(message: pb.GenerateRequest, request_id: str) -> GenerateRequest:
@@ -37,7 +27,7 @@ def request_from_proto(message: pb.GenerateRequest, request_id: str) -> Generate
     else:
         prompt = [{"role": m.role, "content": m.content} for m in message.messages.messages]
     values = {
-        name: getattr(message.sampling, name) for name in _SAMPLING_FIELDS if message.sampling.HasField(name)
+        name: getattr(message.sampling, name) for name in SAMPLING_FIELDS if message.sampling.HasField(name)
     }
     sampling = SamplingParams(**values)
     fields: dict[str, Any] = {}
