@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The pool on a real GPU, in one device call: the reference model's CUDA tests, then `onestream serve` with a
+# Ray card on the GPU (num_gpus=1, megakernel back end), two turns of one session through the gRPC client,
+# `onestream status`, a scrape of the card's /metrics, and a SIGTERM drain.
+#   run (carry .devpkgs, made here by ../shared/tools/ray-bundle.sh .devpkgs): bash tools/gpu/check_pool.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/onestream-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
+REPO=$PWD
+
+# Ray is not installed there: unpack the slim bundle.
+mkdir -p /tmp/site && tar -xJf .devpkgs/ray-slim.tar.xz -C /tmp/site &&
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .devpkgs/*.whl || exit 1
+# The project is not installed either: expose pyproject.toml's package layout through links.
+PKG=/tmp/onestream-pkg
+rm -rf "$PKG" && mkdir -p "$PKG/onestream" && cp -r onestream/. "$PKG/onestream/"
+for part in kernels worker cluster protos; do ln -s "$REPO/$part" "$PKG/onestream/$part"; done
+export PYTHONPATH="$PKG:/tmp/site"
+cd "$PKG"
+
+echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool.log"
+timeout 120 python3 -m pytest -q -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" -m gpu \
+  "$REPO/tests/test_model_parity.py" "$REPO/tests/test_loading.py" 2>&1 | tail -15 | tee -a "$OUT/pool.log"
+
+python3 -m onestream serve --listen 127.0.0.1:50051 --metrics 127.0.0.1:9400 > "$OUT/serve.log" 2>&1 &
+SERVE=$!
+for _ in $(seq 120); do grep -q "ready" "$OUT/serve.log" && break; sleep 1; done
+cat "$OUT/serve.log" | grep -v WARNING | tee -a "$OUT/pool.log"
+for turn in "def read_config(path):" "def read_config(path):
+    with open(path) as f:"; do
+  timeout 60 python3 -m onestream generate --server 127.0.0.1:50051 --session gpu-1 --max-tokens 64 \
+    --prompt "$turn" 2>&1 | tail -4 | tee -a "$OUT/pool.log"
+done
+timeout 30 python3 -m onestream status --server 127.0.0.1:50051 2>&1 | tee -a "$OUT/pool.log"
+card=$(grep -o "http://[^ ]*/metrics" "$OUT/serve.log" | tail -1)
+python3 - "$card" <<'PY' 2>&1 | tee -a "$OUT/pool.log"
+import sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+print("\n".join(line for line in text.splitlines() if line.startswith(("onestream_generation_tokens_total",
+      "onestream_spec_decode_num_accepted_tokens_total", "onestream_card_info"))))
+PY
+kill -TERM "$SERVE"; wait "$SERVE"; echo "serve exit: $?" | tee -a "$OUT/pool.log"
