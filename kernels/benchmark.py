@@ -296,6 +296,10 @@ def bench_model(
             for r in timed:
                 r.method += suffix
                 result.results.append(r)
+                # As it goes, so that a run cut short by its time limit still reports what it measured.
+                print(
+                    f"  [{name}] {r.method}: {r.tok_s:.1f} tok/s, {r.ms_per_token:.3f} ms/token", flush=True
+                )
             if tuning.phase_timing:  # the stamps of the last launch above
                 rows = summarise(runner.phase_stamps(), step_phases(config))
                 result.breakdowns[label] = [dataclasses.asdict(r) for r in rows]

@@ -33,9 +33,25 @@ AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 3
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
+FP32_ACT_ENV = "ONESTREAM_MK_FP32_ACT"
+FP32_IN_ENV = "ONESTREAM_MK_FP32_IN"
+FP32_IN_PART_ROWS = (
+    1024  # partial-sum rows per round of fp32-input builds (room for the fp32 input and the ring)
+)
+
+
+def fp32_act_default() -> bool:
+    """The activation precision of a default Tuning: fp32 unless $ONESTREAM_MK_FP32_ACT is "0" (or "false")."""
+    value = os.environ.get(FP32_ACT_ENV, "1").strip().lower()
+    if value not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {value!r}")
+    return value not in ("0", "false")
+
+
 @dataclass(frozen=True)
 class Tuning:
-    """Knobs that change speed, never results (reduction orders do not depend on them, except threads)."""
+    """Knobs that change speed, never results (reduction orders do not depend on them, except threads), and
+    the activation precision `fp32_act`, which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
@@ -52,6 +68,27 @@ class Tuning:
     # double buffer; None = 3 where the GPU's shared memory holds the ring (sm_90), else 0.
     stages: int | None = None
     phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
+    # Numerics (changes results): True keeps the residual stream and the logits in fp32 and rounds the other
+    # intermediates to bf16 once, where they are stored (closer to the fp32 reference); False rounds every
+    # value the bf16 reference keeps in bf16. Default from $ONESTREAM_MK_FP32_ACT ("0" selects False).
+    fp32_act: bool = field(default_factory=lambda: fp32_act_default())
+    # With fp32_act: also stage the GEMV inputs in shared memory as fp32 (twice the bytes; the partial-sum
+    # buffers shrink to FP32_IN_PART_ROWS rows so that the weight ring still fits). Default from
+    # $ONESTREAM_MK_FP32_IN ("1" selects it).
+    fp32_gemv_in: bool = field(default_factory=lambda: os.environ.get(FP32_IN_ENV, "0").strip() == "1")
+    # Dynamic row scheduling (ring builds): the big GEMV phases split dyn_static_pct % of their rows evenly and
+    # hand out the rest as tiles of about dyn_tile_bytes from a ticket counter (faster blocks take more).
+    dynamic: bool = False
+    dyn_static_pct: int = 80
+    dyn_tile_bytes: int = 96 * 1024
+
+    def __post_init__(self) -> None:
+        if self.fp32_gemv_in and not self.fp32_act:
+            raise ValueError("fp32_gemv_in needs fp32_act")
+        if not 0 <= self.dyn_static_pct <= 100:
+            raise ValueError(f"dyn_static_pct must be 0..100, got {self.dyn_static_pct}")
+        if self.dyn_tile_bytes <= 0:
+            raise ValueError(f"dyn_tile_bytes must be positive, got {self.dyn_tile_bytes}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,13 @@ class KernelSpec:
 
     def _ring_bytes(self, stages: int) -> int:
         return stages * self.tuning.umax * self.tuning.threads * 16
+
+    @property
+    def part_rows(self) -> int:
+        """GEMV partial-sum rows per round (fp32-input builds use at most FP32_IN_PART_ROWS)."""
+        if self.tuning.fp32_gemv_in:
+            return min(self.tuning.part_rows, FP32_IN_PART_ROWS)
+        return self.tuning.part_rows
 
     @property
     def dn_split(self) -> int:
@@ -107,7 +151,7 @@ class KernelSpec:
             "MK_NT": self.tokens_per_launch,
             "MK_THREADS": t.threads,
             "MK_UMAX": t.umax,
-            "MK_PART_ROWS": t.part_rows,
+            "MK_PART_ROWS": self.part_rows,
             "MK_DN_SPLIT": self.dn_split,
             "MK_ATT_PAIRS": self.att_pairs,
             "MK_ATT_MIN_CHUNK": t.att_min_chunk,
@@ -115,6 +159,11 @@ class KernelSpec:
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
             "MK_VARIANT": t.variant,
             "MK_STAGES": self.stages,
+            "MK_FP32_ACT": int(t.fp32_act),
+            "MK_FP32_IN": int(t.fp32_gemv_in),
+            "MK_DYN": int(t.dynamic),
+            "MK_DYN_STATIC_PCT": t.dyn_static_pct,
+            "MK_DYN_TILE_BYTES": t.dyn_tile_bytes,
         }
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
@@ -130,8 +179,8 @@ class KernelSpec:
     def _smem_without_ring(self) -> int:
         c, nt = self.config, self.tokens_per_launch
         kmax = max(c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size)
-        xs = (nt * kmax * 2 + 15) // 16 * 16
-        return xs + 2 * nt * self.tuning.part_rows * 4 + 64 * 4
+        xs = (nt * kmax * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
+        return xs + 2 * nt * self.part_rows * 4 + 64 * 4
 
     def att_max_chunks(self, grid: int) -> int:
         return max(1, grid // self.config.num_key_value_heads)

@@ -17,6 +17,17 @@ struct __align__(16) vec16 {  // 16 bytes: 8 bf16
 #define MK_VARIANT 1  // 0: the previous kernel (sleeping barrier spin, per-line prefetch of own rows only)
 #endif
 
+#ifndef MK_FP32_ACT
+#define MK_FP32_ACT 1  // 1: fp32 residual stream and logits, intermediates rounded to bf16 once; 0: bf16 everywhere
+#endif
+
+#ifndef MK_FP32_IN
+#define MK_FP32_IN 0  // 1 (with MK_FP32_ACT): the normed GEMV inputs are staged in shared memory as fp32, not bf16
+#endif
+#if MK_FP32_IN && !MK_FP32_ACT
+#error "MK_FP32_IN needs MK_FP32_ACT"
+#endif
+
 #define MK_WARP 32
 #define MK_NWARPS (MK_THREADS / MK_WARP)
 #define MK_INF __int_as_float(0x7f800000)
@@ -54,6 +65,23 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
 }
 // The value a bf16 tensor would hold: every intermediate that the reference keeps in bf16 goes through this.
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+// The staged GEMV input in shared memory: fp32 (MK_FP32_IN) or bf16, converted from fp32 by to_xin.
+#if MK_FP32_IN
+typedef float xin_t;
+__device__ __forceinline__ xin_t to_xin(float f) { return f; }
+__device__ __forceinline__ bf16_t xin_to_bf(xin_t x) { return f2bf(x); }
+#else
+typedef bf16_t xin_t;
+__device__ __forceinline__ xin_t to_xin(float f) { return f2bf(f); }
+__device__ __forceinline__ bf16_t xin_to_bf(xin_t x) { return x; }
+#endif
+// Intermediate roundings of the bf16 reference's numerics. MK_FP32_ACT builds keep these values in fp32 (closer
+// to the fp32 reference: the stored buffers are then rounded once, where they are written).
+#if MK_FP32_ACT
+#define RBI(x) (x)
+#else
+#define RBI(x) rbf(x)
+#endif
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -98,6 +126,11 @@ __device__ __forceinline__ float ld_cg_f(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
+// 8 consecutive floats (32-byte aligned) written earlier in this launch.
+__device__ __forceinline__ void ld_cg_f8(const float* p, float (&f)[8]) {
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "l"(p));
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(f[4]), "=f"(f[5]), "=f"(f[6]), "=f"(f[7]) : "l"(p + 4));
+}
 __device__ __forceinline__ bf16_t ld_cg_bf(const bf16_t* p) {
     unsigned short r;
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
@@ -130,6 +163,16 @@ __device__ __forceinline__ void prefetch_l2_bytes(const void* p, unsigned bytes)
 #else
     for (unsigned off = 0; off < bytes; off += 128) prefetch_l2((const char*)p + off);
 #endif
+}
+
+__device__ __forceinline__ void unpack8(const vec16& v, float (&f)[8]) {
+    f[0] = bf_lo(v.x), f[1] = bf_hi(v.x), f[2] = bf_lo(v.y), f[3] = bf_hi(v.y);
+    f[4] = bf_lo(v.z), f[5] = bf_hi(v.z), f[6] = bf_lo(v.w), f[7] = bf_hi(v.w);
+}
+// Values 8 * i8 .. 8 * i8 + 7 of a vector written earlier in this launch, bf16 or (bf = false) fp32.
+__device__ __forceinline__ void ld_cg_act8(const void* base, int i8, bool bf, float (&f)[8]) {
+    if (!MK_FP32_ACT || bf) unpack8(ld_cg16((const bf16_t*)base + i8 * 8), f);
+    else ld_cg_f8((const float*)base + i8 * 8, f);
 }
 
 // ---- reductions ----------------------------------------------------------------------------------

@@ -24,6 +24,15 @@
 #ifndef MK_STAGES
 #define MK_STAGES 0  // > 0: weights stream through a per-thread ring of MK_STAGES items in shared memory (cp.async)
 #endif
+#ifndef MK_DYN
+#define MK_DYN 0  // 1: big phases split MK_DYN_STATIC_PCT % of their rows statically, the rest as tiles drawn at run time
+#endif
+#ifndef MK_DYN_STATIC_PCT
+#define MK_DYN_STATIC_PCT 80
+#endif
+#ifndef MK_DYN_TILE_BYTES
+#define MK_DYN_TILE_BYTES 98304  // weight bytes per dynamic tile (rounded to whole rows, at most one round)
+#endif
 #define GEMV_MAX_SEGS 4
 // Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most.
 #define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
@@ -36,6 +45,7 @@ struct GemvDesc {
     int K;           // input width (multiple of 8)
     int nrows;
     int align;       // block ranges are multiples of this many rows
+    u64* dyn;        // MK_DYN: this phase's tile ticket counter (monotonic across launches), or null: all static
 };
 
 struct GemvPlan {
@@ -80,6 +90,33 @@ __device__ __forceinline__ float dot8(const vec16& w, const vec16& x) {
     return s;
 }
 
+// Weights (8 bf16) times the staged input's vector v (8 values; xs[t][K] is K / 8 vec16 of bf16 or, with
+// MK_FP32_IN, K / 4 vec16 of fp32), in the order of dot8.
+__device__ __forceinline__ float dot8_in(const vec16& w, const vec16* xs, int v) {
+#if MK_FP32_IN
+    const vec16 a = xs[2 * v], b = xs[2 * v + 1];
+    float s = bf_lo(w.x) * __uint_as_float(a.x);
+    s = fmaf(bf_hi(w.x), __uint_as_float(a.y), s);
+    s = fmaf(bf_lo(w.y), __uint_as_float(a.z), s);
+    s = fmaf(bf_hi(w.y), __uint_as_float(a.w), s);
+    s = fmaf(bf_lo(w.z), __uint_as_float(b.x), s);
+    s = fmaf(bf_hi(w.z), __uint_as_float(b.y), s);
+    s = fmaf(bf_lo(w.w), __uint_as_float(b.z), s);
+    s = fmaf(bf_hi(w.w), __uint_as_float(b.w), s);
+    return s;
+#else
+    return dot8(w, xs[v]);
+#endif
+}
+
+// Rows [0, static rows) are split evenly over the blocks; MK_DYN phases (dyn set) hand out the rest as tiles.
+__device__ __forceinline__ int gemv_static_rows(const GemvDesc& d) {
+#if MK_DYN
+    if (d.dyn != nullptr) return (int)((long long)(d.nrows / d.align) * MK_DYN_STATIC_PCT / 100) * d.align;
+#endif
+    return d.nrows;
+}
+
 // Block b's share [r0, r1) of `nrows` rows, split in units of `align` rows.
 __device__ __forceinline__ void row_range_of(int b, int nrows, int align, int& r0, int& r1) {
     const long long units = nrows / align;
@@ -117,7 +154,7 @@ __device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)
         const int v = (chunk * p.u + u) * 32 + lane;
         if (u < p.u && v < p.nvec) {
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8(w[u], xs[t * p.nvec + v]);
+            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w[u], xs, t * p.nvec + v);
         }
     }
 #pragma unroll
@@ -160,7 +197,7 @@ __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan
 __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
-    block_row_range(d.nrows, d.align, r0, r1);
+    block_row_range(gemv_static_rows(d), d.align, r0, r1);
     const int nitems = min(p.round, max(0, r1 - r0)) * p.nk;
     gemv_ring_head(d, p, r0, nitems, tid_x() & 31, tid_x() >> 5, smem_addr(ring + tid_x()), evict_first_policy());
 }
@@ -177,7 +214,7 @@ __device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16
         if (u < p.u && v < p.nvec) {
             const vec16 w = slot[u * MK_THREADS];
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8(w, xs[t * p.nvec + v]);
+            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w, xs, t * p.nvec + v);
         }
     }
 #pragma unroll
@@ -188,30 +225,64 @@ __device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16
 }
 #endif
 
-// Multiply this block's rows by xs (shared memory, [MK_NT][K] bf16); after each round of rows, call
+#if MK_DYN && MK_STAGES > 0
+// One ticket of a dynamic phase: tile index, or -1 once all are taken. Every launch draws exactly ntiles + grid
+// tickets per phase (each block stops at its first miss), so ticket % (ntiles + grid) numbers this launch's
+// draws from 0 and the counter never needs a reset (the host zeroes it only after an error).
+__device__ __forceinline__ int gemv_draw(u64* counter, int ntiles, u64 per_launch) {
+    const u64 t = atomicAdd(counter, 1ull) % per_launch;
+    return t < (u64)ntiles ? (int)t : -1;
+}
+#endif
+
+// Multiply this block's rows by xs (shared memory, [MK_NT][K] xin_t); after each round of rows, call
 // `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for token t.
-// `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only).
+// `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only). MK_DYN builds (ring only): after its
+// static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter until none is
+// left; the next range's ring head is issued before the current one's reduction and epilogue, and the next
+// ticket is drawn during them. A row's value does not depend on which block computes it.
 template <class Finish>
-__device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, float* rowval, vec16* ring,
+__device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, float* rowval, vec16* ring,
                          bool head_issued, Finish finish) {
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
-    const vec16* xs = (const vec16*)xs_bf;
+    const vec16* xs = (const vec16*)xs_in;
     int r0, r1;
-    block_row_range(d.nrows, d.align, r0, r1);
+    block_row_range(gemv_static_rows(d), d.align, r0, r1);
 #if MK_STAGES > 0
     const u64 policy = evict_first_policy();
     const u32 ring0 = smem_addr(ring + tid_x());
     const vec16* mine = ring + tid_x();
 #endif
-    for (int rs = r0; rs < r1; rs += p.round) {
-        const int nr = min(p.round, r1 - rs);
+    int rs = r0, nr = min(p.round, r1 - r0);
+    bool head = head_issued;
+#if MK_DYN && MK_STAGES > 0
+    __shared__ int s_tile;  // the next tile drawn for this block (-1: none left)
+    const bool dyn = d.dyn != nullptr;
+    const int srows = gemv_static_rows(d);
+    const int trows = max(d.align, min(MK_DYN_TILE_BYTES / (d.K * 2), p.round) / d.align * d.align);
+    const int ntiles = dyn ? (d.nrows - srows + trows - 1) / trows : 0;
+    const u64 per_launch = (u64)ntiles + (u64)nblocks();
+    if (dyn && tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
+    if (dyn && nr <= 0) {  // no static rows for this block: start with a tile
+        __syncthreads();
+        const int tile = s_tile;
+        __syncthreads();
+        head = false;
+        if (tile >= 0) {
+            rs = srows + tile * trows;
+            nr = min(trows, d.nrows - rs);
+            if (tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
+        }
+    }
+#endif
+    while (nr > 0) {
         const int nitems = nr * p.nk;
 #if MK_STAGES > 0
         // This warp's items are warp, warp + NW, ...; item k lives in slot k % MK_STAGES. One commit group per
         // item (empty groups past the end keep the count uniform), MK_STAGES - 1 issued ahead of the one used.
         const int count = warp < nitems ? (nitems - 1 - warp) / MK_NWARPS + 1 : 0;
-        if (!(head_issued && rs == r0)) gemv_ring_head(d, p, rs, nitems, lane, warp, ring0, policy);
+        if (!head) gemv_ring_head(d, p, rs, nitems, lane, warp, ring0, policy);
         for (int k = 0; k < count; ++k) {
             const int kn = k + MK_STAGES - 1;
             if (kn < count) {
@@ -241,6 +312,25 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, fl
         }
 #endif
         __syncthreads();
+        // The next range: this block's next static round, else (MK_DYN) the tile drawn during this one.
+        int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
+        head = false;
+#if MK_DYN && MK_STAGES > 0
+        bool took_tile = false;
+        if (dyn && next_nr <= 0) {
+            const int tile = s_tile;
+            next_nr = 0;
+            if (tile >= 0) {
+                next_rs = srows + tile * trows;
+                next_nr = min(trows, d.nrows - next_rs);
+                took_tile = true;
+            }
+        }
+        if (dyn && next_nr > 0) {  // its first weights stream in during this range's reduction and epilogue
+            gemv_ring_head(d, p, next_rs, next_nr * p.nk, lane, warp, ring0, policy);
+            head = true;
+        }
+#endif
         for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
             const int t = e / nr, r = e - t * nr;
             const float* pp = part + t * MK_PART_ROWS + r * p.nk;
@@ -249,8 +339,13 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_bf, float* part, fl
             rowval[t * p.round + r] = s;
         }
         __syncthreads();
+#if MK_DYN && MK_STAGES > 0
+        if (took_tile && tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
+#endif
         finish(rs, nr, rowval, p.round);
         __syncthreads();
+        rs = next_rs;
+        nr = next_nr;
     }
 }
 
@@ -259,7 +354,7 @@ __device__ void gemv_prefetch(const GemvDesc& d, int max_bytes) {
     if (max_bytes <= 0 || d.nrows <= 0) return;
     const int lines_per_row = (d.K * 2 + 127) / 128;
     int r0, r1;
-    block_row_range(d.nrows, d.align, r0, r1);
+    block_row_range(gemv_static_rows(d), d.align, r0, r1);
     const long long total = (long long)(r1 - r0) * lines_per_row;
     const long long budget = max_bytes / 128;
     const int n = (int)(total < budget ? total : budget);
@@ -278,7 +373,7 @@ __device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, in
     const int row_bytes = d.K * 2;
     const int pieces = (row_bytes + MK_PF_PIECE - 1) / MK_PF_PIECE;
     int r0, r1;
-    row_range_of(b, d.nrows, d.align, r0, r1);
+    row_range_of(b, gemv_static_rows(d), d.align, r0, r1);
     const int first = r0 + skip_bytes / row_bytes;
     const int last = min(r1, first + max(1, max_bytes / row_bytes));
     for (int it = tid_x(); it < (last - first) * pieces; it += MK_THREADS) {

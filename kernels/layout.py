@@ -16,7 +16,7 @@ class G(IntEnum):
     LM_HEAD = 1
     FINAL_NORM = 2  # fp32 (1 + w)
     INV_FREQ = 3  # fp32 [rotary_dim / 2]
-    H = 4  # bf16 [T, H] residual stream
+    H = 4  # [T, H] residual stream: fp32 (Tuning.fp32_act, the default) or bf16
     XBUF = 5  # bf16 [T, C] DeltaNet conv output (q | k | v)
     ZBUF = 6  # bf16 [T, Hv * dv]
     BETA = 7  # fp32 [T, Hv]

@@ -10,6 +10,11 @@
 // on sm_90 and lets the blocks idle during the DeltaNet / attention phases prefetch for every block.
 // MK_STAGES > 0 streams GEMV weights through a shared-memory ring (cp.async, several items per warp in
 // flight, no registers held) and issues each phase's first items before the barrier that precedes it.
+// MK_DYN (ring builds) splits most rows of the big GEMV phases statically and hands out the rest as tiles from
+// a ticket counter per phase of the step (sync[1 + KVH + slot]), so blocks that stream faster take more.
+// MK_FP32_ACT (default 1) keeps the residual stream and the logits in fp32 and rounds every other intermediate
+// to bf16 once, where it is stored, instead of at every step the bf16 reference rounds (0: the bf16 numerics);
+// MK_FP32_IN also stages the GEMV inputs in shared memory as fp32 (needs smaller partial-sum buffers).
 // MK_PHASE_TIMING records per-block globaltimer stamps per phase (kernels/phase_timing.py reads them).
 //
 // Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test.
@@ -95,8 +100,9 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             bs.desc = phase == PH_DN_OUT ? desc_plain(tb.lp<const bf16_t>(l, L_OUT), MK_VD, MK_H)
                                          : desc_plain(tb.lp<const bf16_t>(l, L_O), MK_AD, MK_H);
             e.kind = EPI_RESIDUAL;
-            e.out = tb.gp<bf16_t>(G_H);
+            e.out = tb.gp<bf16_t>(G_H);  // resid_t (the epilogue casts)
             for (int t = 0; t < MK_NT; ++t) e.src[t] = resid_src(tb, si, l, t);
+            e.src_bf = resid_is_bf16(l);
             break;
         case PH_MLP_IN:
             bs.desc = desc_gate_up(tb, l);
@@ -107,7 +113,8 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             bs.desc = desc_plain(tb.lp<const bf16_t>(l, L_DOWN), MK_I, MK_H);
             e.kind = EPI_RESIDUAL;
             e.out = tb.gp<bf16_t>(G_H);
-            for (int t = 0; t < MK_NT; ++t) e.src[t] = tb.gp<const bf16_t>(G_H) + t * MK_H;
+            for (int t = 0; t < MK_NT; ++t) e.src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
+            e.src_bf = !MK_FP32_ACT;
             break;
         case PH_LM_HEAD:
             bs.desc = desc_plain(tb.gp<const bf16_t>(G_LM_HEAD), MK_H, MK_V);
@@ -119,6 +126,14 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             bs.gemv = 0;
             break;
     }
+#if MK_DYN
+    // The big phases hand out their last rows as tiles; counter slot: the phase's place in the step.
+    if (bs.gemv && phase != PH_DN_OUT && phase != PH_ATT_OUT) {
+        const int nl = (int)tb.gi(G_NUM_LAYERS);
+        const int slot = phase == PH_LM_HEAD ? 5 * nl : 5 * l + (phase == PH_MLP_IN ? 3 : phase == PH_MLP_DOWN ? 4 : 0);
+        bs.desc.dyn = tb.sync + 1 + MK_KVH + slot;
+    }
+#endif
 }
 
 // Block 0, after the last barrier: greedy tokens out, argmax keys reset, position advanced.
@@ -150,9 +165,9 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     switch (phase) {
         case PH_DN_IN:
         case PH_ATT_IN: {
-            const bf16_t* src[MK_NT];
+            const void* src[MK_NT];
             for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
-            stage_rmsnorm(src, tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red);
+            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red);
             break;
         }
         case PH_DN_REC:
@@ -168,13 +183,13 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
             break;
         case PH_MLP_IN:
         case PH_LM_HEAD: {
-            const bf16_t* src[MK_NT];
-            for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const bf16_t>(G_H) + t * MK_H;
+            const void* src[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
             const float* w1 = phase == PH_MLP_IN ? tb.lp<const float>(l, L_POST_NORM) : tb.gp<const float>(G_FINAL_NORM);
-            stage_rmsnorm(src, w1, sm.xs, sm.red);
+            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red);
             if (phase == PH_LM_HEAD && bid_x() == 0) {  // the post-norm hidden state (the MTP head's input)
                 bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
-                for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) hid[i] = sm.xs[i];
+                for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) hid[i] = xin_to_bf(sm.xs[i]);
             }
             break;
         }

@@ -36,7 +36,7 @@ struct Tables {
     const u64* g;   // globals: G_*
     const u64* lt;  // per layer: L_COUNT slots each
     int* ctrl;      // CTRL_*
-    u64* sync;      // [0] barrier counter, [1 + kvh] attention chunk arrival counts
+    u64* sync;      // [0] barrier counter, [1 + kvh] attention chunk arrival counts, [1 + KVH + slot] MK_DYN tickets
     template <class T>
     __device__ __forceinline__ T* gp(int slot) const { return (T*)ld_tab(g + slot); }
     template <class T>
@@ -53,8 +53,15 @@ struct StepInfo {
     int tok[MK_NT];     // input token ids
 };
 
-// The residual stream before layer `layer`'s mixer: the embedding rows for layer 0, else h.
-__device__ __forceinline__ const bf16_t* resid_src(const Tables& tb, const StepInfo& si, int layer, int t) {
+#if MK_FP32_ACT
+typedef float resid_t;  // the residual stream h: fp32 (MK_FP32_ACT) or bf16
+#else
+typedef bf16_t resid_t;
+#endif
+
+// The residual stream before layer `layer`'s mixer: the embedding rows (bf16) for layer 0, else h (resid_t).
+__device__ __forceinline__ const void* resid_src(const Tables& tb, const StepInfo& si, int layer, int t) {
     if (layer == 0) return tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
-    return tb.gp<const bf16_t>(G_H) + t * MK_H;
+    return tb.gp<const resid_t>(G_H) + t * MK_H;
 }
+__device__ __forceinline__ bool resid_is_bf16(int layer) { return !MK_FP32_ACT || layer == 0; }

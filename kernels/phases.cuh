@@ -1,20 +1,21 @@
 // The phases of one decode step. Each phase is run by every block of the persistent grid; the grid
 // barrier between phases lives in megakernel.cu. Rounding: every value the reference model keeps in
-// bf16 is rounded to bf16 here too (rbf), arithmetic is fp32.
+// bf16 is rounded to bf16 here too (rbf) in MK_FP32_ACT=0 builds; MK_FP32_ACT builds keep the residual stream,
+// the logits and the intermediates marked RBI in fp32 (buffers stored as bf16 are rounded once). Arithmetic is fp32.
 #pragma once
 #include "common.cuh"
 #include "gemv.cuh"
 #include "model.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
-#define XS_BYTES (((MK_NT * MK_KMAX * 2) + 15) / 16 * 16)
+#define XS_BYTES (((MK_NT * MK_KMAX * (int)sizeof(xin_t)) + 15) / 16 * 16)
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
 #define RED_FLOATS 64
 #define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
 #define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4 + RING_BYTES)
 
 struct Smem {
-    bf16_t* xs;     // [MK_NT][K] staged GEMV input
+    xin_t* xs;      // [MK_NT][K] staged GEMV input
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
@@ -22,7 +23,7 @@ struct Smem {
 };
 __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
     Smem s;
-    s.xs = (bf16_t*)base;
+    s.xs = (xin_t*)base;
     s.part = (float*)(base + XS_BYTES);
     s.rowval = s.part + PART_FLOATS;
     s.red = s.rowval + PART_FLOATS;
@@ -32,59 +33,72 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 
 // ---- prologues: stage the GEMV input in shared memory -------------------------------------------
 // RMSNorm with a zero-centred weight, given as the fp32 (1 + w): y = bf16((x * rsqrt(mean(x^2) + eps)) * w1).
-__device__ void stage_rmsnorm(const bf16_t* const (&src)[MK_NT], const float* w1, bf16_t* xs, float* red) {
+// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds).
+__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
+                              float* red) {
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
     vec16* xv = (vec16*)xs;
     for (int t = 0; t < MK_NT; ++t) {
-        vec16 v[VPT];
+        float v[VPT][8];
         float ss = 0.0f;
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
             if (vi < NVEC) {
-                v[j] = ld_cg16(src[t] + vi * 8);
-                const u32 p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                ld_cg_act8(src[t], vi, src_bf, v[j]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float a = bf_lo(p[e]), b = bf_hi(p[e]);
-                    ss = fmaf(a, a, ss);
-                    ss = fmaf(b, b, ss);
-                }
+                for (int e = 0; e < 8; ++e) ss = fmaf(v[j][e], v[j][e], ss);
             }
         }
         const float r = rsqrtf(block_sum(ss, red) / (float)MK_H + MK_EPS);
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
+#if MK_FP32_IN
             if (vi < NVEC) {
-                const u32 p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                float* xf = xs + (t * NVEC + vi) * 8;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) xf[e] = (v[j][e] * r) * __ldg(w1 + vi * 8 + e);
+            }
+#else
+            if (vi < NVEC) {
                 u32 o[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float w0 = __ldg(w1 + vi * 8 + 2 * e), wq = __ldg(w1 + vi * 8 + 2 * e + 1);
-                    const u32 lo = f2bf((bf_lo(p[e]) * r) * w0), hi = f2bf((bf_hi(p[e]) * r) * wq);
+                    const u32 lo = f2bf((v[j][2 * e] * r) * w0), hi = f2bf((v[j][2 * e + 1] * r) * wq);
                     o[e] = lo | (hi << 16);
                 }
                 vec16 out;
                 out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
                 xv[t * NVEC + vi] = out;
             }
+#endif
         }
     }
     __syncthreads();
 }
 
-// Plain copy of a bf16 activation [MK_NT][K] written earlier in this launch.
-__device__ void stage_copy(const bf16_t* src, int K, bf16_t* xs) {
+// Plain copy of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32: MK_FP32_IN).
+__device__ void stage_copy(const bf16_t* src, int K, xin_t* xs) {
     const int nvec = MK_NT * K / 8;
+#if MK_FP32_IN
+    for (int i = tid_x(); i < nvec; i += MK_THREADS) {
+        float f[8];
+        unpack8(ld_cg16(src + i * 8), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xs[i * 8 + e] = f[e];
+    }
+#else
     vec16* xv = (vec16*)xs;
     for (int i = tid_x(); i < nvec; i += MK_THREADS) xv[i] = ld_cg16(src + i * 8);
+#endif
     __syncthreads();
 }
 
 // DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)), one warp per head.
-__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, bf16_t* xs) {
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs) {
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
         const int t = th / MK_HV, hv = th - t * MK_HV;
@@ -96,9 +110,9 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
         }
         const float r = rsqrtf(warp_sum(ss) / (float)MK_DV + MK_EPS);
         for (int i = lane; i < MK_DV; i += 32) {
-            const float n = rbf(bf2f(ld_cg_bf(core + base + i)) * r);
-            const float y = rbf(bf2f(__ldg(w + i)) * n);
-            xs[base + i] = f2bf(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
+            const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
+            const float y = RBI(bf2f(__ldg(w + i)) * n);
+            xs[base + i] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
         }
     }
     __syncthreads();
@@ -114,6 +128,7 @@ __device__ __forceinline__ GemvDesc desc_plain(const bf16_t* w, int K, int nrows
     d.K = K;
     d.nrows = nrows;
     d.align = 1;
+    d.dyn = nullptr;
     return d;
 }
 __device__ __forceinline__ GemvDesc desc_dn_in(const Tables& tb, int l) {  // in_proj_qkv | _z | _b | _a
@@ -147,15 +162,16 @@ __device__ __forceinline__ GemvDesc desc_gate_up(const Tables& tb, int l) {  // 
 // ---- epilogues ----------------------------------------------------------------------------------
 #define EPI_DN_IN 0     // DeltaNet projections: conv + SiLU (updating the window), z, beta, g
 #define EPI_STORE 1     // out[t * ld_out + r] = bf16(v)
-#define EPI_RESIDUAL 2  // h[t][r] = bf16(src[t][r] + bf16(v)); src is h itself or the embedding rows
+#define EPI_RESIDUAL 2  // h[t][r] = src[t][r] + v (bf16 builds: bf16(src + bf16(v))); src: h or the embedding rows
 #define EPI_SWIGLU 3    // act[t][j] = bf16(bf16(silu(bf16(gate))) * bf16(up)) from the rows (2j, 2j+1)
 #define EPI_LM_HEAD 4   // logits (bf16-rounded, as the reference's) and the argmax
 
 struct Epi {
     int kind;
-    bf16_t* out;  // EPI_STORE: output; EPI_RESIDUAL: h; EPI_SWIGLU: act; EPI_DN_IN: conv output
+    bf16_t* out;  // EPI_STORE: output; EPI_RESIDUAL: h (resid_t); EPI_SWIGLU: act; EPI_DN_IN: conv output
     int ld_out;
-    const bf16_t* src[MK_NT];  // EPI_RESIDUAL
+    const void* src[MK_NT];  // EPI_RESIDUAL: bf16 (src_bf) or fp32
+    int src_bf;
     bf16_t* zbuf;              // EPI_DN_IN ...
     float* beta;
     float* gdecay;
@@ -194,12 +210,13 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
             for (int j = 0; j < MK_CONVK - 1; ++j) st[j] = bf2f(e.conv_state[r * (MK_CONVK - 1) + j]);
             for (int t = 0; t < MK_NT; ++t) {
                 // (window * w).sum() in bf16 products, as the reference's decode step; then SiLU in bf16.
-                const float x = rbf(rowval[t * ld + i]);
+                // MK_FP32_ACT: in fp32; the window keeps x rounded to bf16, as the state tensor stores it.
+                const float xf = rowval[t * ld + i], x = rbf(xf);
                 float y = 0.0f;
 #pragma unroll
-                for (int j = 0; j < MK_CONVK - 1; ++j) y += rbf(st[j] * w[j]);
-                y += rbf(x * w[MK_CONVK - 1]);
-                e.out[t * MK_C + r] = f2bf(silu_f(rbf(y)));
+                for (int j = 0; j < MK_CONVK - 1; ++j) y += RBI(st[j] * w[j]);
+                y += RBI(RBI(xf) * w[MK_CONVK - 1]);
+                e.out[t * MK_C + r] = f2bf(silu_f(RBI(y)));
 #pragma unroll
                 for (int j = 0; j + 1 < MK_CONVK - 1; ++j) st[j] = st[j + 1];
                 st[MK_CONVK - 2] = x;
@@ -210,11 +227,11 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
             for (int t = 0; t < MK_NT; ++t) e.zbuf[t * MK_VD + r - MK_C] = f2bf(rowval[t * ld + i]);
         } else if (r < MK_C + MK_VD + MK_HV) {
             const int hv = r - MK_C - MK_VD;
-            for (int t = 0; t < MK_NT; ++t) e.beta[t * MK_HV + hv] = rbf(sigmoid_f(rbf(rowval[t * ld + i])));
+            for (int t = 0; t < MK_NT; ++t) e.beta[t * MK_HV + hv] = RBI(sigmoid_f(RBI(rowval[t * ld + i])));
         } else {
             const int hv = r - MK_C - MK_VD - MK_HV;
             for (int t = 0; t < MK_NT; ++t)
-                e.gdecay[t * MK_HV + hv] = e.neg_a[hv] * softplus_f(rbf(rowval[t * ld + i]) + e.dt_bias[hv]);
+                e.gdecay[t * MK_HV + hv] = e.neg_a[hv] * softplus_f(RBI(rowval[t * ld + i]) + e.dt_bias[hv]);
         }
     }
 }
@@ -225,7 +242,7 @@ __device__ void epi_lm_head(const Epi& e, int rs, int nr, const float* rowval, i
     for (int t = 0; t < MK_NT; ++t) {
         u64 best = 0;
         for (int i = tid_x(); i < nr; i += MK_THREADS) {
-            const float v = rbf(rowval[t * ld + i]);
+            const float v = RBI(rowval[t * ld + i]);
             e.logits[(long long)t * MK_V + rs + i] = v;
             const u64 k = argmax_key(v, rs + i);
             best = k > best ? k : best;
@@ -256,16 +273,21 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
         case EPI_RESIDUAL:
             for (int k = tid_x(); k < nr * MK_NT; k += MK_THREADS) {
                 const int t = k / nr, i = k - t * nr, r = rs + i;
-                const float old = bf2f(ld_cg_bf(e.src[t] + r));
+#if MK_FP32_ACT
+                const float old = e.src_bf ? bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r)) : ld_cg_f((const float*)e.src[t] + r);
+                ((float*)e.out)[t * MK_H + r] = old + rowval[t * ld + i];
+#else
+                const float old = bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r));
                 e.out[t * MK_H + r] = f2bf(old + rbf(rowval[t * ld + i]));
+#endif
             }
             break;
         case EPI_SWIGLU: {
             const int np = nr / 2;
             for (int k = tid_x(); k < np * MK_NT; k += MK_THREADS) {
                 const int t = k / np, p = k - t * np;
-                const float g = rbf(rowval[t * ld + 2 * p]), u = rbf(rowval[t * ld + 2 * p + 1]);
-                e.out[t * MK_I + (rs >> 1) + p] = f2bf(rbf(silu_f(g)) * u);
+                const float g = RBI(rowval[t * ld + 2 * p]), u = RBI(rowval[t * ld + 2 * p + 1]);
+                e.out[t * MK_I + (rs >> 1) + p] = f2bf(RBI(silu_f(g)) * u);
             }
             break;
         }
@@ -391,7 +413,8 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 #define ATT_PASSES ((MK_GQ_PAIRS + MK_ATT_PAIRS - 1) / MK_ATT_PAIRS)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
-static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <= PART_FLOATS,
+// The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS): MK_FP32_IN builds shrink both.
+static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
 
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
@@ -410,7 +433,7 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
 #pragma unroll
     for (int j = 0; j < ATT_NPL; ++j) {
         const int d = lane + 32 * j;
-        if (d < MK_HD) out[d] = rbf((x[j] * r) * __ldg(w1 + d));
+        if (d < MK_HD) out[d] = RBI((x[j] * r) * __ldg(w1 + d));
     }
     __syncwarp();
     float y[ATT_NPL];
@@ -421,9 +444,9 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
         y[j] = d < MK_HD ? out[d] : 0.0f;
         if (d < MK_ROT) {
             const float f = (float)p * __ldg(inv_freq + (d % half));
-            const float c = rbf(cosf(f)), s = rbf(sinf(f));
+            const float c = RBI(cosf(f)), s = RBI(sinf(f));
             const float rot = d < half ? -out[d + half] : out[d - half];
-            y[j] = rbf(rbf(y[j] * c) + rbf(rot * s));
+            y[j] = RBI(RBI(y[j] * c) + RBI(rot * s));
         }
     }
     __syncwarp();
@@ -433,11 +456,6 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
         if (d < MK_HD) out[d] = y[j];
     }
     __syncwarp();
-}
-
-__device__ __forceinline__ void unpack8(const vec16& v, float (&f)[8]) {
-    f[0] = bf_lo(v.x), f[1] = bf_hi(v.x), f[2] = bf_lo(v.y), f[3] = bf_hi(v.y);
-    f[4] = bf_lo(v.z), f[5] = bf_hi(v.z), f[6] = bf_lo(v.w), f[7] = bf_hi(v.w);
 }
 
 __device__ __forceinline__ int att_max_chunks() { return max(1, (int)nblocks() / MK_KVH); }
@@ -620,7 +638,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 }
                 const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
                 const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
-                att_out[t * MK_AD + hq * MK_HD + d] = f2bf(rbf(num / den) * rbf(sigmoid_f(gate)));
+                att_out[t * MK_AD + hq * MK_HD + d] = f2bf(RBI(num / den) * RBI(sigmoid_f(gate)));
             }
             if (tid == 0) atomicExch(tb.sync + 1 + kvh, 0ull);
         }

@@ -88,7 +88,9 @@ class MegakernelRunner:
         self._params = self._small_params()
         self.buf = self._scratch()
         self.ctrl = torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32, device=self.device)
-        self.sync = torch.zeros(1 + self.config.num_key_value_heads, dtype=torch.int64, device=self.device)
+        # Barrier counter, attention arrival counters, one ticket counter per phase slot of a step (Tuning.dynamic).
+        sync_len = 1 + self.config.num_key_value_heads + 5 * self.config.num_hidden_layers + 1
+        self.sync = torch.zeros(sync_len, dtype=torch.int64, device=self.device)
         self._ctrl_host = torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32).pin_memory()
         self._globals = torch.zeros(G.COUNT, dtype=torch.int64, device=self.device)
         self._layers = torch.zeros(
@@ -145,7 +147,7 @@ class MegakernelRunner:
         pairs = c.num_attention_heads // c.num_key_value_heads * nt
         part = c.num_key_value_heads * self.spec.att_max_chunks(self.grid) * pairs * (c.head_dim + 2)
         shapes = {
-            "h": ((nt, c.hidden_size), bf),
+            "h": ((nt, c.hidden_size), f32 if self.spec.tuning.fp32_act else bf),  # the residual stream
             "xbuf": ((nt, c.linear_qkv_dim), bf),
             "zbuf": ((nt, c.linear_value_dim), bf),
             "beta": ((nt, c.linear_num_value_heads), f32),
@@ -170,7 +172,16 @@ class MegakernelRunner:
         """Point the tables at `state`'s caches, growing its KV caches to hold `needed` positions."""
         self._reserve(state, needed)
         caches = [state.kv[i] for i in self.config.full_attention_layers]
-        key = (id(state), tuple(_ptr(c.k) for c in caches), self._hist_ptr())
+        # Everything the tables hold that belongs to the state: a new state object can reuse a freed one's id,
+        # and the caching allocator can hand a regrown cache or a new state tensor a freed block's address.
+        key = (
+            id(state),
+            tuple((_ptr(c.k), _ptr(c.v), c.capacity) for c in caches),
+            tuple(
+                (_ptr(state.conv[i]), _ptr(state.recurrent[i])) for i in self.config.linear_attention_layers
+            ),
+            self._hist_ptr(),
+        )
         if key == self._bound:
             return
         self._write_tables(state, caches)
@@ -381,6 +392,9 @@ class MegakernelRunner:
             "dn_split": self.spec.dn_split,
             "variant": self.spec.tuning.variant,
             "stages": self.spec.stages,
+            "fp32_act": self.spec.tuning.fp32_act,
+            "fp32_gemv_in": self.spec.tuning.fp32_gemv_in,
+            "dynamic": self.spec.tuning.dynamic,
             "smem_limit": self.spec.smem_limit,
             **res,
         }

@@ -11,6 +11,7 @@ import torch
 from onestream.kernels.build import (
     AUTO_STAGES,
     FP32_ACT_ENV,
+    FP32_IN_PART_ROWS,
     KernelSpec,
     Tuning,
     assemble_source,
@@ -170,6 +171,20 @@ def test_dynamic_row_switch_reaches_the_source_and_checks_its_knobs() -> None:
         Tuning(dynamic=True, dyn_static_pct=101)
     with pytest.raises(ValueError, match="dyn_tile_bytes"):
         Tuning(dynamic=True, dyn_tile_bytes=0)
+
+
+def test_fp32_gemv_inputs_double_the_staged_input_and_keep_the_ring() -> None:
+    hopper = 227 * 1024
+    plain = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(fp32_act=True), smem_limit=hopper)
+    wide = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(fp32_gemv_in=True), smem_limit=hopper)
+    assert wide.defines()["MK_FP32_IN"] == 1 and plain.defines()["MK_FP32_IN"] == 0
+    assert wide.part_rows == FP32_IN_PART_ROWS and wide.defines()["MK_PART_ROWS"] == FP32_IN_PART_ROWS
+    assert wide.stages == plain.stages == AUTO_STAGES and wide.smem_bytes <= hopper
+    kmax = config_27b().intermediate_size
+    ring = AUTO_STAGES * wide.tuning.umax * wide.tuning.threads * 16
+    assert wide.smem_bytes == kmax * 4 + 2 * FP32_IN_PART_ROWS * 4 + 64 * 4 + ring
+    with pytest.raises(ValueError, match="fp32_act"):
+        Tuning(fp32_act=False, fp32_gemv_in=True)
 
 
 def test_step_phases_follow_the_layer_kinds() -> None:

@@ -214,8 +214,19 @@ def greedy_agreement(ref_logits: torch.Tensor, mk_logits: torch.Tensor) -> tuple
 
 
 @torch.no_grad()
-def test_full_steps_match_forward_step_after_prefill(setup):
+@pytest.mark.parametrize("numerics", ["bf16 activations", "fp32 activations (default)"])
+def test_full_steps_match_forward_step_after_prefill(setup, numerics):
+    """Whole steps against the bf16 reference's `forward_step`. The bf16-activation build rounds where the
+    reference does, so only summation order separates them (bar 3e-2). The default build keeps activations in
+    fp32, so it differs from this reference by the reference's own bf16 rounding (run 4 measured up to 3.7e-2 on
+    the tiny random model; bar 6e-2); its closeness to the fp32 reference is checked on the embedded model."""
     name, model, runner = setup
+    tol = 3e-2
+    if numerics == "bf16 activations":
+        runner = MegakernelRunner(model, tuning=Tuning(fp32_act=False))
+    else:
+        assert runner.spec.tuning.fp32_act
+        tol = 6e-2
     c = model.config
     steps = 24 if name == "tiny" else 8
     prompt = torch.randint(0, c.vocab_size, (37,), device="cuda")
@@ -223,11 +234,11 @@ def test_full_steps_match_forward_step_after_prefill(setup):
     model.forward_step(prompt, ref_state, logits="last")
     mk_state = ref_state.clone()
     token = torch.randint(0, c.vocab_size, (1,), device="cuda")
-    errors, flips, near_flips = [], 0, 0
+    errors, hidden_errors, flips, near_flips = [], [], 0, 0
     for _ in range(steps):
         ref = model.forward_step(token, ref_state)
         out = runner.step(token, mk_state)
-        assert rel_err(out.hidden, ref.hidden) < 3e-2
+        hidden_errors.append(rel_err(out.hidden, ref.hidden))
         errors.append(rel_err(out.logits, ref.logits))
         same, near = greedy_agreement(ref.logits[0], out.logits[0])
         assert out.tokens[0] == int(out.logits[0].argmax())
@@ -236,16 +247,17 @@ def test_full_steps_match_forward_step_after_prefill(setup):
             flips += not near
         token = ref.logits[0].argmax().reshape(1)  # teacher forcing: both continue from the reference's token
     print(
-        f"\n[{name}] logits rel err per step: max {max(errors):.2e} mean {sum(errors) / len(errors):.2e}; "
-        f"greedy flips at near-ties {near_flips}, elsewhere {flips}"
+        f"\n[{name}, {numerics}] rel err per step: logits max {max(errors):.2e} mean {sum(errors) / len(errors):.2e}, "
+        f"hidden max {max(hidden_errors):.2e}; greedy flips at near-ties {near_flips}, elsewhere {flips}"
     )
     assert mk_state.length == ref_state.length
     assert mk_state.token_ids == ref_state.token_ids
-    assert max(errors) < 3e-2
+    assert max(hidden_errors) < tol
+    assert max(errors) < tol
     assert flips == 0
     for i in c.linear_attention_layers:  # the states the kernel updated in place stay close
-        assert rel_err(mk_state.recurrent[i], ref_state.recurrent[i]) < 3e-2
-        assert rel_err(mk_state.conv[i], ref_state.conv[i]) < 3e-2
+        assert rel_err(mk_state.recurrent[i], ref_state.recurrent[i]) < tol
+        assert rel_err(mk_state.conv[i], ref_state.conv[i]) < tol
 
 
 @torch.no_grad()
@@ -395,8 +407,8 @@ def test_embedded_model_teacher_forced_kld_and_greedy_decode():
 @pytest.mark.skipif(HAS_GPU and _embedded_model_dir() is None, reason="the embedded model has no weights yet")
 @torch.no_grad()
 def test_fp32_activations_bring_the_kernel_closer_to_the_fp32_reference():
-    """Teacher-forced on the embedded model, both activation precisions against the fp32 reference (bf16
-    weights upcast, so only activation rounding differs): the fp32-activation build must be closer."""
+    """Teacher-forced on the embedded model, the activation precisions against the fp32 reference (bf16
+    weights upcast, so only activation rounding differs): the fp32-activation builds must be closer."""
     from onestream.worker.loading import load_model
     from onestream.worker.tokenizer import load_tokenizer
 
@@ -406,6 +418,7 @@ def test_fp32_activations_bring_the_kernel_closer_to_the_fp32_reference():
     runners = {
         "fp32 activations": MegakernelRunner(model, tuning=Tuning(fp32_act=True)),
         "bf16 activations": MegakernelRunner(model, tuning=Tuning(fp32_act=False)),
+        "fp32 activations and GEMV inputs": MegakernelRunner(model, tuning=Tuning(fp32_gemv_in=True)),
     }
     assert runners["fp32 activations"].buf["h"].dtype == torch.float32
     assert runners["bf16 activations"].buf["h"].dtype == BF16
@@ -436,5 +449,6 @@ def test_fp32_activations_bring_the_kernel_closer_to_the_fp32_reference():
             f"\n[embedded vs fp32 reference] {name}: {len(rest)} positions, mean KLD {mean[name]:.3e}, "
             f"same top-1 {same[name]}/{len(rest)}"
         )
-    assert mean["fp32 activations"] < 1e-3 and mean["bf16 activations"] < 1e-3
+    assert all(value < 1e-3 for value in mean.values())
     assert mean["fp32 activations"] < mean["bf16 activations"]
+    assert mean["fp32 activations and GEMV inputs"] < mean["bf16 activations"]

@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--sweep",
         action="store_true",
-        help="also time kernel variants (bf16 activations, dynamic row scheduling) and per-phase timing builds "
-        "of the default and the dynamic kernel",
+        help="also time kernel variants (bf16 activations, fp32 GEMV inputs, dynamic row scheduling) and per-phase "
+        "timing builds of the default and the dynamic kernel",
     )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
@@ -60,9 +60,7 @@ def run_decode(args: argparse.Namespace) -> int:
             # Run 4: the numerics switch (the default keeps activations in fp32) and dynamic row scheduling.
             tunings["bf16 activations (run-3 numerics)"] = Tuning(fp32_act=False)
             tunings["dynamic rows (80 % static, 96 KB tiles)"] = Tuning(dynamic=True)
-            tunings["dynamic rows (60 % static, 48 KB tiles)"] = Tuning(
-                dynamic=True, dyn_static_pct=60, dyn_tile_bytes=48 * 1024
-            )
+            tunings["fp32 GEMV inputs"] = Tuning(fp32_gemv_in=True)
             tunings["phase timing"] = Tuning(phase_timing=True)
             tunings["phase timing, dynamic rows"] = Tuning(dynamic=True, phase_timing=True)
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
