@@ -2,7 +2,10 @@
 # The pool on a real GPU, in one device call: the reference model's CUDA tests, then `onestream serve` with a
 # Ray card on the GPU (num_gpus=1, megakernel back end), two turns of one session through the gRPC client,
 # `onestream status`, a scrape of the card's /metrics, and a SIGTERM drain.
-#   run (carry .devpkgs, made here by ../shared/tools/ray-bundle.sh .devpkgs): bash tools/gpu/check_pool.sh
+#   run (carry .devpkgs): bash tools/gpu/check_pool.sh
+# .devpkgs is made here: `../shared/tools/ray-bundle.sh .devpkgs`, plus the gRPC health and reflection services,
+# which the GPU image lacks: `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .devpkgs
+# "grpcio-health-checking==1.84.*" "grpcio-reflection==1.84.*"`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/onestream-gpu-logs}
