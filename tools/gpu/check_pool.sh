@@ -5,7 +5,8 @@
 #   run (carry .devpkgs): bash tools/gpu/check_pool.sh
 # .devpkgs is made here: `../shared/tools/ray-bundle.sh .devpkgs`, plus the gRPC health and reflection services,
 # which the GPU image lacks: `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .devpkgs
-# "grpcio-health-checking==1.84.*" "grpcio-reflection==1.84.*"`.
+# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"` (1.84.0: the
+# grpcio there; later wheels refuse to load on it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/onestream-gpu-logs}
