@@ -173,13 +173,13 @@ def test_64_tokens_take_under_a_second_on_one_core(engine: Engine) -> None:
     # One thread (set above): the 2-core target with a core to spare for whatever else runs.
     greedy(engine, SPEED_PROMPT, 64)  # first-call costs
     times = []
-    for _ in range(3):
+    for _ in range(5):  # best of 5: a shared CI core can stall any single run
         started = time.perf_counter()
         text, finished = greedy(engine, SPEED_PROMPT, 64)
         times.append(time.perf_counter() - started)
     assert finished.usage.generated_tokens == 64
     assert re.search(r"[A-Za-z_]", text) and "\ufffd" not in text
-    assert min(times) < 1.0, f"64 tokens took {min(times):.2f} s at best of 3"
+    assert min(times) < 1.0, f"64 tokens took {min(times):.2f} s at best of 5"
 
 
 def test_mtp_drafts_are_accepted(engine: Engine) -> None:
