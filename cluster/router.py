@@ -71,6 +71,7 @@ class Router(pb_grpc.OneStreamServicer):
         self._inflight: dict[str, _InFlight] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget card calls, kept alive
 
     @property
     def in_flight(self) -> int:
@@ -354,7 +355,18 @@ class Router(pb_grpc.OneStreamServicer):
         )
         if isinstance(result, CardError):
             await context.abort(code_for_engine_error(result.kind), f"card {card_id}: {result.message}")
+        self._close_elsewhere(session_id, card_id)
         return pb.CloseSessionResponse(card_id=card_id)
+
+    def _close_elsewhere(self, session_id: str, home: str) -> None:
+        """A session that moved (its home was busy) left an older copy on the card it came from: free
+        every such copy too, in the background (a busy card gets to it after its current turn)."""
+        for record in self.registry.records():
+            if record.identity is None or record.card_id == home:
+                continue
+            task = asyncio.ensure_future(self._quietly(record.actor.close_session.remote(session_id)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # ---- listings -------------------------------------------------------------------------------
     async def ListCards(

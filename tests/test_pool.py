@@ -410,6 +410,41 @@ def test_closing_sessions(client: PoolClient) -> None:
     assert again.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_closing_a_session_that_moved_frees_its_copy_on_the_old_card(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    def sessions_on(card_id: str) -> set[str]:
+        actor = pool.call(pool.pool.registry.actor, card_id)
+        return {s.session_id for s in ray.get(actor.sessions.remote(), timeout=WAIT_S)}
+
+    session = new_session()
+    first = run_turn(client, make_request("print(1)", session_id=session, max_tokens=4, temperature=0.0))
+    assert first.error is None
+    old_home = first.card_id
+    blockers = [start_turn(client, long_request(new_session())) for _ in range(CARDS)]
+    for turn in blockers:
+        assert turn.first_chunk.wait(WAIT_S) and turn.error is None
+    assert len({t.card_id for t in blockers}) == CARDS, "one blocker per card"
+    moved = start_turn(
+        client, make_request("print(1)\nprint(2)", session_id=session, max_tokens=4, temperature=0.0)
+    )
+    freed = next(t for t in blockers if t.card_id != old_home)
+    freed.call.cancel()  # a card other than the session's home frees while the home stays busy
+    assert moved.done.wait(WAIT_S) and moved.error is None
+    assert moved.card_id == freed.card_id and not moved.assigned[-1].affinity_hit
+    assert session in sessions_on(old_home), "the old home still caches the session's first turn"
+
+    assert client.close_session(session) == freed.card_id
+    for turn in blockers:
+        turn.call.cancel()
+    assert wait_for(
+        lambda: all(session not in sessions_on(card) for card in (old_home, freed.card_id)),
+        60,
+        "every card to drop the closed session",
+    )
+    assert wait_for(lambda: idle(client), 30, "the pool to be idle")
+
+
 # ---- failures and membership -------------------------------------------------------------------------
 def test_killing_a_card_mid_stream_fails_only_its_stream_and_the_card_returns(
     pool: PoolThread, client: PoolClient
