@@ -234,13 +234,14 @@ class RouterMetrics:
         self.queue_depth = Gauge(
             "onestream_router_queue_depth", "Requests waiting for a card.", ("model",), registry=r
         ).labels(model=model)
-        self.queue_time = Histogram(
+        # Labelled with the card the request got, so queue wait can be read per card as well as in total.
+        self._queue_time = Histogram(
             "onestream_request_queue_time_seconds",
             "Time from arrival to a card.",
-            ("model",),
+            ("model", "node", "gpu_index", "gpu_uuid"),
             buckets=QUEUE_BUCKETS,
             registry=r,
-        ).labels(model=model)
+        )
         self._rejections = Counter(
             "onestream_router_rejections", "Rejected requests.", ("model", "reason"), registry=r
         )
@@ -267,6 +268,13 @@ class RouterMetrics:
             self._affinity_misses.labels(model=model, reason=reason)
         for state in self.CARD_STATES:
             self._cards.labels(model=model, state=state)
+
+    def observe_queue_time(self, card_id: str, seconds: float) -> None:
+        """A request waited `seconds` before `card_id` (`<node>/<gpu_index>/<gpu_uuid>`) took it."""
+        node, gpu_index, gpu_uuid = card_id.split("/", 2)
+        self._queue_time.labels(model=self.model, node=node, gpu_index=gpu_index, gpu_uuid=gpu_uuid).observe(
+            seconds
+        )
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(model=self.model, reason=reason).inc()

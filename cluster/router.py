@@ -135,7 +135,7 @@ class Router(pb_grpc.OneStreamServicer):
             previous = waiter
             assignment = await self._wait_for_card(waiter, queue_deadline, deadline, entry, context)
             if attempt == 0:
-                self.metrics.queue_time.observe(assignment.queue_wait_s)
+                self.metrics.observe_queue_time(assignment.card_id, assignment.queue_wait_s)
             self.metrics.affinity(assignment.affinity)
             try:
                 await self._stream(engine_request, assignment, arrived, deadline, entry, context)

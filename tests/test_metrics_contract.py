@@ -90,7 +90,7 @@ def test_card_metrics_match_the_doc() -> None:
 
 def test_router_metrics_match_the_doc() -> None:
     metrics = RouterMetrics("tiny")
-    metrics.queue_time.observe(0.5)
+    metrics.observe_queue_time("0123456789ab/0/cpu-0", 0.5)
     text, server = serve_and_scrape(metrics.registry)
     server.close()
     exported = families(text)
