@@ -271,10 +271,15 @@ class RouterMetrics:
 
     def observe_queue_time(self, card_id: str, seconds: float) -> None:
         """A request waited `seconds` before `card_id` (`<node>/<gpu_index>/<gpu_uuid>`) took it."""
+        self._queue_time_of(card_id).observe(seconds)
+
+    def add_card(self, card_id: str) -> None:
+        """Export the card's queue-wait series at zero from the start, so rate() counts its first requests."""
+        self._queue_time_of(card_id)
+
+    def _queue_time_of(self, card_id: str) -> Histogram:
         node, gpu_index, gpu_uuid = card_id.split("/", 2)
-        self._queue_time.labels(model=self.model, node=node, gpu_index=gpu_index, gpu_uuid=gpu_uuid).observe(
-            seconds
-        )
+        return self._queue_time.labels(model=self.model, node=node, gpu_index=gpu_index, gpu_uuid=gpu_uuid)
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(model=self.model, reason=reason).inc()

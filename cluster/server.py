@@ -147,6 +147,8 @@ class PoolServer:
         self.metrics.queue_depth.set(len(self.scheduler.queue))
         self.metrics.sessions.set(len(self.scheduler.bindings()))
         self.metrics.set_cards(self.registry.state_counts())
+        for card_id in self.scheduler.card_phases():
+            self.metrics.add_card(card_id)
 
 
 class PoolThread:

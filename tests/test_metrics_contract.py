@@ -173,3 +173,16 @@ def test_labelled_card_series_exist_at_zero_before_any_request() -> None:
         if s.name == "onestream_spec_decode_num_accepted_tokens_per_pos_total"
     }
     assert positions == {str(p): 0.0 for p in range(spec_k)}
+
+
+def test_router_exports_each_cards_queue_wait_at_zero_before_its_first_request() -> None:
+    """rate() over a series that appears with its first request misses that request: a card's queue-wait
+    series must exist, at zero, from the moment the card joins."""
+    metrics = RouterMetrics("tiny")
+    metrics.add_card("0123456789ab/1/GPU-5c1e")
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    assert (
+        'onestream_request_queue_time_seconds_count{gpu_index="1",gpu_uuid="GPU-5c1e",model="tiny",'
+        'node="0123456789ab"} 0.0' in text
+    )
