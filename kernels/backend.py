@@ -1,10 +1,10 @@
 """The megakernel back end: the engine's `Backend` protocol (worker/backend.py) on the decode megakernel.
 
-Plain decode (one token, no recorded DeltaNet history) is one megakernel launch. Prefill, verification of
-several tokens with `keep_states`, MTP drafts and the state operations are the reference back end's (it is
-the base class): multi-token launches and the MTP step on the megakernel are the speculative-decoding
-issue. Both paths work on the same `SequenceState`, whose tensors the kernel reads and writes in place, so
-switching between them costs nothing.
+On the kernel: decode and verify steps of 1..8 tokens (a verify records every DeltaNet state so that rollback
+is a copy), greedy verification with the acceptance decided on the device (`verify_greedy`: the host reads
+back the control block only), and MTP draft steps of 1..8 pairs. Prefill, longer steps and the state
+operations are the reference back end's (the base class). Both work on the same `SequenceState`, whose
+tensors the kernel reads and writes in place, so switching between them costs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from onestream.worker.backend import ReferenceBackend
 from onestream.worker.model import StepOutput
 
 from .build import Tuning
+from .layout import MAX_TOKENS_PER_LAUNCH
 from .runtime import DEFAULT_TIMEOUT_S, MegakernelRunner
 
 
@@ -30,9 +31,27 @@ class MegakernelBackend(ReferenceBackend):
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
-        if keep_states or input_ids.numel() != 1:
+        if input_ids.numel() > MAX_TOKENS_PER_LAUNCH:
             return super().decode(input_ids, state, keep_states=keep_states)
-        out = self.runner.step(input_ids.reshape(1), state)
+        out = self.runner.step(input_ids.reshape(-1), state, keep_states=keep_states)
+        # Copies: the runner's buffers are overwritten by the next launch (a draft step, say).
+        return StepOutput(out.logits.clone(), out.hidden.clone())
+
+    @torch.inference_mode()
+    def verify_greedy(
+        self, input_ids: torch.Tensor, state: Any
+    ) -> tuple[StepOutput, int, list[int], list[int]]:
+        """Verify [pending, d1..dk] keeping every position reachable, accepting drafts on the device while
+        each equals the argmax before it. Returns (output, accepted drafts, argmax per position, inputs)."""
+        out = self.runner.step(input_ids.reshape(-1), state, keep_states=True, accept=True)
+        assert out.inputs is not None
+        return StepOutput(out.logits.clone(), out.hidden.clone()), out.accepted, out.tokens, out.inputs
+
+    @torch.inference_mode()
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
+        if input_ids.numel() > MAX_TOKENS_PER_LAUNCH or not self.runner.has_mtp:
+            return super().draft(input_ids, hidden, state)
+        out = self.runner.mtp_step(input_ids.reshape(-1), hidden, state)
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
     @torch.inference_mode()

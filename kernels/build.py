@@ -24,12 +24,13 @@ from typing import Any
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import UnsupportedModelError
 
-from .layout import preamble_defines
+from .layout import MAX_TOKENS_PER_LAUNCH, preamble_defines
 
 CUDA_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "megakernel.cu"
-MAX_TOKENS_PER_LAUNCH = 8
 AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 384 threads x 16 B = 144 KB)
+STAGE_FALLBACKS = (AUTO_STAGES, 2, 0)  # tried in order when shared memory is short (many tokens per launch)
+MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -50,14 +51,17 @@ def fp32_act_default() -> bool:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Knobs that change speed, never results (reduction orders do not depend on them, except threads), and
-    the activation precision `fp32_act`, which does."""
+    """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax and
+    att_chunk), and the activation precision `fp32_act`, which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
     part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
     att_pairs: int = 3  # (query head, token) pairs per attention pass
-    att_min_chunk: int = 64  # positions per flash-decoding chunk, at least
+    # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
+    # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
+    # bit-identical results to T single steps.
+    att_chunk: int = 128
     pf_bytes: int = 64 * 1024  # L2 prefetch of the next phase per block, at a barrier
     pf_idle_bytes: int = 192 * 1024  # same, DeltaNet / attention phases (variant 1: of each block's share)
     # 1: barrier spin without sleeping; on sm_90 one bulk L2 prefetch per row range instead of one prefetch per
@@ -105,20 +109,39 @@ class KernelSpec:
     @property
     def stages(self) -> int:
         """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
-        if self.tuning.stages is not None:
-            return self.tuning.stages
-        fits = self._smem_without_ring + self._ring_bytes(AUTO_STAGES) <= self.smem_limit
-        return AUTO_STAGES if fits else 0
+        return self._fit()[1]
 
     def _ring_bytes(self, stages: int) -> int:
         return stages * self.tuning.umax * self.tuning.threads * 16
 
     @property
     def part_rows(self) -> int:
-        """GEMV partial-sum rows per round (fp32-input builds use at most FP32_IN_PART_ROWS)."""
+        """GEMV partial-sum rows per round: the tuning's (fp32-input builds at most FP32_IN_PART_ROWS), halved
+        while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
+        return self._fit()[0]
+
+    def _fit(self) -> tuple[int, int]:
+        """(partial-sum rows, ring stages): the first that fits shared memory, keeping the ring deepest."""
+        top = self.tuning.part_rows
         if self.tuning.fp32_gemv_in:
-            return min(self.tuning.part_rows, FP32_IN_PART_ROWS)
-        return self.tuning.part_rows
+            top = min(top, FP32_IN_PART_ROWS)
+        options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
+        for stages in options:
+            rows = top
+            while rows >= MIN_PART_ROWS:
+                if self._scratch_fits(rows) and self._smem(rows, stages) <= self.smem_limit:
+                    return rows, stages
+                rows //= 2
+        return top, options[-1]  # does not fit: the runner reports the shortfall
+
+    def _scratch_fits(self, rows: int) -> bool:
+        """The attention and DeltaNet phases borrow the partial-sum buffers (static_asserts in phases.cuh)."""
+        c, t, nt = self.config, self.tuning, self.tokens_per_launch
+        warps = t.threads // 32
+        att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + c.head_dim
+        dn_sw = c.linear_value_head_dim // max(1, self.dn_split)
+        dn = 2 * c.linear_key_head_dim + t.threads + dn_sw + 4
+        return att <= 2 * nt * rows and dn <= nt * rows
 
     @property
     def dn_split(self) -> int:
@@ -154,7 +177,7 @@ class KernelSpec:
             "MK_PART_ROWS": self.part_rows,
             "MK_DN_SPLIT": self.dn_split,
             "MK_ATT_PAIRS": self.att_pairs,
-            "MK_ATT_MIN_CHUNK": t.att_min_chunk,
+            "MK_ATT_CHUNK": t.att_chunk,
             "MK_PF_BYTES": t.pf_bytes,
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
             "MK_VARIANT": t.variant,
@@ -167,23 +190,27 @@ class KernelSpec:
         }
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
-        return {**preamble_defines(self.tokens_per_launch), **shapes}
+        return {**preamble_defines(), **shapes}
 
     # ---- sizes the host must match ------------------------------------------------------------------
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block (the kernel checks it gets at least this: MK_SMEM_BYTES)."""
-        return self._smem_without_ring + self._ring_bytes(self.stages)
+        rows, stages = self._fit()
+        return self._smem(rows, stages)
 
-    @property
-    def _smem_without_ring(self) -> int:
+    def _smem(self, part_rows: int, stages: int) -> int:
         c, nt = self.config, self.tokens_per_launch
-        kmax = max(c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size)
+        # Widest GEMV input; 2H is the MTP head's fc (cat of the normed embedding and hidden).
+        kmax = max(
+            2 * c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size
+        )
         xs = (nt * kmax * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
-        return xs + 2 * nt * self.part_rows * 4 + 64 * 4
+        return xs + 2 * nt * part_rows * 4 + 64 * 4 + self._ring_bytes(stages)
 
-    def att_max_chunks(self, grid: int) -> int:
-        return max(1, grid // self.config.num_key_value_heads)
+    def att_chunks(self, capacity: int) -> int:
+        """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""
+        return max(1, -(-capacity // self.tuning.att_chunk))
 
 
 def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:

@@ -34,7 +34,13 @@ class G(IntEnum):
     NUM_LAYERS = 19
     TOKEN_HIST = 20  # int32 [max_len] or 0: greedy token written at its position
     TIMING = 21  # u64 [phases of a step][grid][2] or 0: per-block globaltimer stamps (MK_PHASE_TIMING builds)
-    COUNT = 22
+    ATT_CHUNKS = 22  # flash-decoding chunks per key/value head that ATT_PART has room for
+    MTP_FC = 23  # bf16 [H, 2H] MTP fc (0 without an MTP head)
+    MTP_PRE_E = 24  # fp32 (1 + w) of pre_fc_norm_embedding
+    MTP_PRE_H = 25  # fp32 (1 + w) of pre_fc_norm_hidden
+    MTP_NORM = 26  # fp32 (1 + w): the MTP head's final norm (MTP steps use it instead of FINAL_NORM)
+    MTP_HIDDEN_IN = 27  # bf16 [T, H]: the hidden half of the MTP step's input pairs
+    COUNT = 28
 
 
 class L(IntEnum):
@@ -65,7 +71,13 @@ class L(IntEnum):
     KNORM = 22  # fp32 (1 + w)
     KCACHE = 23  # bf16 [nKV, capacity, hd] (the reference state's tensor)
     VCACHE = 24
-    COUNT = 25
+    HIST_CONV = (
+        25  # bf16 [T + 1, C, kernel - 1]: conv window before / after each token (keep-states launches)
+    )
+    HIST_REC = (
+        26  # fp32 [T + 1, Hv, dk, dv]: recurrent state before / after each token (keep-states launches)
+    )
+    COUNT = 27
 
 
 class Phase(IntEnum):
@@ -79,6 +91,7 @@ class Phase(IntEnum):
     MLP_DOWN = 7
     LM_HEAD = 8
     FINALIZE = 9
+    MTP_FC = 10  # the MTP head's input: fc(cat(norm(embedding), norm(hidden)))
 
 
 LAYER_LINEAR = 0
@@ -93,6 +106,7 @@ class KernelErrorCode(IntEnum):
     CONTEXT = 4
     SMEM = 5
     BARRIER_BROKEN = 6
+    BAD_MODE = 7
 
 
 ERROR_TEXT = {
@@ -102,33 +116,48 @@ ERROR_TEXT = {
     KernelErrorCode.CONTEXT: "the position is outside the KV cache",
     KernelErrorCode.SMEM: "the launch gave less dynamic shared memory than the kernel needs",
     KernelErrorCode.BARRIER_BROKEN: "a block left a grid barrier before every block arrived",
+    KernelErrorCode.BAD_MODE: "an unknown step mode, or an MTP step on a model without an MTP head",
 }
 
 
-def ctrl_slots(tokens_per_launch: int) -> dict[str, int]:
-    """The int32 control block: position, error, error info, flags, input tokens, greedy tokens."""
-    return {
-        "CTRL_POS": 0,
-        "CTRL_ERR": 1,
-        "CTRL_ERR_INFO": 2,
+MAX_TOKENS_PER_LAUNCH = 8
+
+
+def ctrl_slots() -> dict[str, int]:
+    """The int32 control block, one layout for every tokens-per-launch build (their runners share one block):
+    position, error, error info, flags, mode, accepted drafts, input tokens, greedy tokens."""
+    n = MAX_TOKENS_PER_LAUNCH
+    return {  # the host uploads [CTRL_POS, CTRL_TOKEN_OUT) per launch; the error slots stay set until a reset
+        "CTRL_ERR": 0,
+        "CTRL_ERR_INFO": 1,
+        "CTRL_POS": 2,
         "CTRL_FLAGS": 3,
-        "CTRL_TOKEN_IN": 4,
-        "CTRL_TOKEN_OUT": 4 + tokens_per_launch,
-        "CTRL_INTS": 4 + 2 * tokens_per_launch,
+        "CTRL_MODE": 4,
+        "CTRL_ACCEPTED": 5,
+        "CTRL_TOKEN_IN": 6,
+        "CTRL_TOKEN_OUT": 6 + n,
+        "CTRL_INTS": 6 + 2 * n,
     }
 
 
 CTRL_FLAG_FEEDBACK = 1  # the greedy token of a step becomes the next step's input (no host round trip)
+CTRL_FLAG_KEEP_STATES = 2  # record each DeltaNet layer's state before and after every token (HIST_*)
+CTRL_FLAG_ACCEPT = 4  # greedy verify: count the inputs 1.. that equal the argmax before them (CTRL_ACCEPTED)
+MODE_MAIN = 0  # the main model's step
+MODE_MTP = 1  # the MTP head's step (its layer is the layer table's row num_hidden_layers)
 
 
-def preamble_defines(tokens_per_launch: int) -> dict[str, int]:
+def preamble_defines() -> dict[str, int]:
     defines: dict[str, int] = {}
     defines.update({f"G_{s.name}": int(s) for s in G})
     defines.update({f"L_{s.name}": int(s) for s in L})
     defines.update({f"PH_{s.name}": int(s) for s in Phase})
     defines.update({f"MK_ERR_{s.name}": int(s) for s in KernelErrorCode if s})
-    defines.update(ctrl_slots(tokens_per_launch))
+    defines.update(ctrl_slots())
     defines["CTRL_FLAG_FEEDBACK"] = CTRL_FLAG_FEEDBACK
+    defines["CTRL_FLAG_KEEP_STATES"] = CTRL_FLAG_KEEP_STATES
+    defines["CTRL_FLAG_ACCEPT"] = CTRL_FLAG_ACCEPT
+    defines["MODE_MTP"] = MODE_MTP
     defines["LAYER_LINEAR"] = LAYER_LINEAR
     defines["LAYER_FULL"] = LAYER_FULL
     return defines

@@ -1,6 +1,11 @@
 // The decode megakernel: one persistent launch runs a whole decode step of one sequence (MK_NT tokens):
 // embedding rows, every layer (Gated DeltaNet or gated attention, SwiGLU MLP, residuals, norms), the
-// final norm, the lm_head and the greedy argmax. Phases are separated by a software grid barrier whose
+// final norm, the lm_head and the greedy argmax. With MK_NT > 1 the launch verifies drafts: every weight is
+// read once for all tokens, attention is causal within them, and with CTRL_FLAG_KEEP_STATES each DeltaNet
+// layer records its state before and after every token (rolling back is then a copy); with CTRL_FLAG_ACCEPT
+// block 0 counts the drafts that match the argmax before them. CTRL_MODE MODE_MTP runs the MTP head instead
+// (fc over the normed embedding and hidden, its full-attention layer, its norm, the shared lm_head) on the
+// same phases: the MTP layer is the layer table's row num_layers. Phases are separated by a software grid barrier whose
 // spin is bounded by a watchdog; while a block waits it prefetches its share of the next phase's weights
 // into L2. The grid must be co-resident: the host sizes it from the occupancy query and launches it
 // cooperatively.
@@ -59,6 +64,9 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         int err = 0;
         if (dynamic_smem_size() < (unsigned)MK_SMEM_BYTES) err = MK_ERR_SMEM;
         bs.si.pos = ld_volatile_int(tb.ctrl + CTRL_POS);
+        bs.si.flags = ld_volatile_int(tb.ctrl + CTRL_FLAGS);
+        bs.si.mode = ld_volatile_int(tb.ctrl + CTRL_MODE);
+        if (bs.si.mode != 0 && (bs.si.mode != MODE_MTP || tb.gi(G_MTP_FC) == 0)) err = MK_ERR_BAD_MODE;
         for (int t = 0; t < MK_NT; ++t) {
             bs.si.tok[t] = ld_volatile_int(tb.ctrl + CTRL_TOKEN_IN + t);
             if (bs.si.tok[t] < 0 || bs.si.tok[t] >= MK_V) err = MK_ERR_BAD_TOKEN;
@@ -86,6 +94,7 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             e.gdecay = tb.gp<float>(G_GDECAY);
             e.convw = tb.lp<const bf16_t>(l, L_CONV_W);
             e.conv_state = tb.lp<bf16_t>(l, L_CONV_STATE);
+            e.hist_conv = (si.flags & CTRL_FLAG_KEEP_STATES) ? tb.lp<bf16_t>(l, L_HIST_CONV) : nullptr;
             e.neg_a = tb.lp<const float>(l, L_NEG_A);
             e.dt_bias = tb.lp<const float>(l, L_DT_BIAS);
             break;
@@ -122,6 +131,11 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             e.logits = tb.gp<float>(G_LOGITS);
             e.argkey = tb.gp<u64>(G_ARGKEY);
             break;
+        case PH_MTP_FC:
+            bs.desc = desc_plain(tb.gp<const bf16_t>(G_MTP_FC), 2 * MK_H, MK_H);
+            e.kind = EPI_SET_H;
+            e.out = tb.gp<bf16_t>(G_H);
+            break;
         default:
             bs.gemv = 0;
             break;
@@ -130,25 +144,32 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
     // The big phases hand out their last rows as tiles; counter slot: the phase's place in the step.
     if (bs.gemv && phase != PH_DN_OUT && phase != PH_ATT_OUT) {
         const int nl = (int)tb.gi(G_NUM_LAYERS);
-        const int slot = phase == PH_LM_HEAD ? 5 * nl : 5 * l + (phase == PH_MLP_IN ? 3 : phase == PH_MLP_DOWN ? 4 : 0);
+        const int slot = phase == PH_LM_HEAD ? 5 * (nl + 1)
+                         : phase == PH_MTP_FC ? 5 * (nl + 1) + 1
+                                              : 5 * l + (phase == PH_MLP_IN ? 3 : phase == PH_MLP_DOWN ? 4 : 0);
         bs.desc.dyn = tb.sync + 1 + MK_KVH + slot;
     }
 #endif
 }
 
-// Block 0, after the last barrier: greedy tokens out, argmax keys reset, position advanced.
+// Block 0, after the last barrier: greedy tokens out, argmax keys reset, position advanced; greedy verify
+// (CTRL_FLAG_ACCEPT): input t + 1 is a draft accepted while it equals the argmax after input t.
 __device__ void finalize_step(const Tables& tb, const StepInfo& si) {
     if (bid_x() != 0 || tid_x() != 0) return;
     u64* argkey = tb.gp<u64>(G_ARGKEY);
-    int* hist = tb.gp<int>(G_TOKEN_HIST);
-    int last = 0;
+    int* hist = (si.flags & CTRL_FLAG_FEEDBACK) ? tb.gp<int>(G_TOKEN_HIST) : nullptr;
+    int last = 0, accepted = 0;
+    bool matching = (si.flags & CTRL_FLAG_ACCEPT) != 0;
     for (int t = 0; t < MK_NT; ++t) {
         const u64 key = *(volatile u64*)(argkey + t);
         last = (int)(0xffffffffu - (u32)(key & 0xffffffffull));
         tb.ctrl[CTRL_TOKEN_OUT + t] = last;
         if (hist != nullptr) hist[si.pos + t] = last;
         argkey[t] = 0;  // ready for the next step
+        matching = matching && t + 1 < MK_NT && si.tok[t + 1] == last;
+        if (matching) ++accepted;
     }
+    tb.ctrl[CTRL_ACCEPTED] = accepted;
     tb.ctrl[CTRL_POS] = si.pos + MK_NT;
     if (tb.ctrl[CTRL_FLAGS] & CTRL_FLAG_FEEDBACK) tb.ctrl[CTRL_TOKEN_IN] = last;
     __threadfence();
@@ -167,11 +188,22 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         case PH_ATT_IN: {
             const void* src[MK_NT];
             for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
-            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red);
+            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red, MK_H / 8, 0);
+            break;
+        }
+        case PH_MTP_FC: {  // xs[t] = [norm_e(embedding row) | norm_h(hidden)], 2H wide
+            const void* emb[MK_NT];
+            const void* hid[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) {
+                emb[t] = tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
+                hid[t] = tb.gp<const bf16_t>(G_MTP_HIDDEN_IN) + t * MK_H;
+            }
+            stage_rmsnorm(emb, true, tb.gp<const float>(G_MTP_PRE_E), sm.xs, sm.red, MK_H / 4, 0);
+            stage_rmsnorm(hid, true, tb.gp<const float>(G_MTP_PRE_H), sm.xs, sm.red, MK_H / 4, MK_H / 8);
             break;
         }
         case PH_DN_REC:
-            return phase_dn_rec(tb, l, sm.part);
+            return phase_dn_rec(tb, si, l, sm.part);
         case PH_DN_OUT:
             stage_gated_norm(tb.gp<const bf16_t>(G_CORE), tb.gp<const bf16_t>(G_ZBUF),
                              tb.lp<const bf16_t>(l, L_GNORM_W), sm.xs);
@@ -185,9 +217,11 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         case PH_LM_HEAD: {
             const void* src[MK_NT];
             for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
-            const float* w1 = phase == PH_MLP_IN ? tb.lp<const float>(l, L_POST_NORM) : tb.gp<const float>(G_FINAL_NORM);
-            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red);
-            if (phase == PH_LM_HEAD && bid_x() == 0) {  // the post-norm hidden state (the MTP head's input)
+            const float* w1 = phase == PH_MLP_IN      ? tb.lp<const float>(l, L_POST_NORM)
+                              : si.mode == MODE_MTP ? tb.gp<const float>(G_MTP_NORM)
+                                                    : tb.gp<const float>(G_FINAL_NORM);
+            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red, MK_H / 8, 0);
+            if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output
                 bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
                 for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) hid[i] = xin_to_bf(sm.xs[i]);
             }
@@ -213,16 +247,29 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     return true;
 }
 
-// The step as a flat schedule of (phase, layer) pairs: five phases per layer, then lm_head and finalize.
-__device__ __forceinline__ void schedule(const Tables& tb, int step, int nl, int& phase, int& layer) {
-    if (step >= 5 * nl) {
+// Steps of a launch: five phases per layer, lm_head and finalize; MTP steps: fc, the MTP layer, lm_head, finalize.
+__device__ __forceinline__ int num_steps(const StepInfo& si, int nl) { return si.mode == MODE_MTP ? 8 : 5 * nl + 2; }
+
+// The step as a flat schedule of (phase, layer) pairs.
+__device__ __forceinline__ void schedule(const Tables& tb, const StepInfo& si, int step, int nl, int& phase,
+                                         int& layer) {
+    if (si.mode == MODE_MTP) {
+        if (step == 0 || step >= 6) {
+            phase = step == 0 ? PH_MTP_FC : step == 6 ? PH_LM_HEAD : PH_FINALIZE;
+            layer = nl;
+            return;
+        }
+        // The MTP layer is a full-attention layer: the same five phases as the model's, on table row nl.
+        step = 5 * nl + step - 1;
+    }
+    if (step >= 5 * nl + (si.mode == MODE_MTP ? 5 : 0)) {
         phase = step == 5 * nl ? PH_LM_HEAD : PH_FINALIZE;
         layer = 0;
         return;
     }
     layer = step / 5;
     const int k = step - layer * 5;
-    const bool linear = tb.li(layer, L_KIND) == LAYER_LINEAR;
+    const bool linear = layer < nl && tb.li(layer, L_KIND) == LAYER_LINEAR;
     if (k == 0) phase = linear ? PH_DN_IN : PH_ATT_IN;
     else if (k == 1) phase = linear ? PH_DN_REC : PH_ATT;
     else if (k == 2) phase = linear ? PH_DN_OUT : PH_ATT_OUT;
@@ -236,10 +283,10 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
                                             unsigned char* smem_raw) {
     const int nl = (int)tb.gi(G_NUM_LAYERS);
     int next_phase, next_layer;
-    schedule(tb, step + 1, nl, next_phase, next_layer);
+    schedule(tb, bs.si, step + 1, nl, next_phase, next_layer);
     // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights:
     // prefetch the output projection after it.
-    if (next_phase == PH_DN_REC || next_phase == PH_ATT) schedule(tb, step + 2, nl, next_phase, next_layer);
+    if (next_phase == PH_DN_REC || next_phase == PH_ATT) schedule(tb, bs.si, step + 2, nl, next_phase, next_layer);
     const u64 target = grid_arrive(tb.sync, &bs.target);
     if (tid_x() == 0) plan_gemv(tb, bs.si, next_phase, next_layer, bs);
     __syncthreads();
@@ -301,13 +348,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     __shared__ BlockState bs;
     const Tables tb{g, lt, ctrl, sync};
     if (!read_step(tb, bs)) return;
-    const int nsteps = 5 * (int)tb.gi(G_NUM_LAYERS) + 2;
+    const int nsteps = num_steps(bs.si, (int)tb.gi(G_NUM_LAYERS));
 #ifdef MK_PHASE_TIMING
     if (tid_x() == 0) bs.t_start = global_timer_ns();
 #endif
     for (int step = 0; step < nsteps; ++step) {
         int phase, layer;
-        schedule(tb, step, (int)tb.gi(G_NUM_LAYERS), phase, layer);
+        schedule(tb, bs.si, step, (int)tb.gi(G_NUM_LAYERS), phase, layer);
         const bool had = run_phase(tb, bs, phase, layer, smem_raw);
 #ifdef MK_PHASE_TIMING
         stamp_phase(tb, bs, step);

@@ -20,7 +20,7 @@
 #define MK_VR (MK_HV / MK_HK)                      // DeltaNet value heads per key head
 
 #define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
-#define MK_KMAX MK_MAX2(MK_MAX2(MK_H, MK_VD), MK_MAX2(MK_AD, MK_I))  // widest GEMV input
+#define MK_KMAX MK_MAX2(MK_MAX2(2 * MK_H, MK_VD), MK_MAX2(MK_AD, MK_I))  // widest GEMV input (2H: MTP fc)
 
 static_assert(MK_NH % MK_KVH == 0, "num_attention_heads must be a multiple of num_key_value_heads");
 static_assert(MK_HV % MK_HK == 0, "linear_num_value_heads must be a multiple of linear_num_key_heads");
@@ -29,7 +29,7 @@ static_assert(MK_ROT % 2 == 0 && MK_ROT <= MK_HD, "rotary dims must be even and 
 static_assert(MK_DV % MK_DN_SPLIT == 0, "linear_value_head_dim must split evenly into MK_DN_SPLIT slices");
 static_assert(MK_THREADS % (MK_DV / MK_DN_SPLIT) == 0, "DeltaNet slice width must divide the block size");
 static_assert(MK_CONVK >= 2, "linear_conv_kernel_dim must be at least 2");
-static_assert(MK_NT >= 1, "at least one token per launch");
+static_assert(MK_NT >= 1 && MK_NT <= CTRL_TOKEN_OUT - CTRL_TOKEN_IN, "1..8 tokens per launch");
 
 // ---- tables -------------------------------------------------------------------------------------
 struct Tables {
@@ -37,6 +37,7 @@ struct Tables {
     const u64* lt;  // per layer: L_COUNT slots each
     int* ctrl;      // CTRL_*
     u64* sync;      // [0] barrier counter, [1 + kvh] attention chunk arrival counts, [1 + KVH + slot] MK_DYN tickets
+                    // (slot: 5 per layer, the MTP layer's after the model's, then lm_head and the MTP fc)
     template <class T>
     __device__ __forceinline__ T* gp(int slot) const { return (T*)ld_tab(g + slot); }
     template <class T>
@@ -49,8 +50,10 @@ struct Tables {
 
 // Values every phase needs, read once at kernel start.
 struct StepInfo {
-    int pos;            // position of token 0
+    int pos;            // position of token 0 (MTP steps: its MTP position)
     int tok[MK_NT];     // input token ids
+    int mode;           // 0: the main model; MODE_MTP: the MTP head (layer row num_layers)
+    int flags;          // CTRL_FLAG_*
 };
 
 #if MK_FP32_ACT

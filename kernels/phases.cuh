@@ -33,9 +33,10 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 
 // ---- prologues: stage the GEMV input in shared memory -------------------------------------------
 // RMSNorm with a zero-centred weight, given as the fp32 (1 + w): y = bf16((x * rsqrt(mean(x^2) + eps)) * w1).
-// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds).
+// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds). Token t's
+// output goes to xs at 8-value vector (t * ld + off): ld = H / 8 for an H-wide GEMV input, 2H / 8 for the MTP fc.
 __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
-                              float* red) {
+                              float* red, int ld, int off) {
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
     vec16* xv = (vec16*)xs;
@@ -57,7 +58,7 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
             const int vi = tid_x() + j * MK_THREADS;
 #if MK_FP32_IN
             if (vi < NVEC) {
-                float* xf = xs + (t * NVEC + vi) * 8;
+                float* xf = xs + (t * ld + off + vi) * 8;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xf[e] = (v[j][e] * r) * __ldg(w1 + vi * 8 + e);
             }
@@ -72,7 +73,7 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
                 }
                 vec16 out;
                 out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
-                xv[t * NVEC + vi] = out;
+                xv[t * ld + off + vi] = out;
             }
 #endif
         }
@@ -165,6 +166,7 @@ __device__ __forceinline__ GemvDesc desc_gate_up(const Tables& tb, int l) {  // 
 #define EPI_RESIDUAL 2  // h[t][r] = src[t][r] + v (bf16 builds: bf16(src + bf16(v))); src: h or the embedding rows
 #define EPI_SWIGLU 3    // act[t][j] = bf16(bf16(silu(bf16(gate))) * bf16(up)) from the rows (2j, 2j+1)
 #define EPI_LM_HEAD 4   // logits (bf16-rounded, as the reference's) and the argmax
+#define EPI_SET_H 5     // h[t][r] = v: the MTP fc's output starts the MTP layer's residual stream
 
 struct Epi {
     int kind;
@@ -177,6 +179,7 @@ struct Epi {
     float* gdecay;
     const bf16_t* convw;  // [C][kernel]
     bf16_t* conv_state;   // [C][kernel - 1], oldest first
+    bf16_t* hist_conv;    // keep-states launches: [MK_NT + 1][C][kernel - 1], the window before / after each token
     const float* neg_a;   // -exp(A_log)
     const float* dt_bias;
     float* logits;  // EPI_LM_HEAD
@@ -208,6 +211,12 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
             for (int j = 0; j < MK_CONVK; ++j) w[j] = bf2f(e.convw[r * MK_CONVK + j]);
 #pragma unroll
             for (int j = 0; j < MK_CONVK - 1; ++j) st[j] = bf2f(e.conv_state[r * (MK_CONVK - 1) + j]);
+            bf16_t* hist = e.hist_conv != nullptr ? e.hist_conv + r * (MK_CONVK - 1) : nullptr;
+            constexpr int hstride = MK_C * (MK_CONVK - 1);
+            if (hist != nullptr) {
+#pragma unroll
+                for (int j = 0; j < MK_CONVK - 1; ++j) hist[j] = f2bf(st[j]);
+            }
             for (int t = 0; t < MK_NT; ++t) {
                 // (window * w).sum() in bf16 products, as the reference's decode step; then SiLU in bf16.
                 // MK_FP32_ACT: in fp32; the window keeps x rounded to bf16, as the state tensor stores it.
@@ -220,6 +229,10 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
 #pragma unroll
                 for (int j = 0; j + 1 < MK_CONVK - 1; ++j) st[j] = st[j + 1];
                 st[MK_CONVK - 2] = x;
+                if (hist != nullptr) {
+#pragma unroll
+                    for (int j = 0; j < MK_CONVK - 1; ++j) hist[(t + 1) * hstride + j] = f2bf(st[j]);
+                }
             }
 #pragma unroll
             for (int j = 0; j < MK_CONVK - 1; ++j) e.conv_state[r * (MK_CONVK - 1) + j] = f2bf(st[j]);
@@ -294,6 +307,16 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
         case EPI_LM_HEAD:
             epi_lm_head(e, rs, nr, rowval, ld, red);
             break;
+        case EPI_SET_H:
+            for (int k = tid_x(); k < nr * MK_NT; k += MK_THREADS) {
+                const int t = k / nr, i = k - t * nr;
+#if MK_FP32_ACT
+                ((float*)e.out)[t * MK_H + rs + i] = rowval[t * ld + i];
+#else
+                e.out[t * MK_H + rs + i] = f2bf(rowval[t * ld + i]);
+#endif
+            }
+            break;
         default:
             break;
     }
@@ -310,8 +333,9 @@ static_assert(2 * MK_DK + MK_THREADS + DN_SW + 4 <= PART_FLOATS, "DeltaNet scrat
 // Work items of the recurrence; blocks [items, grid) have none.
 __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
 
-// Returns whether this block had an item (blocks without one prefetch while they wait).
-__device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
+// Returns whether this block had an item (blocks without one prefetch while they wait). Keep-states launches
+// also store the slice before the first token and after every token (L_HIST_REC, one state per entry).
+__device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, float* scratch) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     float* qn = scratch;
     float* kn = qn + MK_DK;
@@ -323,6 +347,8 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
     const float* gdecay = tb.gp<const float>(G_GDECAY);
     bf16_t* core = tb.gp<bf16_t>(G_CORE);
     float* S = tb.lp<float>(layer, L_REC_STATE);
+    float* H = (si.flags & CTRL_FLAG_KEEP_STATES) ? tb.lp<float>(layer, L_HIST_REC) : nullptr;
+    constexpr long long hstride = (long long)MK_HV * MK_DK * MK_DV;
     const float qscale = rsqrtf((float)MK_DK);
     const int col = tid % DN_SW, rg = tid / DN_SW;
     const int nitems = dn_rec_items();
@@ -330,12 +356,15 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
     for (int item = bid_x(); item < nitems; item += nblocks()) {
         any = true;
         const int hv = item / MK_DN_SPLIT, c0 = (item % MK_DN_SPLIT) * DN_SW, hk = hv / MK_VR;
-        float* Sh = S + (long long)hv * MK_DK * MK_DV + c0 + col;
+        const long long off = (long long)hv * MK_DK * MK_DV + c0 + col;
+        float* Sh = S + off;
+        float* Hh = H != nullptr ? H + off : nullptr;
         float s[DN_RPT];
 #pragma unroll
         for (int r = 0; r < DN_RPT; ++r) {
             const int i = rg + r * DN_RG;
             s[r] = (i < MK_DK) ? Sh[i * MK_DV] : 0.0f;
+            if (Hh != nullptr && i < MK_DK) Hh[i * MK_DV] = s[r];
         }
         for (int t = 0; t < MK_NT; ++t) {
             const bf16_t* xt = xbuf + t * MK_C;
@@ -387,6 +416,13 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
                 }
             }
             red[tid] = po;
+            if (Hh != nullptr) {
+#pragma unroll
+                for (int r = 0; r < DN_RPT; ++r) {
+                    const int i = rg + r * DN_RG;
+                    if (i < MK_DK) Hh[(t + 1) * hstride + i * MK_DV] = s[r];
+                }
+            }
             __syncthreads();
             if (rg == 0) {
                 float o = 0.0f;
@@ -405,9 +441,11 @@ __device__ bool phase_dn_rec(const Tables& tb, int layer, float* scratch) {
 }
 
 // ---- gated full attention -----------------------------------------------------------------------
-// Work item = (key/value head, chunk of positions): flash-decoding partials (max, sum, unnormalised output)
-// per (query head, token); the last item of a key/value head to finish (arrival counter) merges the chunks
-// in chunk order, applies the sigmoid gate and writes the attention output. Queries are processed
+// Work item = (key/value head, chunk of MK_ATT_CHUNK positions): flash-decoding partials (max, sum, unnormalised
+// output) per (query head, token); the last item of a key/value head to finish (arrival counter) merges the
+// chunks in chunk order, applies the sigmoid gate and writes the attention output. Chunk bounds do not depend
+// on the context length or the tokens of the launch, and a query skips the keys after its own position, so a
+// token's attention is bit-identical whether it runs alone or in a verify pass. Queries are processed
 // MK_ATT_PAIRS (head, token) pairs per pass to bound registers.
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
@@ -458,23 +496,17 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
     __syncwarp();
 }
 
-__device__ __forceinline__ int att_max_chunks() { return max(1, (int)nblocks() / MK_KVH); }
-
 // Work items of the attention phase at this step (one per key/value head and chunk of positions); blocks
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
-    const int L = si.pos + MK_NT;
-    const int nch0 = min(att_max_chunks(), (L + MK_ATT_MIN_CHUNK - 1) / MK_ATT_MIN_CHUNK);
-    const int cl = (L + nch0 - 1) / nch0;
-    return MK_KVH * ((L + cl - 1) / cl);
+    return MK_KVH * ((si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK);
 }
 
 __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const int pos = si.pos, L = pos + MK_NT;
-    const int maxch = att_max_chunks();
-    const int nch0 = min(maxch, (L + MK_ATT_MIN_CHUNK - 1) / MK_ATT_MIN_CHUNK);
-    const int cl = (L + nch0 - 1) / nch0;
+    const int maxch = (int)tb.gi(G_ATT_CHUNKS);  // room in the partials buffer (the host sizes it by capacity)
+    const int cl = MK_ATT_CHUNK;
     const int nch = (L + cl - 1) / cl;
     const long long cap = tb.gi(G_KV_CAP);
     const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);

@@ -18,8 +18,9 @@ from torch import nn
 LOGIT_STD = 5.0  # standard deviation of the logits that the embedding/lm_head scale aims at
 
 
-def config_27b(num_layers: int = 64, *, full_attention_interval: int = 4) -> ModelConfig:
-    """The Qwen3.5/3.6-27B text shapes with `num_layers` layers (every 4th full attention)."""
+def config_27b(num_layers: int = 64, *, full_attention_interval: int = 4, mtp: bool = False) -> ModelConfig:
+    """The Qwen3.5/3.6-27B text shapes with `num_layers` layers (every 4th full attention), with the MTP head
+    (one layer) if `mtp`."""
     layer_types = tuple(
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
         for i in range(num_layers)
@@ -38,7 +39,7 @@ def config_27b(num_layers: int = 64, *, full_attention_interval: int = 4) -> Mod
         linear_value_head_dim=128,
         layer_types=layer_types,
         tie_word_embeddings=False,
-        mtp_num_hidden_layers=0,
+        mtp_num_hidden_layers=1 if mtp else 0,
     )
 
 

@@ -9,19 +9,26 @@ snapshots, rollback and the reference fallback need no conversion).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from onestream.worker.errors import OnestreamError, UnsupportedModelError
+from onestream.worker.state import DeltaNetHistory
 
 from .build import BuiltModule, KernelSpec, Tuning, compile_module
 from .layout import (
+    CTRL_FLAG_ACCEPT,
     CTRL_FLAG_FEEDBACK,
+    CTRL_FLAG_KEEP_STATES,
     ERROR_TEXT,
     LAYER_FULL,
     LAYER_LINEAR,
+    MAX_TOKENS_PER_LAUNCH,
+    MODE_MAIN,
+    MODE_MTP,
     G,
     KernelErrorCode,
     L,
@@ -29,6 +36,7 @@ from .layout import (
 )
 
 DEFAULT_TIMEOUT_S = 2.0
+UPLOAD_RING = 32  # pinned control-block uploads in flight before one is reused (launches do not sync)
 
 
 class MegakernelError(OnestreamError, RuntimeError):
@@ -37,9 +45,22 @@ class MegakernelError(OnestreamError, RuntimeError):
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [T, V] fp32 (the runner's buffer: clone to keep across steps)
-    hidden: torch.Tensor  # [T, H] bf16 post-norm hidden (the runner's buffer)
-    tokens: list[int]  # greedy (argmax) token per position
+    logits: torch.Tensor  # [T, V] fp32 (the runner's buffer: clone to keep across launches)
+    hidden: (
+        torch.Tensor
+    )  # [T, H] bf16 post-norm hidden, or the MTP layer's normed output (the runner's buffer)
+    tokens: list[int]  # greedy (argmax) token per position; empty when the launch was not read back
+    accepted: int = 0  # greedy verify (accept=True): drafts (inputs 1..) equal to the argmax before them
+    inputs: list[int] | None = None  # the input tokens as the kernel read them (when read back)
+
+
+@dataclass
+class _Build:
+    """The kernels compiled for one number of tokens per launch, and that build's barrier/ticket counters."""
+
+    spec: KernelSpec
+    built: BuiltModule
+    sync: torch.Tensor
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -47,6 +68,10 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class MegakernelRunner:
+    """The megakernel for one model on one GPU: builds per tokens-per-launch (compiled on first use), the
+    parameter tables, the scratch buffers they share, and the launches: main-model steps of 1..8 tokens
+    (decode, verify with recorded DeltaNet states and greedy acceptance) and MTP head steps."""
+
     def __init__(
         self,
         model: Any,
@@ -63,41 +88,41 @@ class MegakernelRunner:
         self.model = model
         self.config = model.config
         self.device = embed.device
-        props = torch.cuda.get_device_properties(self.device)
-        self.spec = KernelSpec(
-            self.config,
-            props.multi_processor_count,
-            tokens_per_launch,
-            tuning or Tuning(),
-            smem_limit=_smem_optin(props, self.device),
-        )
+        self.tuning = tuning or Tuning()
+        self.props = torch.cuda.get_device_properties(self.device)
+        self.smem_limit = _smem_optin(self.props, self.device)
         self.tokens_per_launch = tokens_per_launch
-        self.ctrl_slots = ctrl_slots(tokens_per_launch)
+        self.ctrl_slots = ctrl_slots()
         self.timeout_ns = int(timeout_s * 1e9)
-        with torch.cuda.device(self.device):
-            self.built: BuiltModule = compile_module(self.spec)
+        self.has_mtp = bool(self.config.has_mtp) and getattr(model, "mtp", None) is not None
+        self._builds: dict[int, _Build] = {}
+        first = self._build(
+            tokens_per_launch
+        )  # the default build now: shape and resource errors surface here
+        self.spec, self.built, self.sync = first.spec, first.built, first.sync
         self.threads = self.spec.tuning.threads
         self.smem = self.spec.smem_bytes
-        limit = self.spec.smem_limit
-        if self.smem > limit:
-            raise MegakernelError(
-                f"the kernel needs {self.smem} bytes of shared memory per block for {tokens_per_launch} token(s) "
-                f"per launch; {props.name} allows {limit}"
-            )
-        self.grid = self._grid_size(props.multi_processor_count)
+        self.grid = self.props.multi_processor_count  # one block per SM: the kernel's work split assumes it
         self._params = self._small_params()
         self.buf = self._scratch()
         self.ctrl = torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32, device=self.device)
-        # Barrier counter, attention arrival counters, one ticket counter per phase slot of a step (Tuning.dynamic).
-        sync_len = 1 + self.config.num_key_value_heads + 5 * self.config.num_hidden_layers + 1
-        self.sync = torch.zeros(sync_len, dtype=torch.int64, device=self.device)
-        self._ctrl_host = torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32).pin_memory()
+        self._uploads = [
+            torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32).pin_memory()
+            for _ in range(UPLOAD_RING)
+        ]
+        self._upload_done: list[Any] = [None] * UPLOAD_RING
+        self._upload_next = 0
         self._globals = torch.zeros(G.COUNT, dtype=torch.int64, device=self.device)
-        self._layers = torch.zeros(
-            self.config.num_hidden_layers * L.COUNT, dtype=torch.int64, device=self.device
-        )
+        rows = self.config.num_hidden_layers + (1 if self.has_mtp else 0)
+        self._layers = torch.zeros(rows * L.COUNT, dtype=torch.int64, device=self.device)
         self._bound: tuple | None = None
         self._hist: torch.Tensor | None = None
+        self._att_part: torch.Tensor | None = None
+        # Keep-states launches record DeltaNet states here (entries: before and after each token); the
+        # DeltaNetHistory handed to the state views these buffers until the next keep-states launch.
+        self._hist_conv: dict[int, torch.Tensor] = {}
+        self._hist_rec: dict[int, torch.Tensor] = {}
+        self._hist_owner: Any = None  # weak reference to the state last given a history in these buffers
         # Debug builds (Tuning.phase_timing): per (phase of the step, block) start and end stamps, ns.
         self._timing: torch.Tensor | None = None
         if self.spec.tuning.phase_timing:
@@ -106,46 +131,81 @@ class MegakernelRunner:
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def _grid_size(self, num_sms: int) -> int:
+    def _build(self, n_tokens: int) -> _Build:
+        """The build for `n_tokens` tokens per launch (compiled, or from the in-process / disk cache)."""
+        build = self._builds.get(n_tokens)
+        if build is not None:
+            return build
+        spec = KernelSpec(
+            self.config, self.props.multi_processor_count, n_tokens, self.tuning, smem_limit=self.smem_limit
+        )
+        if spec.smem_bytes > spec.smem_limit:
+            raise MegakernelError(
+                f"the kernel needs {spec.smem_bytes} bytes of shared memory per block for {n_tokens} token(s) "
+                f"per launch; {self.props.name} allows {spec.smem_limit}"
+            )
+        with torch.cuda.device(self.device):
+            built = compile_module(spec)
+        self._check_resident(built, spec)
+        # Barrier counter, attention arrival counters, one ticket counter per phase slot (Tuning.dynamic): five
+        # per layer (the MTP layer's too), lm_head, the MTP fc.
+        n_sync = 1 + self.config.num_key_value_heads + 5 * (self.config.num_hidden_layers + 1) + 2
+        sync = torch.zeros(n_sync, dtype=torch.int64, device=self.device)
+        build = self._builds[n_tokens] = _Build(spec, built, sync)
+        return build
+
+    def _check_resident(self, built: BuiltModule, spec: KernelSpec) -> None:
         import cupy
 
         for name in ("mk_decode", "mk_phase"):
-            kernel = self.built.kernel(name)
-            kernel.max_dynamic_shared_size_bytes = self.smem
-        kernel = self.built.kernel("mk_decode")
+            built.kernel(name).max_dynamic_shared_size_bytes = spec.smem_bytes
+        kernel = built.kernel("mk_decode")
+        threads = spec.tuning.threads
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.kernel.ptr, self.threads, self.smem
+            kernel.kernel.ptr, threads, spec.smem_bytes
         )
         if per_sm < 1:
             raise MegakernelError(
-                f"mk_decode cannot be resident: {self.threads} threads x {kernel.num_regs} registers and "
-                f"{self.smem} bytes of shared memory per block exceed one SM"
+                f"mk_decode cannot be resident: {threads} threads x {kernel.num_regs} registers and "
+                f"{spec.smem_bytes} bytes of shared memory per block exceed one SM"
             )
-        return num_sms  # one block per SM: the kernel's work split assumes it (more would also be resident)
 
     def _small_params(self) -> dict[str, torch.Tensor]:
         """fp32 copies of the small parameters, computed with the reference's own expressions."""
         m = self.model
-        out: dict[str, torch.Tensor] = {"final_norm": (1.0 + m.model.norm.weight.float()).contiguous()}
+
+        def one_plus(w: torch.Tensor) -> torch.Tensor:
+            return (1.0 + w.float()).contiguous()
+
+        out: dict[str, torch.Tensor] = {"final_norm": one_plus(m.model.norm.weight)}
         out["inv_freq"] = m.rotary._inv_freq.to(device=self.device, dtype=torch.float32).contiguous()
-        for i, layer in enumerate(m.model.layers):
-            out[f"{i}.in_norm"] = (1.0 + layer.input_layernorm.weight.float()).contiguous()
-            out[f"{i}.post_norm"] = (1.0 + layer.post_attention_layernorm.weight.float()).contiguous()
+        for i, layer in enumerate(self._all_layers()):
+            out[f"{i}.in_norm"] = one_plus(layer.input_layernorm.weight)
+            out[f"{i}.post_norm"] = one_plus(layer.post_attention_layernorm.weight)
             if layer.is_full_attention:
-                out[f"{i}.q_norm"] = (1.0 + layer.self_attn.q_norm.weight.float()).contiguous()
-                out[f"{i}.k_norm"] = (1.0 + layer.self_attn.k_norm.weight.float()).contiguous()
+                out[f"{i}.q_norm"] = one_plus(layer.self_attn.q_norm.weight)
+                out[f"{i}.k_norm"] = one_plus(layer.self_attn.k_norm.weight)
             else:
                 la = layer.linear_attn
                 out[f"{i}.neg_a"] = (-la.A_log.float().exp()).contiguous()
                 out[f"{i}.dt_bias"] = la.dt_bias.float().contiguous()
+        if self.has_mtp:
+            mtp = m.mtp
+            out["mtp.pre_e"] = one_plus(mtp.pre_fc_norm_embedding.weight)
+            out["mtp.pre_h"] = one_plus(mtp.pre_fc_norm_hidden.weight)
+            out["mtp.norm"] = one_plus(mtp.norm.weight)
         return out
 
+    def _all_layers(self) -> list[Any]:
+        """The model's layers, then the MTP head's layer (the layer table's last row)."""
+        layers = list(self.model.model.layers)
+        return [*layers, self.model.mtp.layer] if self.has_mtp else layers
+
     def _scratch(self) -> dict[str, torch.Tensor]:
-        c, nt, dev = self.config, self.tokens_per_launch, self.device
+        """Activation buffers, sized for the most tokens per launch (every build shares them)."""
+        c, nt, dev = self.config, MAX_TOKENS_PER_LAUNCH, self.device
         bf, f32 = torch.bfloat16, torch.float32
         att_in_rows = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        pairs = c.num_attention_heads // c.num_key_value_heads * nt
-        part = c.num_key_value_heads * self.spec.att_max_chunks(self.grid) * pairs * (c.head_dim + 2)
         shapes = {
             "h": ((nt, c.hidden_size), f32 if self.spec.tuning.fp32_act else bf),  # the residual stream
             "xbuf": ((nt, c.linear_qkv_dim), bf),
@@ -155,23 +215,36 @@ class MegakernelRunner:
             "core": ((nt, c.linear_value_dim), bf),
             "qkv_att": ((nt, att_in_rows), bf),
             "att_out": ((nt, c.num_attention_heads * c.head_dim), bf),
-            "att_part": ((part,), f32),
             "act": ((nt, c.intermediate_size), bf),
             "logits": ((nt, c.vocab_size), f32),
             "hidden_out": ((nt, c.hidden_size), bf),
+            "mtp_hidden_in": ((nt, c.hidden_size), bf),
             "argkey": ((nt,), torch.int64),
         }
         return {name: torch.zeros(shape, dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()}
 
     # ---- binding a sequence state --------------------------------------------------------------------
-    def _reserve(self, state: Any, needed: int) -> None:
-        for cache in state.kv.values():
-            cache.reserve(needed)
-
-    def bind(self, state: Any, needed: int) -> None:
-        """Point the tables at `state`'s caches, growing its KV caches to hold `needed` positions."""
-        self._reserve(state, needed)
+    def _caches(self, state: Any) -> list[Any]:
         caches = [state.kv[i] for i in self.config.full_attention_layers]
+        if self.has_mtp and state.mtp_kv is not None:
+            caches.append(state.mtp_kv)
+        return caches
+
+    def bind(self, state: Any, needed: int, keep_tokens: int = 0) -> None:
+        """Point the tables at `state`'s caches, growing its KV caches (the MTP head's too) to hold `needed`
+        positions, and make room to record `keep_tokens` tokens' DeltaNet states."""
+        caches = self._caches(state)
+        for cache in caches:
+            cache.reserve(needed)
+        self._reserve_history(keep_tokens)
+        capacity = max((cache.capacity for cache in caches), default=state.max_len)
+        chunks = self.spec.att_chunks(capacity)
+        if self._att_part is None or self._att_part_chunks < chunks:
+            self._att_part_chunks = chunks
+            c = self.config
+            pairs = c.num_attention_heads // c.num_key_value_heads * MAX_TOKENS_PER_LAUNCH
+            size = c.num_key_value_heads * chunks * pairs * (c.head_dim + 2)
+            self._att_part = torch.zeros(size, dtype=torch.float32, device=self.device)
         # Everything the tables hold that belongs to the state: a new state object can reuse a freed one's id,
         # and the caching allocator can hand a regrown cache or a new state tensor a freed block's address.
         key = (
@@ -180,15 +253,40 @@ class MegakernelRunner:
             tuple(
                 (_ptr(state.conv[i]), _ptr(state.recurrent[i])) for i in self.config.linear_attention_layers
             ),
-            self._hist_ptr(),
+            _ptr(self._hist),
+            _ptr(self._att_part),
+            tuple(_ptr(t) for t in self._hist_rec.values()),
         )
         if key == self._bound:
             return
         self._write_tables(state, caches)
         self._bound = key
 
-    def _hist_ptr(self) -> int:
-        return _ptr(self._hist)
+    def _reserve_history(self, n_tokens: int) -> None:
+        entries = n_tokens + 1 if n_tokens else 0
+        if not self.config.linear_attention_layers or not entries:
+            return
+        have = next(iter(self._hist_rec.values())).shape[0] if self._hist_rec else 0
+        if have >= entries:
+            return
+        c = self.config
+        conv_shape = (entries, c.linear_qkv_dim, c.linear_conv_kernel_dim - 1)
+        rec_shape = (entries, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        self._drop_history_owner()
+        for i in c.linear_attention_layers:
+            self._hist_conv[i] = torch.zeros(conv_shape, dtype=torch.bfloat16, device=self.device)
+            self._hist_rec[i] = torch.zeros(rec_shape, dtype=torch.float32, device=self.device)
+
+    def _drop_history_owner(self) -> None:
+        """The state whose DeltaNet history views the record buffers loses it (they are about to be
+        overwritten): a rollback into it then fails instead of copying another launch's states."""
+        owner = self._hist_owner() if self._hist_owner is not None else None
+        hist = owner.history if owner is not None else None
+        if hist is not None and any(
+            i in self._hist_rec and _same_storage(t, self._hist_rec[i]) for i, t in hist.recurrent.items()
+        ):
+            owner.history = None
+        self._hist_owner = None
 
     def _write_tables(self, state: Any, caches: list) -> None:
         m, c, p, b = self.model, self.config, self._params, self.buf
@@ -199,18 +297,26 @@ class MegakernelRunner:
         g[G.INV_FREQ] = _ptr(p["inv_freq"])
         for slot, name in (
             (G.H, "h"), (G.XBUF, "xbuf"), (G.ZBUF, "zbuf"), (G.BETA, "beta"), (G.GDECAY, "gdecay"),
-            (G.CORE, "core"), (G.QKV_ATT, "qkv_att"), (G.ATT_OUT, "att_out"), (G.ATT_PART, "att_part"),
-            (G.ACT, "act"), (G.LOGITS, "logits"), (G.HIDDEN_OUT, "hidden_out"), (G.ARGKEY, "argkey"),
+            (G.CORE, "core"), (G.QKV_ATT, "qkv_att"), (G.ATT_OUT, "att_out"), (G.ACT, "act"),
+            (G.LOGITS, "logits"), (G.HIDDEN_OUT, "hidden_out"), (G.ARGKEY, "argkey"),
+            (G.MTP_HIDDEN_IN, "mtp_hidden_in"),
         ):  # fmt: skip
             g[slot] = _ptr(b[name])
+        g[G.ATT_PART] = _ptr(self._att_part)
+        g[G.ATT_CHUNKS] = self._att_part_chunks
         g[G.KV_CAP] = min((cache.capacity for cache in caches), default=state.max_len)
         g[G.TIMEOUT_NS] = self.timeout_ns
         g[G.NUM_LAYERS] = c.num_hidden_layers
-        g[G.TOKEN_HIST] = self._hist_ptr()
+        g[G.TOKEN_HIST] = _ptr(self._hist)
         g[G.TIMING] = _ptr(self._timing)
+        if self.has_mtp:
+            g[G.MTP_FC] = _ptr(_weight(m.mtp.fc))
+            g[G.MTP_PRE_E] = _ptr(p["mtp.pre_e"])
+            g[G.MTP_PRE_H] = _ptr(p["mtp.pre_h"])
+            g[G.MTP_NORM] = _ptr(p["mtp.norm"])
 
         rows = []
-        for i, layer in enumerate(m.model.layers):
+        for i, layer in enumerate(self._all_layers()):
             r = [0] * L.COUNT
             r[L.IN_NORM] = _ptr(p[f"{i}.in_norm"])
             r[L.POST_NORM] = _ptr(p[f"{i}.post_norm"])
@@ -225,7 +331,7 @@ class MegakernelRunner:
                 )
                 r[L.QNORM] = _ptr(p[f"{i}.q_norm"])
                 r[L.KNORM] = _ptr(p[f"{i}.k_norm"])
-                cache = state.kv[i]
+                cache = state.kv[i] if i < c.num_hidden_layers else state.mtp_kv
                 r[L.KCACHE], r[L.VCACHE] = (
                     _ptr(_contig(cache.k, "KV cache")),
                     _ptr(_contig(cache.v, "KV cache")),
@@ -246,47 +352,73 @@ class MegakernelRunner:
                 if rec.dtype != torch.float32:
                     raise MegakernelError(f"layer {i}: the recurrent state must be fp32, got {rec.dtype}")
                 r[L.REC_STATE] = _ptr(_contig(rec, "recurrent state"))
+                r[L.HIST_CONV] = _ptr(self._hist_conv.get(i))
+                r[L.HIST_REC] = _ptr(self._hist_rec.get(i))
             rows.extend(r)
         self._globals.copy_(torch.tensor(g, dtype=torch.int64))
         self._layers.copy_(torch.tensor(rows, dtype=torch.int64))
 
     # ---- launches ------------------------------------------------------------------------------------
-    def _launch(self, name: str, args: tuple, *, smem: int | None = None) -> None:
+    def _launch(
+        self, name: str, args: tuple, *, n_tokens: int | None = None, smem: int | None = None
+    ) -> None:
         import cupy
 
-        kernel = self.built.kernel(name)
+        build = self._build(self.tokens_per_launch if n_tokens is None else n_tokens)
+        kernel = build.built.kernel(name)
         handle = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(handle)
         if stream is None:  # one CuPy view of each torch stream (creating one per launch costs time)
             stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device.index or 0)
         with stream:
-            kernel((self.grid,), (self.threads,), args, shared_mem=self.smem if smem is None else smem)
+            kernel(
+                (self.grid,),
+                (self.threads,),
+                args,
+                shared_mem=build.spec.smem_bytes if smem is None else smem,
+            )
 
-    def _table_args(self) -> tuple:
+    def _table_args(self, n_tokens: int | None = None) -> tuple:
+        sync = self._build(self.tokens_per_launch if n_tokens is None else n_tokens).sync
         return (
             np.uint64(_ptr(self._globals)),
             np.uint64(_ptr(self._layers)),
             np.uint64(_ptr(self.ctrl)),
-            np.uint64(_ptr(self.sync)),
+            np.uint64(_ptr(sync)),
         )
 
-    def _set_ctrl(self, pos: int, tokens: list[int] | None, flags: int = 0) -> None:
-        """Position, cleared error, flags and (if given) the input tokens, in one host-to-device copy."""
+    def _set_ctrl(
+        self, pos: int, tokens: list[int] | torch.Tensor | None, flags: int = 0, mode: int = MODE_MAIN
+    ) -> None:
+        """Upload position, flags, mode and the input tokens (a host list, or ids on the GPU: copied on the
+        device). The error slots are left alone: an error stays set until `reset`, so a launch that is not
+        read back cannot hide one."""
         s = self.ctrl_slots
-        h = self._ctrl_host
+        lo, n_in = s["CTRL_POS"], s["CTRL_TOKEN_IN"]
+        i = self._upload_next
+        self._upload_next = (i + 1) % UPLOAD_RING
+        if self._upload_done[i] is not None:
+            self._upload_done[i].synchronize()  # its last copy has long finished (the ring is deep)
+        h = self._uploads[i]
         h.zero_()
-        h[s["CTRL_POS"]], h[s["CTRL_FLAGS"]] = pos, flags
-        n = s["CTRL_TOKEN_IN"]
-        if tokens is not None:
-            h[n : n + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-            n += len(tokens)
-        self.ctrl[:n].copy_(h[:n], non_blocking=True)
+        h[s["CTRL_POS"]], h[s["CTRL_FLAGS"]], h[s["CTRL_MODE"]] = pos, flags, mode
+        device_ids = isinstance(tokens, torch.Tensor)
+        hi = n_in if device_ids or tokens is None else n_in + len(tokens)
+        if tokens is not None and not device_ids:
+            h[n_in:hi] = torch.tensor(tokens, dtype=torch.int32)
+        self.ctrl[lo:hi].copy_(h[lo:hi], non_blocking=True)
+        event = self._upload_done[i] = self._upload_done[i] or torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        if device_ids:
+            ids = tokens.reshape(-1)
+            self.ctrl[n_in : n_in + ids.numel()].copy_(ids.to(torch.int32), non_blocking=True)
 
     def _check(self, ctrl: torch.Tensor) -> None:
-        code = int(ctrl[1])
+        s = self.ctrl_slots
+        code = int(ctrl[s["CTRL_ERR"]])
         if code == 0:
             return
-        info = int(ctrl[2])
+        info = int(ctrl[s["CTRL_ERR_INFO"]])
         self.reset()
         try:
             what = ERROR_TEXT[KernelErrorCode(code)]
@@ -294,50 +426,103 @@ class MegakernelRunner:
             what = f"error code {code}"
         raise MegakernelError(f"megakernel: {what} (info {info}); the sequence state is no longer valid")
 
+    def check(self) -> None:
+        """Read the control block back (a synchronisation) and raise if any launch since the last check failed."""
+        self._check(self.ctrl.cpu())
+
     def reset(self) -> None:
         """Clear the barrier counters, argmax keys and error flag (after an error left them half-way)."""
-        self.sync.zero_()
+        for build in self._builds.values():
+            build.sync.zero_()
         self.buf["argkey"].zero_()
         self.ctrl.zero_()
         torch.cuda.synchronize(self.device)
 
-    def step(self, input_ids: torch.Tensor | list[int], state: Any) -> StepResult:
-        """One launch: tokens at positions `state.length …`; advances `state` like `forward_step` does.
+    def step(
+        self,
+        input_ids: torch.Tensor | list[int],
+        state: Any,
+        *,
+        keep_states: bool = False,
+        accept: bool = False,
+        check: bool = True,
+    ) -> StepResult:
+        """One launch of the main model: T = len(input_ids) tokens (1..8) at positions `state.length …`;
+        advances `state` like `forward_step` does.
 
+        keep_states: record each DeltaNet layer's state before and after every token and hand the state a
+        `DeltaNetHistory` of them (so `state.rollback` to any of those positions is a copy). accept: greedy
+        verification of inputs 1.. as drafts (`StepResult.accepted`). check=False: no read-back (no
+        synchronisation; `tokens` is empty; an error surfaces at the next checked launch or `check()`).
         Ids already on the GPU go to the kernel by a device copy (no host round trip before the launch)."""
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
         ids = ids.reshape(-1)
-        if ids.numel() != self.tokens_per_launch:
-            raise MegakernelError(
-                f"this runner takes {self.tokens_per_launch} token(s) per launch, got {ids.numel()}"
-            )
-        pos = state.check_room(ids.numel())
-        self.bind(state, pos + ids.numel())
-        self._set_ctrl(pos, None)
-        slot = self.ctrl_slots["CTRL_TOKEN_IN"]
-        self.ctrl[slot : slot + ids.numel()].copy_(ids.to(torch.int32), non_blocking=True)
-        self._launch("mk_decode", self._table_args())
-        ctrl = self.ctrl.cpu()
-        self._check(ctrl)
-        out = self.ctrl_slots["CTRL_TOKEN_OUT"]
-        greedy = [int(x) for x in ctrl[out : out + self.tokens_per_launch]]
+        n = ids.numel()
+        if not 1 <= n <= MAX_TOKENS_PER_LAUNCH:
+            raise MegakernelError(f"a launch takes 1..{MAX_TOKENS_PER_LAUNCH} tokens, got {n}")
+        if accept and n < 2:
+            raise MegakernelError("greedy verification needs the pending token and at least one draft")
+        pos = state.check_room(n)
+        self.bind(state, max(pos, state.mtp_length) + n, n if keep_states else 0)
+        flags = (CTRL_FLAG_KEEP_STATES if keep_states else 0) | (CTRL_FLAG_ACCEPT if accept else 0)
+        if keep_states:
+            self._drop_history_owner()
+        self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), flags)
+        self._launch("mk_decode", self._table_args(n), n_tokens=n)
+        tokens, accepted, inputs = [], 0, None
+        if check:
+            ctrl = self.ctrl.cpu()
+            self._check(ctrl)
+            s = self.ctrl_slots
+            tokens = [int(x) for x in ctrl[s["CTRL_TOKEN_OUT"] : s["CTRL_TOKEN_OUT"] + n]]
+            inputs = [int(x) for x in ctrl[s["CTRL_TOKEN_IN"] : s["CTRL_TOKEN_IN"] + n]]
+            accepted = int(ctrl[s["CTRL_ACCEPTED"]])
         state.advance(ids.to(state.device))  # the state's pending ids must all live on one device
-        state.history = None
-        return StepResult(self.buf["logits"], self.buf["hidden_out"], greedy)
+        state.history = self._record_history(state, pos, n) if keep_states else None
+        return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], tokens, accepted, inputs)
+
+    def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory:
+        history = DeltaNetHistory(
+            start,
+            {i: t[: n_tokens + 1] for i, t in self._hist_conv.items()},
+            {i: t[: n_tokens + 1] for i, t in self._hist_rec.items()},
+        )
+        self._hist_owner = weakref.ref(state)
+        return history
+
+    def mtp_step(self, input_ids: torch.Tensor | list[int], hidden: torch.Tensor, state: Any) -> StepResult:
+        """One launch of the MTP head over T pairs (token t[p+1], hidden H[p]) at MTP positions
+        `state.mtp_length …`, like the reference's `mtp_step`. Not read back (no synchronisation)."""
+        if not self.has_mtp:
+            raise MegakernelError("this model has no MTP head")
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
+        ids = ids.reshape(-1)
+        n = ids.numel()
+        if not 1 <= n <= MAX_TOKENS_PER_LAUNCH:
+            raise MegakernelError(f"an MTP launch takes 1..{MAX_TOKENS_PER_LAUNCH} pairs, got {n}")
+        if tuple(hidden.shape) != (n, self.config.hidden_size):
+            raise MegakernelError(
+                f"hidden must have shape ({n}, {self.config.hidden_size}), got {tuple(hidden.shape)}"
+            )
+        pos = state.check_room(n, mtp=True)
+        self.bind(state, max(state.length, pos + n))
+        self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), 0, MODE_MTP)
+        self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
+        self._launch("mk_decode", self._table_args(n), n_tokens=n)
+        state.mtp_length += n
+        return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], [])
 
     def greedy_chain(self, first_token: int, state: Any, n: int, *, check: bool = True) -> list[int]:
         """`n` greedy steps as `n` back-to-back launches with no host round trip (each step's argmax feeds the
         next); returns the n generated tokens. One sync at the end."""
-        if self.tokens_per_launch != 1:
-            raise MegakernelError("greedy chains run one token per launch")
         pos = state.check_room(n)
         if self._hist is None or self._hist.numel() < state.max_len:
             self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
-        self.bind(state, pos + n)
+        self.bind(state, max(pos, state.mtp_length) + n)
         self._set_ctrl(pos, [first_token], CTRL_FLAG_FEEDBACK)
-        args = self._table_args()
+        args = self._table_args(1)
         for _ in range(n):
-            self._launch("mk_decode", args)
+            self._launch("mk_decode", args, n_tokens=1)
         if not check:
             return []
         ctrl = self.ctrl.cpu()
@@ -349,7 +534,7 @@ class MegakernelRunner:
 
     def run_phase(self, phase: int, layer: int, state: Any, pos: int, tokens: list[int]) -> None:
         """Launch one phase alone (the per-phase tests); raises on a kernel-reported error."""
-        self.bind(state, pos + self.tokens_per_launch)
+        self.bind(state, max(pos, state.mtp_length) + self.tokens_per_launch)
         self._set_ctrl(pos, tokens)
         self._launch("mk_phase", (*self._table_args(), np.int32(phase), np.int32(layer)))
         self._check(self.ctrl.cpu())
@@ -371,7 +556,7 @@ class MegakernelRunner:
             smem=0,
         )
         ctrl = self.ctrl.cpu()
-        code = int(ctrl[1])
+        code = int(ctrl[self.ctrl_slots["CTRL_ERR"]])
         self.reset()
         return code, [int(x) for x in arrivals.cpu()]
 
@@ -382,21 +567,25 @@ class MegakernelRunner:
         torch.cuda.synchronize(self.device)
         return self._timing.cpu().numpy()
 
-    def describe(self) -> dict[str, Any]:
-        res = self.built.resources("mk_decode")
+    def describe(self, n_tokens: int | None = None) -> dict[str, Any]:
+        """The build for `n_tokens` tokens per launch (default: the runner's): grid, shared memory, ring, registers."""
+        build = self._build(self.tokens_per_launch if n_tokens is None else n_tokens)
+        spec = build.spec
         return {
+            "tokens_per_launch": spec.tokens_per_launch,
             "grid": self.grid,
-            "threads": self.threads,
-            "smem_bytes": self.smem,
-            "compile_s": round(self.built.compile_s, 2),
-            "dn_split": self.spec.dn_split,
-            "variant": self.spec.tuning.variant,
-            "stages": self.spec.stages,
-            "fp32_act": self.spec.tuning.fp32_act,
-            "fp32_gemv_in": self.spec.tuning.fp32_gemv_in,
-            "dynamic": self.spec.tuning.dynamic,
-            "smem_limit": self.spec.smem_limit,
-            **res,
+            "threads": spec.tuning.threads,
+            "smem_bytes": spec.smem_bytes,
+            "compile_s": round(build.built.compile_s, 2),
+            "dn_split": spec.dn_split,
+            "variant": spec.tuning.variant,
+            "stages": spec.stages,
+            "part_rows": spec.part_rows,
+            "fp32_act": spec.tuning.fp32_act,
+            "fp32_gemv_in": spec.tuning.fp32_gemv_in,
+            "dynamic": spec.tuning.dynamic,
+            "smem_limit": spec.smem_limit,
+            **build.built.resources("mk_decode"),
         }
 
 
@@ -411,6 +600,10 @@ def _smem_optin(props: Any, device: torch.device) -> int:
         return int(cupy.cuda.Device(device.index or 0).attributes["MaxSharedMemoryPerBlockOptin"])
     except Exception:  # unknown: assume the sm_86 limit (the kernel then keeps weights in registers)
         return 99 * 1024
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _weight(module: Any) -> torch.Tensor:

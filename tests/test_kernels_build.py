@@ -18,7 +18,7 @@ from onestream.kernels.build import (
     dn_split,
     ptxas_report,
 )
-from onestream.kernels.layout import G, L, Phase, ctrl_slots, preamble_defines
+from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH, G, L, Phase, ctrl_slots, preamble_defines
 from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
@@ -42,9 +42,12 @@ def test_table_slots_are_distinct_and_dense() -> None:
     for enum in (G, L, Phase):
         values = [int(m) for m in enum if m.name != "COUNT"]
         assert sorted(values) == list(range(len(values)))
-    defines = preamble_defines(4)
-    assert defines["CTRL_TOKEN_OUT"] == defines["CTRL_TOKEN_IN"] + 4
-    assert ctrl_slots(1)["CTRL_INTS"] == 6
+    defines = preamble_defines()
+    assert defines["CTRL_TOKEN_OUT"] == defines["CTRL_TOKEN_IN"] + MAX_TOKENS_PER_LAUNCH
+    slots = ctrl_slots()
+    assert slots["CTRL_INTS"] == slots["CTRL_TOKEN_OUT"] + MAX_TOKENS_PER_LAUNCH
+    # The host uploads [CTRL_POS, CTRL_TOKEN_IN + T) per launch: the error slots must lie outside it.
+    assert max(slots["CTRL_ERR"], slots["CTRL_ERR_INFO"]) < slots["CTRL_POS"]
 
 
 def test_deltanet_split_fills_the_grid_with_block_sized_slices() -> None:
@@ -77,8 +80,24 @@ def test_tokens_per_launch_is_bounded() -> None:
 def test_shared_memory_of_one_token_fits_ampere_and_hopper() -> None:
     spec = KernelSpec(config_27b(), num_sms=132)
     assert spec.smem_bytes <= 99 * 1024  # the sm_86 per-block limit (sm_90: 227 KB)
-    # Several tokens per launch stage several activation rows: it grows with T (issue 7 chunks the widest).
+    # Several tokens per launch stage several activation rows: it grows with T.
     assert KernelSpec(config_27b(), num_sms=132, tokens_per_launch=2).smem_bytes > spec.smem_bytes
+
+
+def test_more_tokens_per_launch_shrink_partials_then_the_ring_to_fit() -> None:
+    hopper = 227 * 1024
+    one, two = (KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper) for t in (1, 2))
+    assert one.stages == two.stages == AUTO_STAGES  # two tokens keep the ring: fewer partial rows per round
+    assert two.part_rows < one.part_rows and two.smem_bytes <= hopper
+    four = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=4, smem_limit=hopper)
+    assert four.stages < AUTO_STAGES and four.smem_bytes <= hopper
+    # Eight 27B-wide activation rows alone exceed shared memory: the spec says so (the runner refuses it).
+    eight = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=8, smem_limit=hopper)
+    assert eight.smem_bytes > hopper
+    # A small model keeps the ring at every T.
+    for t in range(1, MAX_TOKENS_PER_LAUNCH + 1):
+        small = KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        assert small.stages == AUTO_STAGES and small.smem_bytes <= hopper
 
 
 def test_ptxas_report_parsing() -> None:

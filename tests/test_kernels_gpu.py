@@ -83,7 +83,7 @@ def test_deltanet_input_projections_conv_and_gates(setup):
     state.conv[li].copy_(randn(*state.conv[li].shape))
     conv_before = state.conv[li].clone()
     h = randn(1, model.config.hidden_size)
-    runner.buf["h"].copy_(h)
+    runner.buf["h"][:1].copy_(h)
     runner.run_phase(Phase.DN_IN, li, state, pos=0, tokens=[0])
 
     x = layer.input_layernorm(h)
@@ -92,12 +92,12 @@ def test_deltanet_input_projections_conv_and_gates(setup):
     w = la.conv1d.weight[:, 0, :]
     mixed = F.silu((window.to(w.dtype) * w).sum(-1)).to(BF16)
     beta, g = la._gates(x)
-    assert rel_err(runner.buf["xbuf"][0], mixed) < 1e-2
+    assert rel_err(runner.buf["xbuf"][:1][0], mixed) < 1e-2
     assert rel_err(state.conv[li], window[:, 1:]) < 1e-2
     assert torch.equal(state.conv[li][:, :-1], conv_before[:, 1:])  # the window shifted exactly
-    assert rel_err(runner.buf["zbuf"][0], la.in_proj_z(x)[0]) < 1e-2
-    assert rel_err(runner.buf["beta"][0], beta[0].float()) < 1e-2
-    assert rel_err(runner.buf["gdecay"][0], g[0]) < 1e-2
+    assert rel_err(runner.buf["zbuf"][:1][0], la.in_proj_z(x)[0]) < 1e-2
+    assert rel_err(runner.buf["beta"][:1][0], beta[0].float()) < 1e-2
+    assert rel_err(runner.buf["gdecay"][:1][0], g[0]) < 1e-2
 
 
 @torch.no_grad()
@@ -115,9 +115,9 @@ def test_deltanet_recurrent_step(setup):
         * 0.1
     )
     state.recurrent[li].copy_(s0)
-    runner.buf["xbuf"].copy_(mixed)
-    runner.buf["beta"].copy_(beta.float())
-    runner.buf["gdecay"].copy_(g)
+    runner.buf["xbuf"][:1].copy_(mixed)
+    runner.buf["beta"][:1].copy_(beta.float())
+    runner.buf["gdecay"][:1].copy_(g)
     runner.run_phase(Phase.DN_REC, li, state, pos=0, tokens=[0])
 
     q, k, v = la._split(mixed)
@@ -125,7 +125,7 @@ def test_deltanet_recurrent_step(setup):
     s_ref = s0.clone()
     out = recurrent_delta_step(q[0], k[0], v[0], g[0], beta[0], s_ref)
     assert rel_err(state.recurrent[li], s_ref) < 1e-5  # fp32 throughout
-    assert rel_err(runner.buf["core"][0].view_as(out), out.to(BF16)) < 5e-3
+    assert rel_err(runner.buf["core"][:1][0].view_as(out), out.to(BF16)) < 5e-3
 
 
 @torch.no_grad()
@@ -136,13 +136,13 @@ def test_deltanet_gated_norm_and_output_projection(setup):
     la = model.model.layers[li].linear_attn
     state = model.new_state(64)
     core, z, h = randn(1, c.linear_value_dim), randn(1, c.linear_value_dim), randn(1, c.hidden_size)
-    runner.buf["core"].copy_(core)
-    runner.buf["zbuf"].copy_(z)
-    runner.buf["h"].copy_(h)
+    runner.buf["core"][:1].copy_(core)
+    runner.buf["zbuf"][:1].copy_(z)
+    runner.buf["h"][:1].copy_(h)
     runner.run_phase(Phase.DN_OUT, li, state, pos=0, tokens=[0])
     shape = (c.linear_num_value_heads, c.linear_value_head_dim)
     ref = h + la.out_proj(la.norm(core.view(shape), z.view(shape)).reshape(1, -1))
-    assert rel_err(runner.buf["h"], ref) < 1e-2
+    assert rel_err(runner.buf["h"][:1], ref) < 1e-2
 
 
 @pytest.mark.parametrize("pos", [0, 5, 300])
@@ -159,7 +159,7 @@ def test_gated_attention_step_against_the_cache(setup, pos):
     cache.v[:, :pos] = randn(c.num_key_value_heads, pos, c.head_dim)
     ref_cache = cache.copy_prefix(pos, capacity=pos + 1)
     h = randn(1, c.hidden_size)
-    runner.buf["h"].copy_(h)
+    runner.buf["h"][:1].copy_(h)
     for phase in (Phase.ATT_IN, Phase.ATT, Phase.ATT_OUT):
         runner.run_phase(phase, li, state, pos=pos, tokens=[0])
 
@@ -167,7 +167,7 @@ def test_gated_attention_step_against_the_cache(setup, pos):
     ref = h + layer.self_attn.step(layer.input_layernorm(h), cos, sin, ref_cache, pos)
     assert rel_err(cache.k[:, pos], ref_cache.k[:, pos]) < 1e-2  # the new key: normed and rotated
     assert rel_err(cache.v[:, pos], ref_cache.v[:, pos]) < 1e-2
-    assert rel_err(runner.buf["h"], ref) < 1e-2
+    assert rel_err(runner.buf["h"][:1], ref) < 1e-2
 
 
 @torch.no_grad()
@@ -176,13 +176,13 @@ def test_swiglu_mlp(setup):
     layer = model.model.layers[0]
     state = model.new_state(64)
     h = randn(1, model.config.hidden_size)
-    runner.buf["h"].copy_(h)
+    runner.buf["h"][:1].copy_(h)
     runner.run_phase(Phase.MLP_IN, 0, state, pos=0, tokens=[0])
     runner.run_phase(Phase.MLP_DOWN, 0, state, pos=0, tokens=[0])
     x = layer.post_attention_layernorm(h)
     act = F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
-    assert rel_err(runner.buf["act"], act) < 1e-2
-    assert rel_err(runner.buf["h"], h + layer.mlp.down_proj(act)) < 1e-2
+    assert rel_err(runner.buf["act"][:1], act) < 1e-2
+    assert rel_err(runner.buf["h"][:1], h + layer.mlp.down_proj(act)) < 1e-2
 
 
 @torch.no_grad()
@@ -190,15 +190,15 @@ def test_final_norm_lm_head_and_argmax(setup):
     _, model, runner = setup
     state = model.new_state(64)
     h = randn(1, model.config.hidden_size)
-    runner.buf["h"].copy_(h)
+    runner.buf["h"][:1].copy_(h)
     runner.run_phase(Phase.LM_HEAD, 0, state, pos=0, tokens=[0])
     runner.run_phase(Phase.FINALIZE, 0, state, pos=0, tokens=[0])
     hidden = model.model.norm(h)
     logits = F.linear(hidden, model.lm_head_weight).float()
-    assert rel_err(runner.buf["hidden_out"], hidden) < 4e-3
-    assert rel_err(runner.buf["logits"], logits) < 1e-2
+    assert rel_err(runner.buf["hidden_out"][:1], hidden) < 4e-3
+    assert rel_err(runner.buf["logits"][:1], logits) < 1e-2
     got = int(runner.ctrl[runner.ctrl_slots["CTRL_TOKEN_OUT"]])
-    mine = runner.buf["logits"][0]
+    mine = runner.buf["logits"][:1][0]
     assert got == int(mine.argmax())  # the device argmax of its own logits, lowest index on ties
     top2 = logits[0].topk(2).values
     if float(top2[0] - top2[1]) > 2 * float((mine - logits[0]).abs().max()):

@@ -95,6 +95,26 @@ def speculative_outputs(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int
     return outputs
 
 
+def test_backend_greedy_verification_accepts_the_matching_prefix(random_dir: Path) -> None:
+    backend = ReferenceBackend(load_model(random_dir, dtype=torch.float32))
+    state = backend.new_state(64)
+    backend.prefill(torch.tensor([3, 1, 4, 1, 5]), state)
+    # The greedy chain after token 9: drafts equal to it are accepted until the first one that is not.
+    chain, probe = [9], state.clone()
+    for _ in range(4):
+        chain.append(int(backend.decode(torch.tensor(chain[-1:]), probe).logits[-1].argmax()))
+    for wrong_at in range(1, 6):
+        inputs = list(chain)
+        if wrong_at < 5:
+            inputs[wrong_at] = (inputs[wrong_at] + 1) % backend.config.vocab_size
+        trial = state.clone()
+        out, accepted, targets, echoed = backend.verify_greedy(torch.tensor(inputs), trial)
+        assert accepted == wrong_at - 1 and echoed == inputs
+        assert targets == out.logits.argmax(dim=-1).tolist() and targets[: wrong_at - 1] == chain[1:wrong_at]
+        trial.rollback(len(inputs) - accepted - 1)  # the verify kept every position reachable
+        assert trial.length == state.length + accepted + 1
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_rejection_sampling_reproduces_the_target_distribution(k: int) -> None:
     vocab, trials = 6, 20_000

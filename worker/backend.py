@@ -58,6 +58,14 @@ class Backend(Protocol):
         positions reachable by `rollback`."""
         ...
 
+    def verify_greedy(
+        self, input_ids: torch.Tensor, state: Any
+    ) -> tuple[StepOutput, int, list[int], list[int]]:
+        """`decode(input_ids, keep_states=True)` of [pending, d1..dk], then greedy acceptance: drafts are
+        accepted while each equals the argmax of the row before it. Returns (output, accepted drafts, argmax
+        per row, the inputs), read back to the host in one synchronisation."""
+        ...
+
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
         """MTP step: token t[p+1] with hidden H[p] at MTP positions `mtp_length..`; logits of at least the
         last row."""
@@ -107,6 +115,19 @@ class ReferenceBackend:
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
         return self.model.forward_step(input_ids, state, keep_states=keep_states)
+
+    @torch.inference_mode()
+    def verify_greedy(
+        self, input_ids: torch.Tensor, state: Any
+    ) -> tuple[StepOutput, int, list[int], list[int]]:
+        out = self.decode(input_ids, state, keep_states=True)
+        n = input_ids.numel()
+        host = torch.cat([input_ids.reshape(-1), out.logits.argmax(dim=-1)]).tolist()
+        inputs, targets = host[:n], host[n:]
+        accepted = 0
+        while accepted < n - 1 and inputs[accepted + 1] == targets[accepted]:
+            accepted += 1
+        return out, accepted, targets, inputs
 
     @torch.inference_mode()
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:

@@ -110,6 +110,11 @@ class Sequence:
         commits."""
         return self.backend.decode(inputs, self.state, keep_states=True)
 
+    def run_verify_greedy(self, inputs: torch.Tensor) -> tuple[StepOutput, int, list[int], list[int]]:
+        """`run_verify` with greedy acceptance decided by the back end (on the device where it can):
+        (output, accepted drafts, argmax per position, the inputs on the host)."""
+        return self.backend.verify_greedy(inputs, self.state)
+
     def accept_verified(self, inputs: Seq[int], verify: StepOutput, kept: int) -> None:
         """Keep the first `kept` verified inputs in the state (roll back the rest).
 

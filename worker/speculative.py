@@ -135,6 +135,12 @@ class SpeculativeDecoder:
         """
         pending_ids = seq.ids([pending])  # uploaded while the device is idle (see `Sequence.ids`)
         drafts, draft_probs = self._draft(seq, pending, sampler, k)
+        if sampler.params.greedy and not sampler.uses_history:
+            # Plain argmax: the back end verifies and accepts (the megakernel on the device, reading back only
+            # its control block).
+            verify, accepted, targets, inputs = seq.run_verify_greedy(torch.cat([pending_ids, drafts]))
+            self.stats.record(k, accepted)
+            return Cycle(inputs, verify, [*inputs[1 : accepted + 1], targets[accepted]])
         verify = seq.run_verify(torch.cat([pending_ids, drafts]))
         if sampler.params.greedy:
             decisions = sampler.next_tokens(verify.logits, per_row=drafts)

@@ -33,7 +33,9 @@ cd "$PKG"
 } 2>&1 | tee "$OUT/env.log"
 
 echo "== GPU tests" | tee -a "$OUT/env.log"
-timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_kernels_gpu.py" 2>&1 | tee "$OUT/tests.log"
+TEST_FILES=(${TESTS:-test_kernels_gpu.py test_kernels_spec_gpu.py})
+timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+  "${TEST_FILES[@]/#/$REPO/tests/}" 2>&1 | tee "$OUT/tests.log"
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 
 # Issue 6's correctness bar: the megakernel against the fp32 reference, teacher-forced over held-out tokens of
@@ -51,7 +53,7 @@ if [ "$MODE" != quick ] && [ -f "$TOKENS" ]; then
 fi
 
 if [ "$MODE" = quick ]; then
-  BENCH_ARGS=(--layers 16 --steps 32 --ref-steps 8)
+  BENCH_ARGS=(--layers 16 --steps 32 --ref-steps 8 --skip-hf)
 else
   BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep --small-model "$REPO/worker/assets/default_model")
 fi

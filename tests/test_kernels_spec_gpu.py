@@ -1,0 +1,254 @@
+"""Speculative decoding on the megakernel (GPU only): verify launches of T tokens, recorded DeltaNet states,
+greedy acceptance on the device, MTP draft steps, and the engine's speculative output.
+
+The central property: a token's result does not depend on the launch that runs it. Every reduction (GEMV rows,
+norms, the DeltaNet recurrence, attention chunks) has the same order whatever T is, so a verify pass of T
+tokens must be bit-identical to T single-token steps; greedy speculative decoding on the megakernel is then
+token-for-token plain greedy decoding on the megakernel, with no near-tie exception.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and cupy")]
+
+if HAS_GPU:
+    from onestream.kernels.build import Tuning
+    from onestream.kernels.random_model import config_27b, random_model
+    from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+    from onestream.worker.testing import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", params=["tiny", "27b-4layers"])
+def setup(request):
+    config = tiny_config() if request.param == "tiny" else config_27b(4, mtp=True)
+    model = random_model(config, seed=77)
+    runner = MegakernelRunner(model)
+    yield request.param, model, runner
+    del runner, model
+    torch.cuda.empty_cache()
+
+
+def token_counts(name: str) -> list[int]:
+    # 27B shapes: the T that fit shared memory (the build for more tokens is refused; see test_kernels_build).
+    return [2, 3, 5, 8] if name == "tiny" else [2, 3, 4]
+
+
+def prefilled(model, n_prompt: int = 29, max_len: int = 256, seed: int = 5):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (n_prompt,), device="cuda", generator=g)
+    state = model.new_state(max_len)
+    model.forward_step(prompt, state, logits="last")
+    return state
+
+
+def assert_same_state(a, b, config) -> None:
+    assert a.length == b.length
+    for i in config.linear_attention_layers:
+        assert torch.equal(a.conv[i], b.conv[i]), f"layer {i}: conv windows differ"
+        assert torch.equal(a.recurrent[i], b.recurrent[i]), f"layer {i}: recurrent states differ"
+    for i in config.full_attention_layers:
+        n = a.length
+        assert torch.equal(a.kv[i].k[:, :n], b.kv[i].k[:, :n]), f"layer {i}: keys differ"
+        assert torch.equal(a.kv[i].v[:, :n], b.kv[i].v[:, :n]), f"layer {i}: values differ"
+
+
+@torch.no_grad()
+def test_verify_launch_is_bit_identical_to_single_steps(setup):
+    name, model, runner = setup
+    c = model.config
+    base = prefilled(model)
+    for t in token_counts(name):
+        tokens = torch.randint(0, c.vocab_size, (t,), device="cuda")
+        single = base.clone()
+        logits, hidden, argmax = [], [], []
+        for j in range(t):
+            out = runner.step(tokens[j : j + 1], single)
+            logits.append(out.logits[0].clone())
+            hidden.append(out.hidden[0].clone())
+            argmax.append(out.tokens[0])
+        multi = base.clone()
+        out = runner.step(tokens, multi)
+        assert torch.equal(out.logits, torch.stack(logits)), f"T={t}: logits differ from single steps"
+        assert torch.equal(out.hidden, torch.stack(hidden)), f"T={t}: hidden differs from single steps"
+        assert out.tokens == argmax
+        assert_same_state(multi, single, c)
+
+
+@torch.no_grad()
+def test_keep_states_records_every_position_and_rollback_is_a_copy(setup):
+    name, model, runner = setup
+    c = model.config
+    base = prefilled(model, seed=6)
+    t = token_counts(name)[-1]
+    tokens = torch.randint(0, c.vocab_size, (t,), device="cuda")
+    after = [base.clone()]  # after[j]: the state after j single steps
+    for j in range(t):
+        nxt = after[-1].clone()
+        runner.step(tokens[j : j + 1], nxt)
+        after.append(nxt)
+    for keep in range(t + 1):  # roll a verify pass back to every position it covered
+        state = base.clone()
+        runner.step(tokens, state, keep_states=True)
+        hist = state.history
+        assert hist is not None and hist.start == base.length and hist.end == base.length + t
+        for j in range(t + 1):
+            for i in c.linear_attention_layers:
+                assert torch.equal(hist.recurrent[i][j], after[j].recurrent[i]), f"entry {j}, layer {i}"
+                assert torch.equal(hist.conv[i][j], after[j].conv[i]), f"entry {j}, layer {i}"
+        state.rollback(t - keep)
+        assert_same_state(state, after[keep], c)
+        # Decoding on from the rolled-back state continues exactly as the single-step path does.
+        probe = torch.randint(0, c.vocab_size, (1,), device="cuda")
+        mine = runner.step(probe, state).logits[0].clone()
+        theirs = runner.step(probe, after[keep].clone()).logits[0]
+        assert torch.equal(mine, theirs)
+
+
+@torch.no_grad()
+def test_history_is_taken_from_a_state_when_another_state_verifies(setup):
+    _, model, runner = setup
+    c = model.config
+    if not c.linear_attention_layers:
+        pytest.skip("no DeltaNet layers")
+    first, second = prefilled(model, seed=8), prefilled(model, seed=9)
+    runner.step(torch.randint(0, c.vocab_size, (2,), device="cuda"), first, keep_states=True)
+    assert first.history is not None
+    runner.step(torch.randint(0, c.vocab_size, (2,), device="cuda"), second, keep_states=True)
+    assert first.history is None  # its record was overwritten: a rollback must fail, not use the other's
+    with pytest.raises(Exception, match="roll back"):
+        first.rollback(1)
+
+
+@torch.no_grad()
+def test_greedy_acceptance_on_the_device(setup):
+    name, model, runner = setup
+    c = model.config
+    base = prefilled(model, seed=10)
+    t = token_counts(name)[-1]
+    # The greedy chain from a pending token: what a perfect drafter would propose.
+    chain = [int(torch.randint(0, c.vocab_size, (1,)))]
+    probe = base.clone()
+    for _ in range(t - 1):
+        chain.append(runner.step([chain[-1]], probe).tokens[0])
+    for wrong_at in range(1, t + 1):  # inputs 1..wrong_at-1 are right, input wrong_at (if any) is not
+        inputs = list(chain)
+        if wrong_at < t:
+            inputs[wrong_at] = (inputs[wrong_at] + 1) % c.vocab_size
+        state = base.clone()
+        out = runner.step(torch.tensor(inputs, device="cuda"), state, keep_states=True, accept=True)
+        assert out.accepted == wrong_at - 1
+        assert out.inputs == inputs
+        assert out.tokens[: wrong_at - 1] == chain[1:wrong_at]
+
+
+@torch.no_grad()
+def test_mtp_steps_match_the_reference_mtp_head(setup):
+    """Against the bf16 reference with the bf16-activation build (only summation order differs)."""
+    name, model, _ = setup
+    runner = MegakernelRunner(model, tuning=Tuning(fp32_act=False))
+    c = model.config
+    ref_state = prefilled(model, seed=11)
+    h = c.hidden_size
+    for t in (1, 3, 1, 1):  # a first draft step over owed pairs, then chained single steps
+        mk_state = ref_state.clone()
+        ids = torch.randint(0, c.vocab_size, (t,), device="cuda")
+        hidden = (torch.randn(t, h, device="cuda") * 2).to(torch.bfloat16)
+        ref = model.mtp_step(ids, hidden, ref_state)
+        out = runner.mtp_step(ids, hidden, mk_state)
+        rel = float((out.logits.double() - ref.logits.double()).norm() / ref.logits.double().norm())
+        rel_h = float((out.hidden.double() - ref.hidden.double()).norm() / ref.hidden.double().norm())
+        print(f"\n[{name}] MTP step of {t}: logits rel err {rel:.2e}, hidden {rel_h:.2e}")
+        assert rel < 3e-2 and rel_h < 3e-2
+        assert mk_state.mtp_length == ref_state.mtp_length
+        n = ref_state.mtp_length
+        k_err = (mk_state.mtp_kv.k[:, :n].float() - ref_state.mtp_kv.k[:, :n].float()).abs().max()
+        assert float(k_err) < 0.1
+        ref_state.mtp_kv.load_prefix(mk_state.mtp_kv, n)  # continue from the same cache
+
+
+@torch.no_grad()
+def test_bad_launches_are_clear_errors(setup):
+    _, model, runner = setup
+    state = prefilled(model, seed=12)
+    with pytest.raises(MegakernelError, match=r"1\.\.8 tokens"):
+        runner.step(torch.zeros(9, dtype=torch.long, device="cuda"), state)
+    with pytest.raises(MegakernelError, match="at least one draft"):
+        runner.step(torch.zeros(1, dtype=torch.long, device="cuda"), state, accept=True)
+    with pytest.raises(MegakernelError, match="hidden must have shape"):
+        runner.mtp_step(
+            [1, 2], torch.zeros(1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16), state
+        )
+
+
+# ---- the engine ----------------------------------------------------------------------------------------
+def _code_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """Prompts cut from this repository's own Python sources (present wherever the tests run)."""
+    prompts = []
+    for path in sorted((REPO / "worker").glob("*.py")) + sorted((REPO / "cluster").glob("*.py")):
+        ids = tokenizer.encode(path.read_text())
+        for start in range(0, max(0, len(ids) - length), 997):
+            prompts.append(ids[start : start + length])
+            if len(prompts) == n:
+                return prompts
+    return prompts
+
+
+@torch.no_grad()
+def test_greedy_speculative_output_equals_plain_greedy_on_the_megakernel():
+    from onestream.kernels.backend import MegakernelBackend
+    from onestream.worker.engine import Engine
+    from onestream.worker.evaluation import time_runs
+    from onestream.worker.loading import default_model_dir, load_model
+
+    path = default_model_dir()
+    backend = MegakernelBackend(load_model(path, dtype=torch.bfloat16, device="cuda"))
+    engine = Engine(path, backend=backend)
+    tokenizer = engine.tokenizer
+    prompts = _code_prompts(tokenizer, 24, 48)
+    assert len(prompts) == 24
+    runs = time_runs(engine, prompts, [1, 2, 3, 4], max_tokens=40)  # raises on any mismatch
+    for run in runs[1:]:
+        print(
+            f"\n[embedded, megakernel] k={run.k}: mean accepted length {run.mean_accepted_length:.2f}, "
+            f"{run.tokens_per_s:.0f} tok/s (plain {runs[0].tokens_per_s:.0f})"
+        )
+        assert run.drafts > 0 and run.accepted_tokens > 0
+    # The cycles ran on the kernel: verify builds of k + 1 tokens exist.
+    assert {2, 3, 4, 5} <= set(backend.runner._builds)
+
+
+@torch.no_grad()
+def test_sampled_speculative_decoding_runs_on_the_megakernel():
+    from onestream.kernels.backend import MegakernelBackend
+    from onestream.worker.engine import Engine
+    from onestream.worker.loading import default_model_dir, load_model
+    from onestream.worker.request import GenerateRequest
+    from onestream.worker.sampling import SamplingParams
+
+    path = default_model_dir()
+    engine = Engine(path, backend=MegakernelBackend(load_model(path, dtype=torch.bfloat16, device="cuda")))
+    tokenizer = engine.tokenizer
+    engine.spec_k = 3
+    request = GenerateRequest(
+        tokenizer.encode("def parse(line):\n"),
+        SamplingParams(temperature=0.8, top_p=0.95, seed=3),
+        max_tokens=48,
+        ignore_eos=True,
+    )
+    ids, usage = [], None
+    for item in engine.generate(request):
+        if hasattr(item, "token_ids"):
+            ids.extend(item.token_ids)
+        else:
+            usage = item.usage
+    assert len(ids) == 48 and all(0 <= i < engine.config.vocab_size for i in ids)
+    assert usage is not None and usage.drafts > 0
