@@ -1,6 +1,7 @@
 """`onestream bench decode`: decode speed of the megakernel against the reference model (eager and in a CUDA
 graph) and transformers' `generate`, on the 27B shapes (random bf16 weights) and on a small model, with the
-copy and streaming-read bandwidth of the GPU measured in the same run. Needs a CUDA GPU and CuPy."""
+copy and streaming-read bandwidth of the GPU measured in the same run. `onestream bench spec`: the cost of
+speculative decoding on the megakernel (SPEC_DOC below). Both need a CUDA GPU and CuPy."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
+    _add_spec(sub)
 
 
 def run_decode(args: argparse.Namespace) -> int:
@@ -103,4 +105,138 @@ def run_decode(args: argparse.Namespace) -> int:
     print(format_results(ceilings, results, device))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, **as_json(ceilings, results)}, indent=2))
+    return 0
+
+
+SPEC_DOC = """`onestream bench spec`: the cost of speculative decoding on the megakernel, in one run. (a) One launch of
+T = 1..8 tokens on the 27B shapes (random bf16 weights), plain and as a verify pass, relative to one T = 1 step
+(target: at most 1.15x at T = 4). (b) One MTP draft step relative to one main-model step, same shapes.
+(c) Greedy tok/s and mean accepted length on held-out code with the embedded model for k = 1..4, megakernel
+against plain megakernel decode and against the reference back end, and whether greedy speculative output
+equals plain greedy output. Needs a CUDA GPU and CuPy."""
+
+
+def _tokens_per_launch(text: str) -> int:
+    from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH  # plain Python, no torch
+
+    value = int(text)
+    if not 1 <= value <= MAX_TOKENS_PER_LAUNCH:
+        raise argparse.ArgumentTypeError(f"tokens per launch must be 1..{MAX_TOKENS_PER_LAUNCH}, got {value}")
+    return value
+
+
+def _drafts_per_cycle(text: str) -> int:
+    from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH
+
+    value = int(text)
+    # k drafts and the pending token make one verify launch
+    if not 1 <= value <= MAX_TOKENS_PER_LAUNCH - 1:
+        raise argparse.ArgumentTypeError(f"k must be 1..{MAX_TOKENS_PER_LAUNCH - 1}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_spec(sub: argparse._SubParsersAction) -> None:
+    spec = sub.add_parser(
+        "spec", help="verify/draft launch cost and speculative tok/s on the megakernel", description=SPEC_DOC
+    )
+    spec.add_argument(
+        "--layers", type=_positive, default=64, help="layers of the 27B-shaped model (64 = the real depth)"
+    )
+    spec.add_argument("--context", type=_positive, default=64, help="tokens in the state before timing")
+    spec.add_argument(
+        "--tokens",
+        type=_tokens_per_launch,
+        nargs="+",
+        default=list(range(1, 9)),
+        help="tokens per launch to time (T = 1 is always timed: the ratios are to it)",
+    )
+    spec.add_argument("--launches", type=_positive, default=16, help="back-to-back launches per timed chain")
+    spec.add_argument("--repeats", type=_positive, default=3, help="timed chains per figure (median)")
+    spec.add_argument(
+        "--model", default=None, help="checkpoint dir for part (c) (default: the embedded model)"
+    )
+    spec.add_argument(
+        "--prompts",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="files or folders to cut held-out prompts from (default: the exported held-out files in "
+        ".data/default_model/spec_prompts)",
+    )
+    spec.add_argument(
+        "--k", type=_drafts_per_cycle, nargs="+", default=[1, 2, 3, 4], help="drafts per cycle to try"
+    )
+    spec.add_argument("--prompt-tokens", type=_positive, default=128, help="tokens per prompt")
+    spec.add_argument("--prompts-per-file", type=_positive, default=1)
+    spec.add_argument("--max-prompts", type=_positive, default=12)
+    spec.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens generated per prompt")
+    spec.add_argument("--skip-27b", action="store_true", help="leave out parts (a) and (b)")
+    spec.add_argument("--skip-embedded", action="store_true", help="leave out part (c)")
+    spec.add_argument("--json", default=None, help="write the results to this JSON file (after every part)")
+    spec.set_defaults(func=run_spec)
+
+
+def run_spec(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("onestream bench spec: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return 2
+    from onestream.kernels import bench_spec as bs
+    from onestream.kernels.benchmark import measure_ceilings
+    from onestream.kernels.random_model import config_27b
+    from onestream.worker.loading import default_model_dir
+
+    files: list[Path] = []
+    if not args.skip_embedded:
+        try:
+            files = bs.prompt_files(args.prompts or [bs.DEFAULT_PROMPTS_DIR])
+        except FileNotFoundError as e:
+            hint = "" if args.prompts else f" (export them with `{bs.EXPORT_HINT}`, or pass --prompts)"
+            print(f"onestream bench spec: {e}{hint}", file=sys.stderr)
+            return 2
+        if not files:
+            print("onestream bench spec: no prompt files found", file=sys.stderr)
+            return 2
+
+    result = bs.SpecBenchResult(torch.cuda.get_device_name(0))
+
+    def save() -> None:  # after every part, so that a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(bs.as_json(result), indent=2))
+
+    result.ceilings = measure_ceilings()
+    print(bs.format_report(result), flush=True)
+    if not args.skip_27b:
+        tokens = sorted({1, *args.tokens})
+        result.verify, result.draft = bs.bench_27b(
+            config_27b(args.layers),
+            name="27B shapes (64 layers in the real model)",
+            tokens=tokens,
+            context=args.context,
+            launches=args.launches,
+            repeats=args.repeats,
+        )
+        save()
+        print("\n" + bs.format_verify(result.verify, result.ceilings), flush=True)
+        print("\n" + bs.format_draft(result.draft), flush=True)
+    if not args.skip_embedded:
+        result.embedded = bs.bench_embedded(
+            Path(args.model) if args.model else default_model_dir(),
+            files,
+            ks=args.k,
+            prompt_tokens=args.prompt_tokens,
+            prompts_per_file=args.prompts_per_file,
+            max_prompts=args.max_prompts,
+            max_tokens=args.max_tokens,
+        )
+        save()
+    print("\n== summary\n" + bs.format_report(result))
     return 0
