@@ -31,6 +31,9 @@ MAIN_SOURCE = "megakernel.cu"
 AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 384 threads x 16 B = 144 KB)
 STAGE_FALLBACKS = (AUTO_STAGES, 2, 0)  # tried in order when shared memory is short (many tokens per launch)
 MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
+WINDOW_STEP = (
+    2048  # staged-input window widths tried: the widest input, then multiples of this (a whole chunk)
+)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -111,6 +114,12 @@ class KernelSpec:
         """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
         return self._fit()[1]
 
+    @property
+    def window(self) -> int:
+        """Input values per token staged in shared memory (MK_XW): the widest GEMV input where it fits, else
+        a narrower window that the wide phases cross in passes (results do not change)."""
+        return self._fit()[2]
+
     def _ring_bytes(self, stages: int) -> int:
         return stages * self.tuning.umax * self.tuning.threads * 16
 
@@ -120,19 +129,34 @@ class KernelSpec:
         while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
         return self._fit()[0]
 
-    def _fit(self) -> tuple[int, int]:
-        """(partial-sum rows, ring stages): the first that fits shared memory, keeping the ring deepest."""
+    def _fit(self) -> tuple[int, int, int]:
+        """(partial-sum rows, ring stages, window): the first that fits shared memory, keeping the ring deepest,
+        then the window widest, then the most partial-sum rows."""
         top = self.tuning.part_rows
         if self.tuning.fp32_gemv_in:
             top = min(top, FP32_IN_PART_ROWS)
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
+        windows = self._windows()
         for stages in options:
-            rows = top
-            while rows >= MIN_PART_ROWS:
-                if self._scratch_fits(rows) and self._smem(rows, stages) <= self.smem_limit:
-                    return rows, stages
-                rows //= 2
-        return top, options[-1]  # does not fit: the runner reports the shortfall
+            for window in windows:
+                rows = top
+                while rows >= MIN_PART_ROWS:
+                    if self._scratch_fits(rows) and self._smem(rows, stages, window) <= self.smem_limit:
+                        return rows, stages, window
+                    rows //= 2
+        return top, options[-1], windows[-1]  # does not fit: the runner reports the shortfall
+
+    def _windows(self) -> list[int]:
+        """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
+        narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit)."""
+        c = self.config
+        kmax = max(
+            2 * c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size
+        )
+        least = max(c.hidden_size, min(self.tuning.umax * 256, kmax))
+        steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
+        out = [kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8]
+        return sorted(set(out), reverse=True)
 
     def _scratch_fits(self, rows: int) -> bool:
         """The attention and DeltaNet phases borrow the partial-sum buffers (static_asserts in phases.cuh)."""
@@ -175,6 +199,7 @@ class KernelSpec:
             "MK_THREADS": t.threads,
             "MK_UMAX": t.umax,
             "MK_PART_ROWS": self.part_rows,
+            "MK_XW": self.window,
             "MK_DN_SPLIT": self.dn_split,
             "MK_ATT_PAIRS": self.att_pairs,
             "MK_ATT_CHUNK": t.att_chunk,
@@ -196,16 +221,12 @@ class KernelSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block (the kernel checks it gets at least this: MK_SMEM_BYTES)."""
-        rows, stages = self._fit()
-        return self._smem(rows, stages)
+        rows, stages, window = self._fit()
+        return self._smem(rows, stages, window)
 
-    def _smem(self, part_rows: int, stages: int) -> int:
-        c, nt = self.config, self.tokens_per_launch
-        # Widest GEMV input; 2H is the MTP head's fc (cat of the normed embedding and hidden).
-        kmax = max(
-            2 * c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size
-        )
-        xs = (nt * kmax * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
+    def _smem(self, part_rows: int, stages: int, window: int) -> int:
+        nt = self.tokens_per_launch
+        xs = (nt * window * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
         return xs + 2 * nt * part_rows * 4 + 64 * 4 + self._ring_bytes(stages)
 
     def att_chunks(self, capacity: int) -> int:

@@ -9,6 +9,11 @@
 // item) in shared memory; the block sums the chunks of each row in a fixed order (deterministic and
 // independent of MK_NT) and hands the row values to the phase's epilogue.
 //
+// Shared memory holds MK_XW input values per token. A phase whose K is wider runs in passes over K windows of
+// whole chunks: the caller's `stage(k0, k1)` re-stages the window for each pass, each pass's (row, chunk)
+// partials land in the same slots, and the row sums stay in the same order, so results do not depend on
+// MK_XW (verify launches of many tokens get a narrower window than single steps, and the same values).
+//
 // Shapes are run-time values on purpose: one copy of the hot loop serves every phase. With one
 // compile-time instantiation per phase, the step loop inlined seven copies and ptxas spilled the weight
 // registers of all of them.
@@ -33,6 +38,10 @@
 #ifndef MK_DYN_TILE_BYTES
 #define MK_DYN_TILE_BYTES 98304  // weight bytes per dynamic tile (rounded to whole rows, at most one round)
 #endif
+#ifndef MK_XW
+#error "MK_XW (input values staged per token) missing: compile through onestream.kernels.build"
+#endif
+#define MK_XWV (MK_XW / 8)  // 16-byte input vectors per token in shared memory
 #define GEMV_MAX_SEGS 4
 // Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most.
 #define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
@@ -63,6 +72,15 @@ __device__ __forceinline__ GemvPlan gemv_plan(int K) {
     p.u = (lpr + p.nk - 1) / p.nk;
     p.round = (MK_PART_ROWS / p.nk) & ~1;
     return p;
+}
+
+// Chunks per pass: as many whole chunks (p.u * 32 vectors each) as the staged window holds.
+__device__ __forceinline__ int gemv_pass_chunks(const GemvPlan& p) { return max(1, min(p.nk, MK_XWV / (p.u * 32))); }
+// Input elements [k0, k1) of pass q.
+__device__ __forceinline__ void gemv_pass_range(const GemvDesc& d, const GemvPlan& p, int q, int& k0, int& k1) {
+    const int width = gemv_pass_chunks(p) * p.u * 256;
+    k0 = q * width;
+    k1 = min(d.K, k0 + width);
 }
 
 __device__ __forceinline__ const bf16_t* gemv_row(const GemvDesc& d, int r) {
@@ -144,8 +162,9 @@ __device__ __forceinline__ void gemv_load(const GemvDesc& d, const GemvPlan& p, 
     }
 }
 
-__device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)[MK_UMAX], int item, int chunk,
-                                             int lane, const vec16* xs, float* part) {
+// `slot`: the item's partial-sum slot (local row * nk + chunk); `v0`: first input vector of the staged window.
+__device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)[MK_UMAX], int slot, int chunk,
+                                             int lane, const vec16* xs, float* part, int v0) {
     float acc[MK_NT];
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
@@ -154,13 +173,13 @@ __device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)
         const int v = (chunk * p.u + u) * 32 + lane;
         if (u < p.u && v < p.nvec) {
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w[u], xs, t * p.nvec + v);
+            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w[u], xs, t * MK_XWV + v - v0);
         }
     }
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
         const float s = warp_sum(acc[t]);
-        if (lane == 0) part[t * MK_PART_ROWS + item] = s;
+        if (lane == 0) part[t * MK_PART_ROWS + slot] = s;
     }
 }
 
@@ -178,15 +197,16 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
     }
 }
 
-// The ring's head: this warp's first MK_STAGES - 1 items of the round starting at row `rs`, one commit group each
-// (empty groups where the warp has fewer items, so that group counting stays uniform).
-__device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nitems, int lane,
-                                               int warp, u32 ring0, u64 policy) {
+// The ring's head: this warp's first MK_STAGES - 1 items of the pass over chunks [c0, c0 + nkq) of the round
+// starting at row `rs` (item i: row rs + i / nkq, chunk c0 + i % nkq), one commit group each (empty groups where
+// the warp has fewer items, so that group counting stays uniform).
+__device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nitems, int c0, int nkq,
+                                               int lane, int warp, u32 ring0, u64 policy) {
 #pragma unroll
     for (int k = 0; k < MK_STAGES - 1; ++k) {
         const int i = warp + k * MK_NWARPS;
         if (i < nitems)
-            gemv_issue_async(d, p, rs + i / p.nk, i % p.nk, lane, ring0 + k * MK_UMAX * MK_THREADS * 16, policy);
+            gemv_issue_async(d, p, rs + i / nkq, c0 + i % nkq, lane, ring0 + k * MK_UMAX * MK_THREADS * 16, policy);
         cp_async_commit();
     }
 }
@@ -198,13 +218,15 @@ __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
     block_row_range(gemv_static_rows(d), d.align, r0, r1);
-    const int nitems = min(p.round, max(0, r1 - r0)) * p.nk;
-    gemv_ring_head(d, p, r0, nitems, tid_x() & 31, tid_x() >> 5, smem_addr(ring + tid_x()), evict_first_policy());
+    const int nkq = gemv_pass_chunks(p);
+    const int nitems = min(p.round, max(0, r1 - r0)) * nkq;
+    gemv_ring_head(d, p, r0, nitems, 0, nkq, tid_x() & 31, tid_x() >> 5, smem_addr(ring + tid_x()),
+                   evict_first_policy());
 }
 
 // Same arithmetic in the same order as gemv_consume (results are bit-identical to the register path).
-__device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16* slot, int item, int chunk, int lane,
-                                                  const vec16* xs, float* part) {
+__device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16* ring_slot, int slot, int chunk,
+                                                  int lane, const vec16* xs, float* part, int v0) {
     float acc[MK_NT];
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
@@ -212,15 +234,15 @@ __device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16
     for (int u = 0; u < MK_UMAX; ++u) {
         const int v = (chunk * p.u + u) * 32 + lane;
         if (u < p.u && v < p.nvec) {
-            const vec16 w = slot[u * MK_THREADS];
+            const vec16 w = ring_slot[u * MK_THREADS];
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w, xs, t * p.nvec + v);
+            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w, xs, t * MK_XWV + v - v0);
         }
     }
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
         const float s = warp_sum(acc[t]);
-        if (lane == 0) part[t * MK_PART_ROWS + item] = s;
+        if (lane == 0) part[t * MK_PART_ROWS + slot] = s;
     }
 }
 #endif
@@ -235,18 +257,21 @@ __device__ __forceinline__ int gemv_draw(u64* counter, int ntiles, u64 per_launc
 }
 #endif
 
-// Multiply this block's rows by xs (shared memory, [MK_NT][K] xin_t); after each round of rows, call
-// `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for token t.
-// `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only). MK_DYN builds (ring only): after its
-// static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter until none is
-// left; the next range's ring head is issued before the current one's reduction and epilogue, and the next
-// ticket is drawn during them. A row's value does not depend on which block computes it.
-template <class Finish>
+// Multiply this block's rows by xs (shared memory, [MK_NT][MK_XW] xin_t, window 0 staged by the caller); after
+// each round of rows, call `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for
+// token t. Phases wider than MK_XW run each round in passes; `stage(k0, k1)` stages input [k0, k1) (and ends
+// with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only). MK_DYN builds (ring
+// only): after its static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter
+// until none is left; the next range's ring head is issued before the current one's reduction and epilogue, and
+// the next ticket is drawn during them. A row's value does not depend on which block computes it.
+template <class Finish, class Stage>
 __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, float* rowval, vec16* ring,
-                         bool head_issued, Finish finish) {
+                         bool head_issued, Finish finish, Stage stage) {
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
+    const int cpp = gemv_pass_chunks(p);
+    const int npass = (p.nk + cpp - 1) / cpp;
     int r0, r1;
     block_row_range(gemv_static_rows(d), d.align, r0, r1);
 #if MK_STAGES > 0
@@ -256,6 +281,7 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
 #endif
     int rs = r0, nr = min(p.round, r1 - r0);
     bool head = head_issued;
+    bool staged = true;  // window 0 is in shared memory (the caller staged it)
 #if MK_DYN && MK_STAGES > 0
     __shared__ int s_tile;  // the next tile drawn for this block (-1: none left)
     const bool dyn = d.dyn != nullptr;
@@ -277,40 +303,58 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     }
 #endif
     while (nr > 0) {
-        const int nitems = nr * p.nk;
+        for (int q = 0; q < npass; ++q) {
+            const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
+            const int nitems = nr * nkq;
+            const int v0 = c0 * p.u * 32;
+            if (q > 0 || !staged) {
 #if MK_STAGES > 0
-        // This warp's items are warp, warp + NW, ...; item k lives in slot k % MK_STAGES. One commit group per
-        // item (empty groups past the end keep the count uniform), MK_STAGES - 1 issued ahead of the one used.
-        const int count = warp < nitems ? (nitems - 1 - warp) / MK_NWARPS + 1 : 0;
-        if (!head) gemv_ring_head(d, p, rs, nitems, lane, warp, ring0, policy);
-        for (int k = 0; k < count; ++k) {
-            const int kn = k + MK_STAGES - 1;
-            if (kn < count) {
-                const int i = warp + kn * MK_NWARPS;
-                gemv_issue_async(d, p, rs + i / p.nk, i % p.nk, lane,
-                                 ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
-            }
-            cp_async_commit();
-            cp_async_wait<MK_STAGES - 1>();  // item k's group is complete
-            const int i = warp + k * MK_NWARPS;
-            gemv_consume_ring(p, mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS, i, i % p.nk, lane, xs, part);
-        }
-        cp_async_wait<0>();
-#else
-        vec16 wa[MK_UMAX], wb[MK_UMAX];
-        int i = warp;
-        if (i < nitems) gemv_load(d, p, rs + i / p.nk, i % p.nk, lane, wa);
-        while (i < nitems) {
-            const int j = i + MK_NWARPS;
-            if (j < nitems) gemv_load(d, p, rs + j / p.nk, j % p.nk, lane, wb);
-            gemv_consume(p, wa, i, i % p.nk, lane, xs, part);
-            if (j >= nitems) break;
-            const int k = j + MK_NWARPS;
-            if (k < nitems) gemv_load(d, p, rs + k / p.nk, k % p.nk, lane, wa);
-            gemv_consume(p, wb, j, j % p.nk, lane, xs, part);
-            i = k;
-        }
+                // This pass's first weights do not depend on the input: in flight while the window is staged.
+                if (!head) gemv_ring_head(d, p, rs, nitems, c0, nkq, lane, warp, ring0, policy);
+                head = true;
 #endif
+                __syncthreads();  // every warp is done with the previous window
+                int k0, k1;
+                gemv_pass_range(d, p, q, k0, k1);
+                stage(k0, k1);
+            }
+#if MK_STAGES > 0
+            // This warp's items are warp, warp + NW, ...; item k lives in slot k % MK_STAGES. One commit group per
+            // item (empty groups past the end keep the count uniform), MK_STAGES - 1 issued ahead of the one used.
+            const int count = warp < nitems ? (nitems - 1 - warp) / MK_NWARPS + 1 : 0;
+            if (!head) gemv_ring_head(d, p, rs, nitems, c0, nkq, lane, warp, ring0, policy);
+            head = false;
+            for (int k = 0; k < count; ++k) {
+                const int kn = k + MK_STAGES - 1;
+                if (kn < count) {
+                    const int i = warp + kn * MK_NWARPS;
+                    gemv_issue_async(d, p, rs + i / nkq, c0 + i % nkq, lane,
+                                     ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
+                }
+                cp_async_commit();
+                cp_async_wait<MK_STAGES - 1>();  // item k's group is complete
+                const int i = warp + k * MK_NWARPS, r = i / nkq, c = c0 + i - r * nkq;
+                gemv_consume_ring(p, mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS, r * p.nk + c, c, lane, xs, part,
+                                  v0);
+            }
+            cp_async_wait<0>();
+#else
+            vec16 wa[MK_UMAX], wb[MK_UMAX];
+            int i = warp;
+            if (i < nitems) gemv_load(d, p, rs + i / nkq, c0 + i % nkq, lane, wa);
+            while (i < nitems) {
+                const int j = i + MK_NWARPS;
+                if (j < nitems) gemv_load(d, p, rs + j / nkq, c0 + j % nkq, lane, wb);
+                gemv_consume(p, wa, (i / nkq) * p.nk + c0 + i % nkq, c0 + i % nkq, lane, xs, part, v0);
+                if (j >= nitems) break;
+                const int k = j + MK_NWARPS;
+                if (k < nitems) gemv_load(d, p, rs + k / nkq, c0 + k % nkq, lane, wa);
+                gemv_consume(p, wb, (j / nkq) * p.nk + c0 + j % nkq, c0 + j % nkq, lane, xs, part, v0);
+                i = k;
+            }
+#endif
+        }
+        staged = npass == 1;  // a multi-pass range leaves the last window staged: the next range restages window 0
         __syncthreads();
         // The next range: this block's next static round, else (MK_DYN) the tile drawn during this one.
         int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
@@ -327,7 +371,8 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
             }
         }
         if (dyn && next_nr > 0) {  // its first weights stream in during this range's reduction and epilogue
-            gemv_ring_head(d, p, next_rs, next_nr * p.nk, lane, warp, ring0, policy);
+            const int nkq = min(cpp, p.nk);
+            gemv_ring_head(d, p, next_rs, next_nr * nkq, 0, nkq, lane, warp, ring0, policy);
             head = true;
         }
 #endif

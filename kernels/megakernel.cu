@@ -175,6 +175,56 @@ __device__ void finalize_step(const Tables& tb, const StepInfo& si) {
     __threadfence();
 }
 
+// Stage input elements [k0, k1) of weight-streaming phase `phase` of layer `l` into shared memory (the whole
+// input, or one window of it when it is wider than MK_XW). Ends with a block barrier. Not inlined: the GEMV loop
+// calls it between passes, and one out-of-line copy keeps its registers out of the loop's.
+__device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, int phase, int l, const Smem& sm, int k0,
+                                         int k1) {
+    const int v0 = k0 / 8, v1 = k1 / 8;
+    switch (phase) {
+        case PH_DN_IN:
+        case PH_ATT_IN: {
+            const void* src[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
+            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red, 0, v0, v1);
+            break;
+        }
+        case PH_MTP_FC: {  // the input is [norm_e(embedding row) | norm_h(hidden)], 2H wide
+            const void* emb[MK_NT];
+            const void* hid[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) {
+                emb[t] = tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
+                hid[t] = tb.gp<const bf16_t>(G_MTP_HIDDEN_IN) + t * MK_H;
+            }
+            stage_rmsnorm(emb, true, tb.gp<const float>(G_MTP_PRE_E), sm.xs, sm.red, 0, v0, v1);
+            stage_rmsnorm(hid, true, tb.gp<const float>(G_MTP_PRE_H), sm.xs, sm.red, MK_H / 8, v0, v1);
+            break;
+        }
+        case PH_DN_OUT:
+            stage_gated_norm(tb.gp<const bf16_t>(G_CORE), tb.gp<const bf16_t>(G_ZBUF),
+                             tb.lp<const bf16_t>(l, L_GNORM_W), sm.xs, k0, k1);
+            break;
+        case PH_ATT_OUT:
+            stage_copy(tb.gp<const bf16_t>(G_ATT_OUT), MK_AD, sm.xs, v0, v1);
+            break;
+        case PH_MLP_IN:
+        case PH_LM_HEAD: {
+            const void* src[MK_NT];
+            for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
+            const float* w1 = phase == PH_MLP_IN      ? tb.lp<const float>(l, L_POST_NORM)
+                              : si.mode == MODE_MTP ? tb.gp<const float>(G_MTP_NORM)
+                                                    : tb.gp<const float>(G_FINAL_NORM);
+            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red, 0, v0, v1);
+            break;
+        }
+        case PH_MLP_DOWN:
+            stage_copy(tb.gp<const bf16_t>(G_ACT), MK_I, sm.xs, v0, v1);
+            break;
+        default:
+            break;
+    }
+}
+
 // Runs `phase` of layer `l`; returns whether this block had work in it (the DeltaNet and attention
 // phases leave some blocks idle, and those prefetch more while they wait).
 __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int phase, int l,
@@ -184,57 +234,29 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     if (tid_x() == 0) plan_gemv(tb, si, phase, l, bs);
     __syncthreads();
     switch (phase) {
-        case PH_DN_IN:
-        case PH_ATT_IN: {
-            const void* src[MK_NT];
-            for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
-            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red, MK_H / 8, 0);
-            break;
-        }
-        case PH_MTP_FC: {  // xs[t] = [norm_e(embedding row) | norm_h(hidden)], 2H wide
-            const void* emb[MK_NT];
-            const void* hid[MK_NT];
-            for (int t = 0; t < MK_NT; ++t) {
-                emb[t] = tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
-                hid[t] = tb.gp<const bf16_t>(G_MTP_HIDDEN_IN) + t * MK_H;
-            }
-            stage_rmsnorm(emb, true, tb.gp<const float>(G_MTP_PRE_E), sm.xs, sm.red, MK_H / 4, 0);
-            stage_rmsnorm(hid, true, tb.gp<const float>(G_MTP_PRE_H), sm.xs, sm.red, MK_H / 4, MK_H / 8);
-            break;
-        }
         case PH_DN_REC:
             return phase_dn_rec(tb, si, l, sm.part);
-        case PH_DN_OUT:
-            stage_gated_norm(tb.gp<const bf16_t>(G_CORE), tb.gp<const bf16_t>(G_ZBUF),
-                             tb.lp<const bf16_t>(l, L_GNORM_W), sm.xs);
-            break;
         case PH_ATT:
             return phase_attention(tb, si, l, sm.part, &bs.last);
-        case PH_ATT_OUT:
-            stage_copy(tb.gp<const bf16_t>(G_ATT_OUT), MK_AD, sm.xs);
-            break;
-        case PH_MLP_IN:
-        case PH_LM_HEAD: {
-            const void* src[MK_NT];
-            for (int t = 0; t < MK_NT; ++t) src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
-            const float* w1 = phase == PH_MLP_IN      ? tb.lp<const float>(l, L_POST_NORM)
-                              : si.mode == MODE_MTP ? tb.gp<const float>(G_MTP_NORM)
-                                                    : tb.gp<const float>(G_FINAL_NORM);
-            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red, MK_H / 8, 0);
-            if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output
-                bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
-                for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) hid[i] = xin_to_bf(sm.xs[i]);
-            }
-            break;
-        }
-        case PH_MLP_DOWN:
-            stage_copy(tb.gp<const bf16_t>(G_ACT), MK_I, sm.xs);
-            break;
         case PH_FINALIZE:
             finalize_step(tb, si);
             return true;
         default:
-            return true;
+            break;
+    }
+    if (!bs.gemv) return true;
+    {  // the first window (the whole input unless it is wider than MK_XW)
+        const GemvPlan p = gemv_plan(bs.desc.K);
+        int k0, k1;
+        gemv_pass_range(bs.desc, p, 0, k0, k1);
+        stage_input(tb, si, phase, l, sm, k0, k1);
+    }
+    if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output (MK_XW >= H)
+        bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
+        for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) {
+            const int t = i / MK_H;
+            hid[i] = xin_to_bf(sm.xs[t * MK_XW + i - t * MK_H]);
+        }
     }
     // The one copy of the GEMV loop, for every weight-streaming phase.
     float* red = sm.red;
@@ -242,8 +264,10 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     const bool head = bs.head != 0;
     __syncthreads();  // every thread has read bs.head before thread 0 clears it (also planned below in between)
     if (tid_x() == 0) bs.head = 0;
-    gemv_run(bs.desc, sm.xs, sm.part, sm.rowval, sm.ring, head,
-             [&](int rs, int nr, const float* rowval, int ld) { epi_finish(epi, rs, nr, rowval, ld, red); });
+    gemv_run(
+        bs.desc, sm.xs, sm.part, sm.rowval, sm.ring, head,
+        [&](int rs, int nr, const float* rowval, int ld) { epi_finish(epi, rs, nr, rowval, ld, red); },
+        [&](int k0, int k1) { stage_input(tb, si, phase, l, sm, k0, k1); });
     return true;
 }
 

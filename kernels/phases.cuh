@@ -8,14 +8,16 @@
 #include "model.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
-#define XS_BYTES (((MK_NT * MK_KMAX * (int)sizeof(xin_t)) + 15) / 16 * 16)
+#define XS_BYTES (((MK_NT * MK_XW * (int)sizeof(xin_t)) + 15) / 16 * 16)
+static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * 256),
+              "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
 #define RED_FLOATS 64
 #define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
 #define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4 + RING_BYTES)
 
 struct Smem {
-    xin_t* xs;      // [MK_NT][K] staged GEMV input
+    xin_t* xs;      // [MK_NT][MK_XW] staged GEMV input (a window of it when K > MK_XW)
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
@@ -33,10 +35,12 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 
 // ---- prologues: stage the GEMV input in shared memory -------------------------------------------
 // RMSNorm with a zero-centred weight, given as the fp32 (1 + w): y = bf16((x * rsqrt(mean(x^2) + eps)) * w1).
-// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds). Token t's
-// output goes to xs at 8-value vector (t * ld + off): ld = H / 8 for an H-wide GEMV input, 2H / 8 for the MTP fc.
+// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds). The output
+// is input vectors [off, off + H / 8) of the GEMV (off: H / 8 for the MTP fc's hidden half); of those, the ones
+// in the staged window [v0, v1) go to xs (the norm always sums the whole row, so every window sees the same
+// values).
 __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
-                              float* red, int ld, int off) {
+                              float* red, int off, int v0, int v1) {
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
     vec16* xv = (vec16*)xs;
@@ -56,14 +60,15 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
+            const bool in_window = vi < NVEC && off + vi >= v0 && off + vi < v1;
 #if MK_FP32_IN
-            if (vi < NVEC) {
-                float* xf = xs + (t * ld + off + vi) * 8;
+            if (in_window) {
+                float* xf = xs + (t * MK_XWV + off + vi - v0) * 8;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xf[e] = (v[j][e] * r) * __ldg(w1 + vi * 8 + e);
             }
 #else
-            if (vi < NVEC) {
+            if (in_window) {
                 u32 o[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -73,7 +78,7 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
                 }
                 vec16 out;
                 out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
-                xv[t * ld + off + vi] = out;
+                xv[t * MK_XWV + off + vi - v0] = out;
             }
 #endif
         }
@@ -81,29 +86,33 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
     __syncthreads();
 }
 
-// Plain copy of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32: MK_FP32_IN).
-__device__ void stage_copy(const bf16_t* src, int K, xin_t* xs) {
-    const int nvec = MK_NT * K / 8;
+// Copy of input vectors [v0, v1) of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32:
+// MK_FP32_IN).
+__device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) {
+    const int w = v1 - v0, n = MK_NT * w;
+    for (int i = tid_x(); i < n; i += MK_THREADS) {
+        const int t = i / w, v = i - t * w;
+        const vec16 x = ld_cg16(src + (long long)t * K + (v0 + v) * 8);
 #if MK_FP32_IN
-    for (int i = tid_x(); i < nvec; i += MK_THREADS) {
         float f[8];
-        unpack8(ld_cg16(src + i * 8), f);
+        unpack8(x, f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) xs[i * 8 + e] = f[e];
-    }
+        for (int e = 0; e < 8; ++e) xs[(t * MK_XWV + v) * 8 + e] = f[e];
 #else
-    vec16* xv = (vec16*)xs;
-    for (int i = tid_x(); i < nvec; i += MK_THREADS) xv[i] = ld_cg16(src + i * 8);
+        ((vec16*)xs)[t * MK_XWV + v] = x;
 #endif
+    }
     __syncthreads();
 }
 
-// DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)), one warp per head.
-__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs) {
+// DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)), one warp per head; input
+// elements [k0, k1) (the staged window) go to xs.
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
         const int t = th / MK_HV, hv = th - t * MK_HV;
         const int base = t * MK_VD + hv * MK_DV;
+        if (hv * MK_DV >= k1 || (hv + 1) * MK_DV <= k0) continue;  // warp-uniform: the head is outside the window
         float ss = 0.0f;
         for (int i = lane; i < MK_DV; i += 32) {
             const float o = bf2f(ld_cg_bf(core + base + i));
@@ -111,9 +120,11 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
         }
         const float r = rsqrtf(warp_sum(ss) / (float)MK_DV + MK_EPS);
         for (int i = lane; i < MK_DV; i += 32) {
+            const int e = hv * MK_DV + i;
+            if (e < k0 || e >= k1) continue;
             const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
             const float y = RBI(bf2f(__ldg(w + i)) * n);
-            xs[base + i] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
+            xs[t * MK_XW + e - k0] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
         }
     }
     __syncthreads();

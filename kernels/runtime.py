@@ -581,6 +581,7 @@ class MegakernelRunner:
             "variant": spec.tuning.variant,
             "stages": spec.stages,
             "part_rows": spec.part_rows,
+            "window": spec.window,
             "fp32_act": spec.tuning.fp32_act,
             "fp32_gemv_in": spec.tuning.fp32_gemv_in,
             "dynamic": spec.tuning.dynamic,

@@ -84,20 +84,25 @@ def test_shared_memory_of_one_token_fits_ampere_and_hopper() -> None:
     assert KernelSpec(config_27b(), num_sms=132, tokens_per_launch=2).smem_bytes > spec.smem_bytes
 
 
-def test_more_tokens_per_launch_shrink_partials_then_the_ring_to_fit() -> None:
+def test_more_tokens_per_launch_fit_by_narrowing_partials_and_the_staged_window() -> None:
     hopper = 227 * 1024
-    one, two = (KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper) for t in (1, 2))
-    assert one.stages == two.stages == AUTO_STAGES  # two tokens keep the ring: fewer partial rows per round
-    assert two.part_rows < one.part_rows and two.smem_bytes <= hopper
-    four = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=4, smem_limit=hopper)
-    assert four.stages < AUTO_STAGES and four.smem_bytes <= hopper
-    # Eight 27B-wide activation rows alone exceed shared memory: the spec says so (the runner refuses it).
-    eight = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=8, smem_limit=hopper)
-    assert eight.smem_bytes > hopper
-    # A small model keeps the ring at every T.
+    specs = [
+        KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        for t in range(1, MAX_TOKENS_PER_LAUNCH + 1)
+    ]
+    one = specs[0]
+    assert one.window == 17408 and one.stages == AUTO_STAGES  # a single token stages every input whole
+    for spec in specs:  # every T up to 8 fits and keeps a weight ring; wide inputs are crossed in passes
+        assert spec.smem_bytes <= hopper and spec.stages >= 2, spec.tokens_per_launch
+        assert 5120 <= spec.window <= 17408 and spec.window % 8 == 0
+        assert spec.defines()["MK_XW"] == spec.window
+    assert specs[3].stages == AUTO_STAGES and specs[3].window < one.window  # T = 4: the full ring, a window
+    # A small model keeps the full ring and its whole inputs at every T.
     for t in range(1, MAX_TOKENS_PER_LAUNCH + 1):
         small = KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
         assert small.stages == AUTO_STAGES and small.smem_bytes <= hopper
+        c = small.config
+        assert small.window >= max(2 * c.hidden_size, c.intermediate_size, c.linear_value_dim)
 
 
 def test_ptxas_report_parsing() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and time the decode megakernel on the GPU machine, in one call:
-#   run: bash tools/gpu/check_kernels.sh [quick]
+#   run: bash tools/gpu/check_kernels.sh [quick|spec]   (spec: tests, then `onestream bench spec`)
 # Logs go to $OUT (the device tool brings them back), or to /tmp/onestream-gpu-logs elsewhere. Each stage has its own time
 # limit and runs in its own process, so a failing stage still leaves the others' results.
 # The stage limits (140 + 3 x 38 + 130 s, overridable: TEST_TIMEOUT, KLD_TIMEOUT, BENCH_TIMEOUT) fit a 400 s device
@@ -42,7 +42,7 @@ echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 # the embedded model (a file of whitespace-separated ids; tools/gpu/README.md says how it is made). Once per
 # precision: the default build (fp32 activations), bf16 (run-3 numerics), fp32 activations and GEMV inputs.
 TOKENS=${KLD_TOKENS:-$REPO/.data/eval/heldout_tokens.txt}
-if [ "$MODE" != quick ] && [ -f "$TOKENS" ]; then
+if [ "$MODE" = full ] && [ -f "$TOKENS" ]; then
   for PRECISION in "1 0" "0 0" "1 1"; do  # ONESTREAM_MK_FP32_ACT, ONESTREAM_MK_FP32_IN
     read -r FP32_ACT FP32_IN <<<"$PRECISION"
     echo "== eval kld megakernel vs reference, ONESTREAM_MK_FP32_ACT=$FP32_ACT ONESTREAM_MK_FP32_IN=$FP32_IN" | tee -a "$OUT/env.log"
@@ -50,6 +50,15 @@ if [ "$MODE" != quick ] && [ -f "$TOKENS" ]; then
       --backend megakernel --against reference --tokens "$TOKENS" --ctx 512 2>&1 | tee "$OUT/kld_act${FP32_ACT}_in${FP32_IN}.log"
     echo "kld (fp32 activations $FP32_ACT, fp32 GEMV inputs $FP32_IN) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
   done
+fi
+
+if [ "$MODE" = spec ]; then  # issue 7: speculative decoding on the kernel (carry .data/default_model/spec_prompts)
+  echo "== bench spec ${SPEC_ARGS:-}" | tee -a "$OUT/env.log"
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m onestream bench spec --prompts "$REPO/.data/default_model/spec_prompts" \
+    --json "$OUT/bench_spec.json" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log"
+  echo "bench spec exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+  exit 0
 fi
 
 if [ "$MODE" = quick ]; then
