@@ -58,10 +58,17 @@ class CardRecord:
 
 
 class CardRegistry:
-    def __init__(self, config: PoolConfig, scheduler: Scheduler, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        scheduler: Scheduler,
+        on_change: Callable[[], None],
+        on_card_up: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.scheduler = scheduler
         self._on_change = on_change
+        self._on_card_up = on_card_up  # a card (by id) starts serving: its per-card series can be exported
         self._records: dict[tuple[str, int], CardRecord] = {}
         self._by_card: dict[str, CardRecord] = {}
         self._dead_slots: dict[tuple[str, int], float] = {}  # slot -> monotonic time it may be refilled
@@ -204,6 +211,8 @@ class CardRegistry:
         record.state = UP
         self._by_card[identity.card_id] = record
         self.scheduler.add_card(identity.card_id)
+        if self._on_card_up is not None:
+            self._on_card_up(identity.card_id)
         log.info("card %s: serving (metrics at %s)", identity.card_id, identity.metrics_endpoint)
         self._card_ready.set()
         self._changed()

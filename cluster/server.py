@@ -67,7 +67,9 @@ class PoolServer:
             session_ttl_s=self.config.session_ttl_s,
             on_change=self._update_gauges,
         )
-        self.registry = CardRegistry(self.config, self.scheduler, self._update_gauges)
+        self.registry = CardRegistry(
+            self.config, self.scheduler, self._update_gauges, on_card_up=self.metrics.add_card
+        )
         self.router = Router(self.config, self.scheduler, self.registry, self.metrics)
 
         metrics_host, metrics_port = split_address(self.config.metrics_address)
@@ -147,8 +149,6 @@ class PoolServer:
         self.metrics.queue_depth.set(len(self.scheduler.queue))
         self.metrics.sessions.set(len(self.scheduler.bindings()))
         self.metrics.set_cards(self.registry.state_counts())
-        for card_id in self.scheduler.card_phases():
-            self.metrics.add_card(card_id)
 
 
 class PoolThread:
