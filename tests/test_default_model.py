@@ -25,7 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # tools/ is a folder of scripts, importable from the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from tools.default_model import checkpoint, corpus, train  # noqa: E402
+from tools.default_model import checkpoint, corpus, install_checkpoint, run_report, train  # noqa: E402
+from tools.default_model.compiled_step import CompiledStep  # noqa: E402
+from tools.default_model.fast_delta import chunked_delta_rule_for_training, unit_lower_inverse  # noqa: E402
 from tools.default_model.mtp_chain import chained_mtp_forward  # noqa: E402
 
 torch.set_num_threads(1)  # 2 shared cores: more threads than free cores makes small matmuls crawl
@@ -255,6 +257,184 @@ def test_chained_mtp_forward_matches_drafting_step_by_step() -> None:
                     out = model.mtp_step(x[b, p + d : p + d + 1], previous, state)
                     torch.testing.assert_close(out.logits[-1], chain[d - 1][0][b, p], atol=1e-4, rtol=1e-4)
                     previous = out.hidden
+
+
+# ---- the training-only fast paths agree with the reference ----------------------------------------
+
+
+@pytest.mark.parametrize("size", [16, 64])
+def test_unit_lower_inverse_matches_a_dense_inverse(size: int) -> None:
+    torch.manual_seed(int(time.time()))
+    matrix = torch.randn(3, 2, size, size, dtype=torch.float64) * 0.3
+    expected = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + matrix.tril(-1))
+    torch.testing.assert_close(unit_lower_inverse(matrix), expected, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="power of two"):
+        unit_lower_inverse(torch.zeros(2, 48, 48))
+
+
+def delta_rule_inputs(b: int, h: int, t: int, dk: int, dv: int) -> list[torch.Tensor]:
+    from onestream.worker.layers.deltanet import l2_normalize
+
+    return [
+        l2_normalize(torch.randn(b, h, t, dk)) * dk**-0.5,
+        l2_normalize(torch.randn(b, h, t, dk)),
+        torch.randn(b, h, t, dv),
+        -torch.rand(b, h, t) * 2,
+        torch.rand(b, h, t),
+        torch.randn(b, h, dk, dv),
+    ]
+
+
+def test_fast_delta_rule_matches_the_reference_with_gradients() -> None:
+    from onestream.worker.layers.deltanet import chunked_delta_rule
+
+    torch.manual_seed(int(time.time()))
+    inputs = delta_rule_inputs(2, 3, 150, 16, 24)  # 150: a partial last chunk
+    weights = torch.randn(2, 3, 150, 24), torch.randn(2, 3, 16, 24)
+    results = []
+    for fn in (chunked_delta_rule, chunked_delta_rule_for_training):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out, state = fn(*leaves[:5], initial_state=leaves[5])
+        ((out * weights[0]).sum() + (state * weights[1]).sum()).backward()
+        results.append((out, state, [x.grad for x in leaves]))
+    (ref_out, ref_state, ref_grads), (out, state, grads) = results
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-4)
+    for name, grad, ref in zip(("q", "k", "v", "g", "beta", "state"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
+    zero_start, _ = chunked_delta_rule_for_training(*inputs[:5])  # no initial state: zeros
+    torch.testing.assert_close(zero_start, chunked_delta_rule(*inputs[:5])[0], atol=1e-5, rtol=1e-4)
+
+
+def reference_losses(model: Qwen35ForCausalLM, x: torch.Tensor, seq_len: int, weights: list[float]) -> list:
+    """The training objective written with the model's own forward and logits (no training-only code)."""
+    import torch.nn.functional as F
+
+    logits, hidden = model(x[:, :seq_len])
+    terms = [F.cross_entropy(logits.flatten(0, 1), x[:, 1 : seq_len + 1].flatten())]
+    for d, (draft, _) in enumerate(chained_mtp_forward(model, x[:, 1:], hidden, len(weights)), 1):
+        terms.append(F.cross_entropy(draft.flatten(0, 1), x[:, d + 1 : d + 1 + seq_len].flatten()))
+    return terms
+
+
+def test_training_losses_and_gradients_match_the_reference_model() -> None:
+    from onestream.worker.layers import deltanet
+
+    torch.manual_seed(int(time.time()))
+    model = Qwen35ForCausalLM(small_config())
+    seq_len, weights = 80, [0.3, 0.15]
+    x = torch.randint(0, 64, (2, seq_len + 1 + len(weights)))
+    terms = reference_losses(model, x, seq_len, weights)
+    (terms[0] + sum(w * c for w, c in zip(weights, terms[1:], strict=True))).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    original = deltanet.chunked_delta_rule
+    with train.training_delta_rule(fast=True):
+        assert deltanet.chunked_delta_rule is not original
+        total, main, per_depth = train.losses(model, x, seq_len, weights)
+        total.backward()
+    assert deltanet.chunked_delta_rule is original  # restored: serving code is untouched afterwards
+    torch.testing.assert_close(main, terms[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(per_depth), torch.stack(terms[1:]), atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.grad, expected[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_step() -> None:
+    def broken_backend(graph: torch.fx.GraphModule, example_inputs: list) -> None:
+        raise RuntimeError("no compiler here")
+
+    torch.manual_seed(int(time.time()))
+    model = Qwen35ForCausalLM(small_config())
+    seq_len, weights = 32, [0.3]
+    x = torch.randint(0, 64, (2, seq_len + 2))
+    eager = CompiledStep(model, train.losses, train.token_loss, compile=False)
+    expected = eager(0.5, x, seq_len, weights)
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    step = CompiledStep(model, train.losses, train.token_loss, compile=True, backend=broken_backend)
+    assert step.mode == "compiled"
+    got = step(0.5, x, seq_len, weights)
+    assert step.mode == "eager" and "no compiler here" in (step.fallback_reason or "")
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    torch.testing.assert_close(got[0], expected[0])
+    for grad, ref in zip((p.grad for p in model.parameters()), expected_grads, strict=True):
+        torch.testing.assert_close(grad, ref)  # the failed attempt left no gradient behind
+
+
+def test_run_report_gathers_records_and_notes_missing_ones(tmp_path: Path) -> None:
+    steps = int(time.time()) % 1000
+    (tmp_path / "train_results.json").write_text(json.dumps({"steps": steps, "heldout": {"loss": 1.5}}))
+    (tmp_path / "spec.json").write_text("{not json")
+    (tmp_path / "spec.log").write_text("Traceback: something broke\n")
+    report = run_report.gather(tmp_path)
+    assert report["training"]["steps"] == steps
+    assert set(report["missing"]) == {"spec", "samples"}
+    assert "something broke" in report["missing"]["spec"]["log_tail"]
+
+
+def fake_gpu_run(files_at: Path, model_dir: Path, steps: int) -> None:
+    """What tools/gpu/train_default_model.sh brings back, with the shipped weights as the "new" checkpoint."""
+    import io
+    import tarfile
+
+    training = json.loads((model_dir / "training_results.json").read_text()) | {"steps": steps}
+    run = {"k": 2, "tokens_per_s": 300.0, "mean_accepted_length": 2.5, "acceptance_per_position": [0.9, 0.6]}
+    spec = {
+        "model": {"backend": "reference", "dtype": "bfloat16"},
+        "prompts": 12,
+        "prompt_tokens": 128,
+        "max_tokens": 64,
+        "outputs_identical": True,
+        "plain": {"tokens_per_s": 150.0},
+        "speculative": [run | {"speedup": 2.0}],
+    }
+    results = {"training": training, "spec": spec, "missing": {}}
+    records = {
+        "train_log.tsv": (model_dir / "training_log.tsv").read_bytes(),
+        "train_results.json": json.dumps(training).encode(),
+        "results.json": json.dumps(results).encode(),
+    }
+    for name in (*checkpoint.TOKENIZER_FILES, *install_checkpoint.MODEL_FILES):
+        records[f"ckpt/{name}"] = (model_dir / name).read_bytes()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in records.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    files_at.mkdir()
+    half = len(data) // 2
+    (files_at / "ckpt.tar.part00").write_bytes(data[:half])
+    (files_at / "ckpt.tar.part01").write_bytes(data[half:])
+
+
+def test_install_checkpoint_copies_the_run_and_rewrites_the_card(tmp_path: Path, model_dir: Path) -> None:
+    import shutil
+
+    steps = 1000 + int(time.time()) % 1000
+    fake_gpu_run(tmp_path / "files", model_dir, steps)
+    assets = tmp_path / "assets"
+    shutil.copytree(model_dir, assets)
+    (assets / "training_log.tsv").write_text("stale\n")
+    copy = tmp_path / "gpu_train_results.json"
+    install_checkpoint.install(tmp_path / "files", assets, results_copy=copy)
+    assert (assets / "training_log.tsv").read_bytes() == (model_dir / "training_log.tsv").read_bytes()
+    assert json.loads((assets / "training_results.json").read_text())["steps"] == steps
+    assert json.loads(copy.read_text())["spec"]["plain"]["tokens_per_s"] == 150.0
+    card = (assets / "README.md").read_text()
+    block = card[card.index("<!-- gpu-run:start -->") : card.index("<!-- gpu-run:end -->")]
+    assert f"{steps} steps" in block and "| 2 | 2.50 | 0.90 0.60 | 300.0 | 2.00 |" in block
+    assert "<!-- cpu-eval:start -->" in card  # the other block is left for --cpu-eval
+
+    (tmp_path / "files" / "ckpt.tar.part01").unlink()
+    with pytest.raises(install_checkpoint.InstallError, match="not a whole tar archive"):
+        install_checkpoint.install(tmp_path / "files", assets, results_copy=copy)
 
 
 def write_token_data(directory: Path, rng: np.random.Generator) -> None:

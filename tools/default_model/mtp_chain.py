@@ -26,13 +26,19 @@ def chain_mask(length: int, depth: int, device: torch.device) -> torch.Tensor:
 
 
 def chained_mtp_forward(
-    model: Qwen35ForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor, depths: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    model: Qwen35ForCausalLM,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    depths: int,
+    *,
+    with_logits: bool = True,
+) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     """Drafts at depths 1..`depths` for every base position.
 
     `tokens [B, T + depths]` is the window the main model saw from its position 1 on (tokens[:, j] = t[j+1]),
     `hidden [B, T, H]` the main model's post-norm hidden states H[0..T-1]. Returns per depth d the draft
-    logits `[B, T, V]` (fp32; row j predicts t[j+d+1]) and the MTP layer's normed output.
+    logits `[B, T, V]` (fp32; row j predicts t[j+d+1]; None without `with_logits`) and the MTP layer's
+    normed output.
     """
     mtp = model.mtp
     layer = mtp.layer
@@ -66,6 +72,6 @@ def chained_mtp_forward(
             )
         h = layer._mlp_residual(x + attn._finish(mixed, gate))
         out = mtp.norm(h)
-        outputs.append((model._logits(out), out))
+        outputs.append((model._logits(out) if with_logits else None, out))
         previous = out
     return outputs

@@ -13,6 +13,12 @@ Training is bounded by wall-clock time: after a few timed steps the total step c
 cosine schedule ends inside `--time-budget` (or pass `--steps` for an exact, repeatable count). bf16
 autocast, fp32 master weights, AdamW, linear warm-up then cosine decay, gradient clipping; seeded
 (data order and init are deterministic; GPU kernels are not bitwise deterministic).
+
+Speed (the model is small, so eager PyTorch is bound by launches and memory traffic, not FLOPs): the DeltaNet
+recurrence runs in the training-only form of fast_delta.py (same math as the serving reference, tested
+against it), and on CUDA each decoder layer and the loss head are compiled with torch.compile
+(compiled_step.py; any compiler failure falls back to eager). `--profile-step N` writes where step N's time
+goes to profile.txt.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ import math
 import platform
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from onestream.worker.model import Qwen35ForCausalLM
 
-from . import architecture, build_data, heldout
+from . import architecture, build_data, heldout, step_profile
 from .checkpoint import save_checkpoint
+from .compiled_step import CompiledStep, HeadLoss
+from .fast_delta import chunked_delta_rule_for_training
 from .mtp_chain import chained_mtp_forward
 
 LOG_COLUMNS = (
@@ -79,6 +88,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--cpu-autocast", action="store_true", help="bf16 autocast on the CPU too (to test that path)"
+    )
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile the training step (auto: on CUDA only); falls back to eager if compiling fails",
+    )
+    p.add_argument(
+        "--delta-rule",
+        choices=("fast", "reference"),
+        default="fast",
+        help="the DeltaNet recurrence for training: fast_delta.py's form or the serving reference",
+    )
+    p.add_argument(
+        "--profile-step", type=int, default=0, help="profile this step (1-based) into profile.txt (0: none)"
     )
     p.add_argument("--note", default="", help="free text recorded in train_results.json (commit, command)")
     return p.parse_args(argv)
@@ -128,42 +152,70 @@ def optimizer_for(model: Qwen35ForCausalLM, args: argparse.Namespace, fused: boo
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
+def token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the fp32 logits `hidden @ head_weight^T` (as the model computes them)."""
+    return F.cross_entropy(F.linear(hidden, head_weight).float().flatten(0, 1), targets.flatten())
+
+
+def trunk_hidden(model: Qwen35ForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """`model.forward`'s post-norm hidden states without its logits (the loss head computes those)."""
+    h = model.model.embed_tokens(input_ids)
+    cos, sin = model.rotary(torch.arange(input_ids.shape[1], device=h.device), h.dtype)
+    for layer in model.model.layers:
+        h = layer(h, cos, sin)
+    return model.model.norm(h)
+
+
 def losses(
-    model: Qwen35ForCausalLM, x: torch.Tensor, seq_len: int, weights: list[float]
+    model: Qwen35ForCausalLM,
+    x: torch.Tensor,
+    seq_len: int,
+    weights: list[float],
+    head_loss: HeadLoss = token_loss,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(weighted total, main CE, CE per draft depth) for windows `x [B, seq_len + 1 + depths]`."""
-    logits, hidden = model(x[:, :seq_len])
-    main = F.cross_entropy(logits.flatten(0, 1), x[:, 1 : seq_len + 1].flatten())
+    hidden = trunk_hidden(model, x[:, :seq_len])
+    head = model.lm_head_weight
+    main = head_loss(hidden, head, x[:, 1 : seq_len + 1])
     total = main
     per_depth = []
     if weights:
-        for d, (draft_logits, _) in enumerate(chained_mtp_forward(model, x[:, 1:], hidden, len(weights)), 1):
-            target = x[:, d + 1 : d + 1 + seq_len]
-            ce = F.cross_entropy(draft_logits.flatten(0, 1), target.flatten())
+        chain = chained_mtp_forward(model, x[:, 1:], hidden, len(weights), with_logits=False)
+        for d, (_, out) in enumerate(chain, 1):
+            ce = head_loss(out, head, x[:, d + 1 : d + 1 + seq_len])
             per_depth.append(ce)
             total = total + weights[d - 1] * ce
     return total, main, per_depth
 
 
-def keep_delta_rule_in_fp32() -> None:
-    """Autocast would round the chunked delta rule's fp32 matmuls to bf16; serving runs that recurrence in
-    fp32, so training does too (TF32 on the GPU). The model module calls it by its global name."""
+@contextmanager
+def training_delta_rule(fast: bool) -> Iterator[None]:
+    """While training, the model's DeltaNet layers run the delta rule in fp32 even under autocast (serving
+    runs that recurrence in fp32; TF32 on the GPU), in the training-only form of fast_delta.py when `fast`.
+    The layer module calls `chunked_delta_rule` by its global name; the original is restored on exit."""
     from onestream.worker.layers import deltanet
 
     original = deltanet.chunked_delta_rule
-    if getattr(original, "keeps_fp32", False):
-        return
+    inner = chunked_delta_rule_for_training if fast else original
 
     def chunked_delta_rule_fp32(*args, **kwargs):  # type: ignore[no-untyped-def]
         with torch.autocast(args[0].device.type, enabled=False):
-            return original(*args, **kwargs)
+            return inner(*args, **kwargs)
 
-    chunked_delta_rule_fp32.keeps_fp32 = True  # type: ignore[attr-defined]
     deltanet.chunked_delta_rule = chunked_delta_rule_fp32
+    try:
+        yield
+    finally:
+        deltanet.chunked_delta_rule = original
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    with training_delta_rule(fast=args.delta_rule == "fast"):
+        return train(args)
+
+
+def train(args: argparse.Namespace) -> dict:
     started = time.time()
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -198,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16) if on_cuda or args.cpu_autocast else nullcontext()
     )
-    keep_delta_rule_in_fp32()
+    use_compile = args.compile == "on" or (args.compile == "auto" and on_cuda)
+    step_fn = CompiledStep(model, losses, token_loss, compile=use_compile, autocast=autocast)
     micro = args.micro_batch or args.batch
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -215,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     snapshot_step = 0
     stop_reason = "schedule finished"
     last = {}
+    profiled: dict | None = None
     while total_steps is None or step < total_steps:
         if time.time() > deadline:
             stop_reason = "time budget"
@@ -223,17 +277,17 @@ def main(argv: list[str] | None = None) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sampler.next(args.batch)
+        profiler = step_profile.start(on_cuda) if step + 1 == args.profile_step else None
         try:
             step_losses = []
             for chunk in batch.split(micro):
-                with autocast:
-                    total, main_loss, per_depth = losses(model, chunk, args.seq_len, weights)
-                (total * chunk.shape[0] / batch.shape[0]).backward()
-                step_losses.append((total.detach(), main_loss.detach(), [c.detach() for c in per_depth]))
+                step_losses.append(step_fn(chunk.shape[0] / batch.shape[0], chunk, args.seq_len, weights))
         except torch.cuda.OutOfMemoryError:
             if micro == 1:
                 raise
             optimizer.zero_grad(set_to_none=True)
+            if profiler is not None:
+                profiler.stop()
             micro = max(1, micro // 2)
             print(f"out of memory: micro-batch now {micro}", flush=True)
             torch.cuda.empty_cache()
@@ -241,6 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if profiler is not None:
+            try:
+                profiled = step_profile.finish(profiler, args.log_dir / "profile.txt", on_cuda)
+            except Exception as error:  # diagnostics only: never the reason a run is lost
+                profiled = {"error": f"{type(error).__name__}: {error}"}
+            print(f"profiled step {step + 1}: {profiled}", flush=True)
         step += 1
         tokens_seen += batch.shape[0] * args.seq_len
 
@@ -284,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
             snapshot_step = step
     train_seconds = time.time() - train_started
     log.close()
+    step_mode = step_fn.mode
+    step_fn.restore_eager()
     print(f"trained {step} steps, {tokens_seen} tokens in {train_seconds:.0f}s ({stop_reason})", flush=True)
 
     save_checkpoint(model, args.out, args.tokenizer_dir)
@@ -313,6 +375,10 @@ def main(argv: list[str] | None = None) -> dict:
         "train_seconds": train_seconds,
         "tokens_per_second": tokens_seen / train_seconds,
         "final_micro_batch": micro,
+        "step_mode": step_mode,
+        "profiled_step": profiled,
+        "compile_fallback_reason": step_fn.fallback_reason,
+        "compile_first_step_seconds": step_fn.first_step_seconds,
         "last_logged": last,
         "heldout": result,
         "model_safetensors_sha256": weights_sha256,
