@@ -8,6 +8,7 @@ still yields `Finished("cancelled")`. Either way the session's state stays consi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +18,14 @@ from typing import Any
 import torch
 
 from .backend import Backend, create_backend
-from .errors import EngineBusyError, InvalidRequestError
+from .errors import CheckpointError, EngineBusyError, InvalidRequestError
 from .output import Finished, StopChecker, Timings, TokenChunk, Usage
 from .request import GenerateRequest
 from .sampling import RequestSampler, SamplingParams
 from .sequence import Sequence
 from .sessions import Session, SessionCache, SessionInfo
 from .speculative import SpecStats, SpeculativeDecoder
+from .tokenizer import HealedTextDecoder, TokenHealing, heal_prompt
 
 __all__ = [
     "Engine",
@@ -53,6 +55,44 @@ DTYPES = {
 }
 
 
+# generation_config.json keys that set a SamplingParams field of the same name when a request leaves it out.
+GENERATION_CONFIG_SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults of a checkpoint's generation_config.json, as SamplingParams fields.
+
+    As in transformers, `do_sample` false (or absent) means greedy: temperature 0, whatever the file's
+    temperature says; the other keys (penalties, top-k/p, min-p) apply either way. Only keys present in the
+    file are returned (transformers' implicit top_k=50 is not applied, as in vLLM). No file: no defaults.
+    """
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    defaults = {key: config[key] for key in GENERATION_CONFIG_SAMPLING_KEYS if config.get(key) is not None}
+    if not config.get("do_sample", False):
+        defaults["temperature"] = 0.0
+    try:
+        SamplingParams(**defaults).validate()
+    except InvalidRequestError as e:
+        raise CheckpointError(f"{path}: invalid sampling default: {e}") from e
+    return defaults
+
+
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -73,6 +113,7 @@ class Engine:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         max_context: int | None = None,
         max_checkpoints: int = 4,
+        token_healing: bool = False,
     ) -> None:
         from .loading import default_model_dir
         from .tokenizer import load_tokenizer
@@ -87,11 +128,15 @@ class Engine:
         self.config = self.backend.config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
+        self.generation_defaults = generation_defaults(self.model_dir)
         limit = self.config.max_position_embeddings
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         self.max_context = min(limit, max_context) if max_context is not None else limit
         self.spec_k = DEFAULT_SPEC_K if spec_k is None else spec_k
+        # Heal text prompts that end mid-token (tokenizer.TokenHealing); off by default so that a prompt's
+        # tokens are exactly what the model is fed. `onestream generate` turns it on.
+        self.token_healing = token_healing
         self._sessions = SessionCache(cache_bytes, max_checkpoints=max_checkpoints)
         self._run_lock = threading.Lock()
         self._cache_lock = threading.RLock()
@@ -110,6 +155,12 @@ class Engine:
             raise ValueError(f"spec_k must be an integer in [0, 16], got {k!r}")
         self._spec_k = k
 
+    def default_sampling(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json defaults, with the `overrides` that are not
+        None on top (what a user passed): the settings the model's authors recommend unless told otherwise."""
+        given = {name: value for name, value in overrides.items() if value is not None}
+        return SamplingParams(**(self.generation_defaults | given))
+
     def model_info(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -127,6 +178,7 @@ class Engine:
             "spec_k": self.spec_k,
             "max_context": self.max_context,
             "eos_token_ids": sorted(self.eos_token_ids),
+            "generation_defaults": dict(self.generation_defaults),
         }
 
     # ---- sessions --------------------------------------------------------------------------------
@@ -174,9 +226,14 @@ class Engine:
         request.check_context(len(prompt_ids), self.max_context)
         if self.busy:
             raise EngineBusyError(BUSY_MESSAGE)
-        return self._generate(request, prompt_ids)
+        healing = None
+        if self.token_healing and isinstance(request.prompt, str):
+            healing = heal_prompt(self.tokenizer, prompt_ids)
+        return self._generate(request, prompt_ids, healing)
 
-    def _generate(self, request: GenerateRequest, prompt_ids: list[int]) -> Iterator[TokenChunk | Finished]:
+    def _generate(
+        self, request: GenerateRequest, prompt_ids: list[int], healing: TokenHealing | None = None
+    ) -> Iterator[TokenChunk | Finished]:
         if not self._run_lock.acquire(blocking=False):
             raise EngineBusyError(BUSY_MESSAGE)
         session: Session | None = None
@@ -185,6 +242,8 @@ class Engine:
             self._active_request = request.request_id
             self._cancel.clear()
             t_start = time.perf_counter()
+            if healing is not None:
+                prompt_ids = healing.prompt_ids
             session, seq, cached = self._prepare(request.session_id, prompt_ids)
             out = self._prefill(session, seq, prompt_ids, cached)
             consistent = True
@@ -195,8 +254,9 @@ class Engine:
             stop_ids = set(request.stop_token_ids) | (
                 set() if request.ignore_eos else set(self.eos_token_ids)
             )
+            decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
             checker = StopChecker(
-                self.tokenizer.incremental_decoder(skip_special_tokens=True),
+                decoder if healing is None else HealedTextDecoder(decoder, healing.prefix),
                 stop_strings=request.stop,
                 stop_token_ids=stop_ids,
                 max_tokens=request.max_tokens,
@@ -207,7 +267,13 @@ class Engine:
             usage = Usage(prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
 
             # The sampled token stays on the device as the next step's input; only its host copy syncs.
-            pending_ids: torch.Tensor | None = sampler.next_tokens(out.logits[-1:])
+            first_logits = out.logits[-1:]
+            if healing is not None:  # token one must start with the text backed off the prompt
+                allowed = torch.tensor(healing.allowed_ids, device=first_logits.device)
+                first_logits = torch.full_like(first_logits, float("-inf")).index_copy(
+                    1, allowed, first_logits.index_select(1, allowed)
+                )
+            pending_ids: torch.Tensor | None = sampler.next_tokens(first_logits)
             new_tokens = pending_ids.tolist()
             pending = new_tokens[0]
             # Measured after that read: on an accelerator the prefill has only been queued before it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_TEMPLATE_NAME = "default"
 MAX_PARTIAL_TOKENS = 3
 MAX_HELD_TOKENS = 8
+PREFIX_CACHE_SIZE = 4096
 
 
 class Tokenizer:
@@ -41,6 +43,8 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self._compiled: dict[str, jinja2.Template] = {}
+        self._token_texts: list[str] | None = None
+        self._ids_by_prefix: dict[str, list[int]] = {}
 
     # ---- vocabulary ----------------------------------------------------------------------------
     @property
@@ -81,6 +85,30 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self) -> list[str]:
+        """The text of every id on its own (a partial UTF-8 character shows as U+FFFD), computed once."""
+        if self._token_texts is None:
+            ids = [[i] for i in range(self.vocab_size)]
+            self._token_texts = self.backend.decode_batch(ids, skip_special_tokens=False)
+        return self._token_texts
+
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (special tokens and the like): never part of healed text."""
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    def ids_starting_with(self, prefix: str) -> list[int]:
+        """Ids of the ordinary (not added) tokens whose text starts with `prefix`; remembered per prefix (a
+        scan of a 248k vocabulary takes tens of milliseconds)."""
+        found = self._ids_by_prefix.get(prefix)
+        if found is None:
+            added = self.added_token_ids()
+            texts = self.token_texts()
+            found = [i for i, text in enumerate(texts) if text.startswith(prefix) and i not in added]
+            if len(self._ids_by_prefix) >= PREFIX_CACHE_SIZE:
+                self._ids_by_prefix.clear()
+            self._ids_by_prefix[prefix] = found
+        return found
 
     # ---- chat ----------------------------------------------------------------------------------
     def apply_chat_template(
@@ -222,6 +250,61 @@ class IncrementalDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+# ---- token healing -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenHealing:
+    """A prompt backed off by its last token, whose text the first generated token must start with.
+
+    A prompt that ends inside what training text tokenizes as one token (`def f():` where the corpus has
+    `):\n`) leaves the model at a token boundary it has rarely seen. Backing off the last token and letting
+    the model choose any token that starts with its text puts the boundary back where the model expects it.
+    """
+
+    prompt_ids: list[int]
+    prefix: str
+    allowed_ids: list[int]
+
+
+def heal_prompt(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> TokenHealing | None:
+    """The healing of `prompt_ids`, or None when its last token is the only token starting with its text
+    (nothing to heal), is an added/special token, is a partial character, or is the whole prompt."""
+    if len(prompt_ids) < 2:
+        return None
+    texts = tokenizer.token_texts()
+    last = prompt_ids[-1]
+    if last in tokenizer.added_token_ids() or not 0 <= last < len(texts):
+        return None
+    prefix = texts[last]
+    if not prefix or "\ufffd" in prefix:
+        return None
+    allowed = tokenizer.ids_starting_with(prefix)
+    if allowed == [last]:
+        return None
+    return TokenHealing(list(prompt_ids[:-1]), prefix, allowed)
+
+
+class HealedTextDecoder:
+    """Wraps a text decoder and drops the healed prefix (already part of the prompt) from its output."""
+
+    def __init__(self, inner: IncrementalDecoder, prefix: str) -> None:
+        self._inner = inner
+        self._to_drop = prefix
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        return self._drop(self._inner.push(token_ids))
+
+    def flush(self) -> str:
+        return self._drop(self._inner.flush())
+
+    def _drop(self, text: str) -> str:
+        # the first generated token starts with the prefix, so the text does too
+        cut = min(len(self._to_drop), len(text))
+        self._to_drop = self._to_drop[cut:]
+        return text[cut:]
 
 
 # ---- loading -----------------------------------------------------------------------------------

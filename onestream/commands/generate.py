@@ -43,11 +43,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--spec-k", type=int, default=None, help="MTP drafts per cycle (0 = off; default: engine's)"
     )
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json; greedy unless it sets do_sample)",
+    )
     for name, kind, help_text in SAMPLING_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    parser.add_argument(
+        "--no-token-healing",
+        dest="token_healing",
+        action="store_false",
+        help="feed the prompt's tokens as they are (default: a prompt ending mid-token, like `def f():` "
+        "where the model knows `):\\n`, has its last token re-chosen by the model)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--server", default=None, help="generate through the pool's router at HOST:PORT")
     parser.add_argument(
@@ -76,20 +88,23 @@ def run(args: argparse.Namespace) -> int:
     from onestream.worker.engine import Engine, Finished
     from onestream.worker.errors import OnestreamError
     from onestream.worker.request import GenerateRequest
-    from onestream.worker.sampling import SamplingParams
 
+    # Flags left out take the model's generation_config.json defaults (Engine.default_sampling).
     sampling: dict[str, Any] = {"temperature": args.temperature}
-    sampling |= {
-        name: getattr(args, name) for name, _, _ in SAMPLING_FLAGS if getattr(args, name) is not None
-    }
+    sampling |= {name: getattr(args, name) for name, _, _ in SAMPLING_FLAGS}
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         engine = Engine(
-            args.model, backend=args.backend, device=args.device, dtype=args.dtype, spec_k=args.spec_k
+            args.model,
+            backend=args.backend,
+            device=args.device,
+            dtype=args.dtype,
+            spec_k=args.spec_k,
+            token_healing=args.token_healing,
         )
         request = GenerateRequest(
             prompt,
-            SamplingParams(**sampling),
+            engine.default_sampling(**sampling),
             max_tokens=args.max_tokens,
             stop=list(args.stop),
             session_id=args.session,
