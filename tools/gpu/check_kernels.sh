@@ -35,7 +35,7 @@ cd "$PKG"
 echo "== GPU tests" | tee -a "$OUT/env.log"
 TEST_FILES=(${TESTS:-test_kernels_gpu.py test_kernels_spec_gpu.py})
 timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-  "${TEST_FILES[@]/#/$REPO/tests/}" 2>&1 | tee "$OUT/tests.log"
+  ${PYTEST_K:+-k "$PYTEST_K"} "${TEST_FILES[@]/#/$REPO/tests/}" 2>&1 | tee "$OUT/tests.log"
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
 
 # Issue 6's correctness bar: the megakernel against the fp32 reference, teacher-forced over held-out tokens of
@@ -52,6 +52,11 @@ if [ "$MODE" = full ] && [ -f "$TOKENS" ]; then
   done
 fi
 
+if [ "$MODE" = spec ] && [ -n "${SPEC_KLD:-}" ] && [ -f "$TOKENS" ]; then  # the KLD bar of the default build
+  echo "== eval kld megakernel vs reference (default build)" | tee -a "$OUT/env.log"
+  timeout "${KLD_TIMEOUT:-45}" python3 -m onestream eval kld --backend megakernel --against reference \
+    --tokens "$TOKENS" --ctx 512 2>&1 | tee "$OUT/kld_default.log"
+fi
 if [ "$MODE" = spec ]; then  # issue 7: speculative decoding on the kernel (carry .data/default_model/spec_prompts)
   echo "== bench spec ${SPEC_ARGS:-}" | tee -a "$OUT/env.log"
   # shellcheck disable=SC2086
