@@ -32,12 +32,19 @@ def config_dict(model: Qwen35ForCausalLM) -> dict:
     return config
 
 
+# Greedy by default, with a mild repetition penalty: without it the small model's greedy continuations fall
+# into loops (`import os` -> `from distutils import log` forever); 1.15 keeps legitimate repeats (names,
+# indentation) while breaking those loops (samples compared in docs/benchmarks.md).
+DEFAULT_REPETITION_PENALTY = 1.15
+
+
 def generation_config() -> dict:
     return {
         "eos_token_id": [END_OF_TEXT_ID, IM_END_ID],
         "pad_token_id": END_OF_TEXT_ID,
         "bos_token_id": None,
         "do_sample": False,
+        "repetition_penalty": DEFAULT_REPETITION_PENALTY,
     }
 
 
