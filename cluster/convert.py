@@ -14,8 +14,13 @@ from onestream.worker.request import GenerateRequest
 from onestream.worker.sampling import SamplingParams
 
 
-def request_from_proto(message: pb.GenerateRequest, request_id: str) -> GenerateRequest:
-    """The engine's request for a wire request; raises InvalidRequestError naming the bad field."""
+def request_from_proto(
+    message: pb.GenerateRequest, request_id: str, sampling_defaults: dict[str, Any] | None = None
+) -> GenerateRequest:
+    """The engine's request for a wire request; raises InvalidRequestError naming the bad field.
+
+    `sampling_defaults` (the model's generation_config.json defaults, from the card's model info) fill the
+    sampling fields the request leaves unset, as `onestream generate` does locally."""
     kind = message.WhichOneof("prompt")
     prompt: str | list[int] | list[dict[str, Any]]
     if kind is None:
@@ -26,7 +31,8 @@ def request_from_proto(message: pb.GenerateRequest, request_id: str) -> Generate
         prompt = list(message.token_ids.ids)
     else:
         prompt = [{"role": m.role, "content": m.content} for m in message.messages.messages]
-    values = {
+    values = {name: value for name, value in (sampling_defaults or {}).items() if name in SAMPLING_FIELDS}
+    values |= {
         name: getattr(message.sampling, name) for name in SAMPLING_FIELDS if message.sampling.HasField(name)
     }
     sampling = SamplingParams(**values)

@@ -155,7 +155,7 @@ class Router(pb_grpc.OneStreamServicer):
         info = self.registry.model_info or {}
         max_context = info.get("max_context")
         try:
-            engine_request = convert.request_from_proto(request, request_id)
+            engine_request = convert.request_from_proto(request, request_id, info.get("generation_defaults"))
             engine_request.validate(vocab_size=info.get("vocab_size"), max_context=max_context)
             if max_context and isinstance(engine_request.prompt, list) and not engine_request.is_chat:
                 engine_request.check_context(len(engine_request.prompt), int(max_context))

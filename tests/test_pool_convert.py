@@ -1,0 +1,32 @@
+"""Wire requests to engine requests: the model's sampling defaults fill only what a request leaves unset."""
+
+from __future__ import annotations
+
+import pytest
+from onestream.cluster.convert import request_from_proto
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.errors import InvalidRequestError
+from onestream.worker.sampling import SamplingParams
+
+MODEL_DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.25}
+
+
+def test_unset_sampling_fields_take_the_models_defaults() -> None:
+    request = request_from_proto(pb.GenerateRequest(text="import os"), "r1", MODEL_DEFAULTS)
+    assert request.sampling == SamplingParams(temperature=0.0, repetition_penalty=1.25)
+
+
+def test_fields_the_request_sets_win_over_the_defaults() -> None:
+    message = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=0.5, top_p=0.75, seed=3))
+    request = request_from_proto(message, "r2", MODEL_DEFAULTS)
+    assert request.sampling == SamplingParams(temperature=0.5, top_p=0.75, seed=3, repetition_penalty=1.25)
+    explicit = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(repetition_penalty=1.0))
+    assert request_from_proto(explicit, "r3", MODEL_DEFAULTS).sampling.repetition_penalty == 1.0
+
+
+def test_without_defaults_the_engine_defaults_apply_and_bad_input_is_named() -> None:
+    assert request_from_proto(pb.GenerateRequest(text="x"), "r4").sampling == SamplingParams()
+    ignored = request_from_proto(pb.GenerateRequest(text="x"), "r5", {"max_new_tokens": 5, "top_k": 4})
+    assert ignored.sampling == SamplingParams(top_k=4)  # keys that are not sampling fields are not applied
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        request_from_proto(pb.GenerateRequest(), "r6", MODEL_DEFAULTS)
