@@ -382,9 +382,10 @@ def _row_text(row: VerifyRow, base_ms: float | None) -> str:
 BUILD_FIELDS = (  # (describe() key, label, unit)
     ("stages", "stages", ""),
     ("part_rows", "part_rows", ""),
+    ("window", "window", ""),
     ("smem_bytes", "smem", " B"),
     ("registers", "registers", ""),
-    ("local_bytes", "spills", " B"),
+    ("local_bytes", "local memory (stack frame and spills)", " B"),
     ("compile_s", "compile", " s"),
 )
 
