@@ -43,6 +43,8 @@ class MegakernelBackend(ReferenceBackend):
     ) -> tuple[StepOutput, int, list[int], list[int]]:
         """Verify [pending, d1..dk] keeping every position reachable, accepting drafts on the device while
         each equals the argmax before it. Returns (output, accepted drafts, argmax per position, inputs)."""
+        if not 2 <= input_ids.numel() <= MAX_TOKENS_PER_LAUNCH:  # more drafts than a launch takes
+            return super().verify_greedy(input_ids, state)
         out = self.runner.step(input_ids.reshape(-1), state, keep_states=True, accept=True)
         assert out.inputs is not None
         return StepOutput(out.logits.clone(), out.hidden.clone()), out.accepted, out.tokens, out.inputs

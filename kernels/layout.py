@@ -29,7 +29,7 @@ class G(IntEnum):
     LOGITS = 14  # fp32 [T, V]
     HIDDEN_OUT = 15  # bf16 [T, H] post-norm hidden
     ARGKEY = 16  # u64 [T] argmax keys
-    KV_CAP = 17  # positions allocated in every KV cache
+    KV_CAP = 17  # positions every main-model KV cache holds (the least of them: the launch's bounds check)
     TIMEOUT_NS = 18  # barrier watchdog
     NUM_LAYERS = 19
     TOKEN_HIST = 20  # int32 [max_len] or 0: greedy token written at its position
@@ -71,13 +71,14 @@ class L(IntEnum):
     KNORM = 22  # fp32 (1 + w)
     KCACHE = 23  # bf16 [nKV, capacity, hd] (the reference state's tensor)
     VCACHE = 24
-    HIST_CONV = (
-        25  # bf16 [T + 1, C, kernel - 1]: conv window before / after each token (keep-states launches)
+    # Keep-states launches: the conv window (bf16 [T + 1, C, kernel - 1]) and the recurrent state (fp32
+    # [T + 1, Hv, dk, dv]) before the first token and after each token.
+    HIST_CONV = 25
+    HIST_REC = 26
+    KV_CAP = (
+        27  # this layer's KV cache capacity: its per-head stride (caches grow separately, so they differ)
     )
-    HIST_REC = (
-        26  # fp32 [T + 1, Hv, dk, dv]: recurrent state before / after each token (keep-states launches)
-    )
-    COUNT = 27
+    COUNT = 28
 
 
 class Phase(IntEnum):

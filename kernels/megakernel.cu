@@ -71,7 +71,8 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
             bs.si.tok[t] = ld_volatile_int(tb.ctrl + CTRL_TOKEN_IN + t);
             if (bs.si.tok[t] < 0 || bs.si.tok[t] >= MK_V) err = MK_ERR_BAD_TOKEN;
         }
-        if (bs.si.pos < 0 || (long long)bs.si.pos + MK_NT > tb.gi(G_KV_CAP)) err = MK_ERR_CONTEXT;
+        const long long room = bs.si.mode == MODE_MTP ? tb.li((int)tb.gi(G_NUM_LAYERS), L_KV_CAP) : tb.gi(G_KV_CAP);
+        if (bs.si.pos < 0 || (long long)bs.si.pos + MK_NT > room) err = MK_ERR_CONTEXT;
         if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
         bs.err = err;
         bs.head = 0;

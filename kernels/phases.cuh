@@ -519,7 +519,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
     const int maxch = (int)tb.gi(G_ATT_CHUNKS);  // room in the partials buffer (the host sizes it by capacity)
     const int cl = MK_ATT_CHUNK;
     const int nch = (L + cl - 1) / cl;
-    const long long cap = tb.gi(G_KV_CAP);
+    const long long cap = tb.li(layer, L_KV_CAP);  // this cache's per-head stride
     const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
     const float* inv_freq = tb.gp<const float>(G_INV_FREQ);
     float* part = tb.gp<float>(G_ATT_PART);

@@ -230,11 +230,13 @@ class MegakernelRunner:
             caches.append(state.mtp_kv)
         return caches
 
-    def bind(self, state: Any, needed: int, keep_tokens: int = 0) -> None:
-        """Point the tables at `state`'s caches, growing its KV caches (the MTP head's too) to hold `needed`
-        positions, and make room to record `keep_tokens` tokens' DeltaNet states."""
+    def bind(self, state: Any, needed: int, keep_tokens: int = 0, *, mtp: bool = False) -> None:
+        """Point the tables at `state`'s caches, growing its main-model KV caches (the MTP head's, for an MTP
+        launch) to hold `needed` positions, and make room to record `keep_tokens` tokens' DeltaNet states.
+        Every cache keeps its own capacity (its per-head stride in the layer table)."""
         caches = self._caches(state)
-        for cache in caches:
+        main = [state.kv[i] for i in self.config.full_attention_layers]
+        for cache in [state.mtp_kv] if mtp else main:
             cache.reserve(needed)
         self._reserve_history(keep_tokens)
         capacity = max((cache.capacity for cache in caches), default=state.max_len)
@@ -304,7 +306,8 @@ class MegakernelRunner:
             g[slot] = _ptr(b[name])
         g[G.ATT_PART] = _ptr(self._att_part)
         g[G.ATT_CHUNKS] = self._att_part_chunks
-        g[G.KV_CAP] = min((cache.capacity for cache in caches), default=state.max_len)
+        main = [state.kv[i] for i in c.full_attention_layers]
+        g[G.KV_CAP] = min((cache.capacity for cache in main), default=state.max_len)
         g[G.TIMEOUT_NS] = self.timeout_ns
         g[G.NUM_LAYERS] = c.num_hidden_layers
         g[G.TOKEN_HIST] = _ptr(self._hist)
@@ -336,6 +339,7 @@ class MegakernelRunner:
                     _ptr(_contig(cache.k, "KV cache")),
                     _ptr(_contig(cache.v, "KV cache")),
                 )
+                r[L.KV_CAP] = cache.capacity
             else:
                 la = layer.linear_attn
                 r[L.KIND] = LAYER_LINEAR
@@ -463,7 +467,7 @@ class MegakernelRunner:
         if accept and n < 2:
             raise MegakernelError("greedy verification needs the pending token and at least one draft")
         pos = state.check_room(n)
-        self.bind(state, max(pos, state.mtp_length) + n, n if keep_states else 0)
+        self.bind(state, pos + n, n if keep_states else 0)
         flags = (CTRL_FLAG_KEEP_STATES if keep_states else 0) | (CTRL_FLAG_ACCEPT if accept else 0)
         if keep_states:
             self._drop_history_owner()
@@ -505,7 +509,7 @@ class MegakernelRunner:
                 f"hidden must have shape ({n}, {self.config.hidden_size}), got {tuple(hidden.shape)}"
             )
         pos = state.check_room(n, mtp=True)
-        self.bind(state, max(state.length, pos + n))
+        self.bind(state, pos + n, mtp=True)
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), 0, MODE_MTP)
         self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
         self._launch("mk_decode", self._table_args(n), n_tokens=n)
@@ -514,11 +518,15 @@ class MegakernelRunner:
 
     def greedy_chain(self, first_token: int, state: Any, n: int, *, check: bool = True) -> list[int]:
         """`n` greedy steps as `n` back-to-back launches with no host round trip (each step's argmax feeds the
-        next); returns the n generated tokens. One sync at the end."""
+        next); returns the n generated tokens. One sync at the end. check=False (timing loops): nothing is read
+        back and `state` is not advanced, so its caches then hold positions its length does not count; run the
+        same positions again or discard the state."""
+        if n < 1:
+            raise MegakernelError(f"a greedy chain runs at least one step, got {n}")
         pos = state.check_room(n)
         if self._hist is None or self._hist.numel() < state.max_len:
             self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
-        self.bind(state, max(pos, state.mtp_length) + n)
+        self.bind(state, pos + n)
         self._set_ctrl(pos, [first_token], CTRL_FLAG_FEEDBACK)
         args = self._table_args(1)
         for _ in range(n):
@@ -534,7 +542,7 @@ class MegakernelRunner:
 
     def run_phase(self, phase: int, layer: int, state: Any, pos: int, tokens: list[int]) -> None:
         """Launch one phase alone (the per-phase tests); raises on a kernel-reported error."""
-        self.bind(state, max(pos, state.mtp_length) + self.tokens_per_launch)
+        self.bind(state, pos + self.tokens_per_launch)
         self._set_ctrl(pos, tokens)
         self._launch("mk_phase", (*self._table_args(), np.int32(phase), np.int32(layer)))
         self._check(self.ctrl.cpu())

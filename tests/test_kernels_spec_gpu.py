@@ -181,6 +181,29 @@ def test_mtp_steps_match_the_reference_mtp_head(setup):
 
 
 @torch.no_grad()
+def test_each_cache_keeps_its_own_capacity(setup):
+    """KV caches grow separately (prefill chunks, verify steps, the MTP head's own launches), so their
+    capacities differ; each layer's attention must address its cache with that cache's per-head stride."""
+    _, model, runner = setup
+    c = model.config
+    base = prefilled(model, seed=13, max_len=2048)
+    grown = base.clone()
+    for j, i in enumerate(c.full_attention_layers):
+        grown.kv[i].reserve(
+            700 + 400 * j
+        )  # every main cache larger than the MTP cache, and unlike each other
+    assert grown.kv[c.full_attention_layers[0]].capacity > base.kv[c.full_attention_layers[0]].capacity
+    tokens = torch.randint(0, c.vocab_size, (3,), device="cuda")
+    same = runner.step(tokens, base).logits.clone()
+    assert torch.equal(runner.step(tokens, grown).logits, same)
+    ids = torch.randint(0, c.vocab_size, (2,), device="cuda")
+    hidden = (torch.randn(2, c.hidden_size, device="cuda") * 2).to(torch.bfloat16)
+    same = runner.mtp_step(ids, hidden, base).logits.clone()
+    assert grown.mtp_kv.capacity < grown.kv[c.full_attention_layers[0]].capacity
+    assert torch.equal(runner.mtp_step(ids, hidden, grown).logits, same)
+
+
+@torch.no_grad()
 def test_bad_launches_are_clear_errors(setup):
     _, model, runner = setup
     state = prefilled(model, seed=12)
