@@ -18,7 +18,6 @@ Equal to the reference in exact arithmetic; tests/test_default_model.py checks o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from onestream.worker.layers import deltanet
 
 
@@ -61,17 +60,8 @@ def chunked_delta_rule_for_training(
     """Drop-in for `deltanet.chunked_delta_rule` (same arguments, shapes and fp32 results)."""
     b, h, t, dk = k.shape
     dv = v.shape[-1]
-    pad = (-t) % chunk
-    if pad:  # zero k and beta make padded steps no-ops; zero g leaves the decay alone
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (t + pad) // chunk
-    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
-
-    cum = g.cumsum(-1)
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    q, k, v, beta, cum, decay = deltanet.split_chunks(q, k, v, g, beta, chunk)
+    n = q.shape[2]
     kb = k * beta.unsqueeze(-1)
     inverse = unit_lower_inverse((kb @ k.transpose(-1, -2)) * decay)
     writes_v = inverse @ (v * beta.unsqueeze(-1))  # W_v: the writes if the chunk started from S = 0

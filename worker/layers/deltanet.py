@@ -43,6 +43,26 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     return q * q.shape[-1] ** -0.5, k
 
 
+def split_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, ...]:
+    """Pad T to whole chunks and view the inputs per chunk: q, k, v `[B, H, n, C, d]`, beta `[B, H, n, C]`, with
+    the cumulative log-decay c `[B, H, n, C]` and decay `[B, H, n, C, C]`: e^{c_t - c_s} for s <= t, else 0."""
+    b, h, t, _ = k.shape
+    pad = (-t) % chunk
+    if pad:  # zero k and beta make padded steps no-ops; zero g leaves the decay alone
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    cum = g.cumsum(-1)  # c_t
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    # masked before exp, so that the entries above the diagonal cannot overflow
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    return q, k, v, beta, cum, decay
+
+
 def chunked_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,18 +84,8 @@ def chunked_delta_rule(
     """
     b, h, t, dk = k.shape
     dv = v.shape[-1]
-    pad = (-t) % chunk
-    if pad:  # zero k and beta make padded steps no-ops; zero g leaves the decay alone
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (t + pad) // chunk
-    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
-
-    cum = g.cumsum(-1)  # c_t
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    # decay[t, s] = e^{c_t - c_s} for s <= t, 0 above the diagonal (masked before exp to avoid overflow)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    q, k, v, beta, cum, decay = split_chunks(q, k, v, g, beta, chunk)
+    n = q.shape[2]
     kb = k * beta.unsqueeze(-1)
     system = (kb @ k.transpose(-1, -2)) * decay  # diagonal ignored: unitriangular solve
     solved_v = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
