@@ -12,7 +12,14 @@ from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.loading import load_model
 from onestream.worker.sampling import RequestSampler, SamplingParams
 from onestream.worker.sequence import Sequence
-from onestream.worker.speculative import SpecStats, SpeculativeDecoder, accept_greedy, accept_sampled
+from onestream.worker.speculative import (
+    SpecStats,
+    SpeculativeDecoder,
+    accept_greedy,
+    accept_sampled,
+    resolve_sampled,
+    settle,
+)
 from onestream.worker.testing import write_tiny_checkpoint
 from onestream.worker.testing_spec import write_draftable_checkpoint
 
@@ -93,6 +100,24 @@ def speculative_outputs(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int
         accepted, token = accept_sampled(p, q, drafts, accept_generator)
         outputs.append([*drafts[:accepted], token])
     return outputs
+
+
+def test_settling_on_the_device_agrees_with_the_host_rules() -> None:
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(200):
+        k = int(torch.randint(1, 6, (1,), generator=generator))
+        targets = torch.randint(0, 4, (k + 1,), generator=generator)
+        drafts = torch.randint(0, 4, (k,), generator=generator)
+        settled = settle(drafts != targets[:k], targets[:k], targets[k]).tolist()
+        assert tuple(settled) == accept_greedy(targets.tolist(), drafts.tolist())
+        decisions = torch.cat(
+            [
+                torch.randint(0, 2, (k,), generator=generator),
+                torch.randint(0, 9, (k + 1,), generator=generator),
+            ]
+        )
+        settled = settle(decisions[:k].bool(), decisions[k : 2 * k], decisions[2 * k]).tolist()
+        assert tuple(settled) == resolve_sampled(decisions.tolist(), k)
 
 
 def test_backend_greedy_verification_accepts_the_matching_prefix(random_dir: Path) -> None:

@@ -13,8 +13,8 @@ What is preserved exactly:
   run reproduces itself, not a seeded plain run.
 
 On an accelerator a cycle synchronises with the host once: drafts stay on the device from one draft step to
-the next and into the verify pass, and the acceptance decisions are computed there and read back together
-with the drafts.
+the next and into the verify pass, and the acceptance is settled there; the host reads back the drafts, the
+number accepted and the next token (the megakernel's plain-greedy cycles: its control block).
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def sampled_decisions(
     return torch.cat(
         [rejected.long(), sample(residual, generator), sample(target_probs[k : k + 1], generator)]
     )
+
+
+def settle(rejected: torch.Tensor, replacements: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[accepted drafts, next token] on the device: the drafts before the first rejected one are accepted; the
+    next token is that position's replacement, or `bonus` when none is rejected. rejected, replacements [k]."""
+    k = rejected.shape[0]
+    positions = torch.arange(k, device=rejected.device)
+    first = torch.where(rejected, positions, k).min()
+    replacement = replacements[first.clamp(max=k - 1)]
+    return torch.stack([first, torch.where(first < k, replacement, bonus.reshape(()))])
 
 
 def resolve_sampled(decisions: Seq[int], k: int) -> tuple[int, int]:
@@ -143,16 +153,14 @@ class SpeculativeDecoder:
             return Cycle(inputs, verify, [*inputs[1 : accepted + 1], targets[accepted]])
         verify = seq.run_verify(torch.cat([pending_ids, drafts]))
         if sampler.params.greedy:
-            decisions = sampler.next_tokens(verify.logits, per_row=drafts)
+            targets = sampler.next_tokens(verify.logits, per_row=drafts)
+            settled = settle(drafts != targets[:k], targets[:k], targets[k])
         else:
             target_probs = sampler.probabilities(verify.logits, per_row=drafts)
             decisions = sampled_decisions(target_probs, torch.cat(draft_probs), drafts, sampler.generator)
-        host = torch.cat([drafts, decisions]).tolist()  # the cycle's one synchronisation
-        host_drafts, host_decisions = host[:k], host[k:]
-        if sampler.params.greedy:
-            accepted, next_token = accept_greedy(host_decisions, host_drafts)
-        else:
-            accepted, next_token = resolve_sampled(host_decisions, k)
+            settled = settle(decisions[:k].bool(), decisions[k : 2 * k], decisions[2 * k])
+        host = torch.cat([drafts, settled]).tolist()  # the cycle's one synchronisation: drafts, count, next
+        host_drafts, (accepted, next_token) = host[:k], host[k:]
         self.stats.record(k, accepted)
         return Cycle([pending, *host_drafts], verify, [*host_drafts[:accepted], next_token])
 
