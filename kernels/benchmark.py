@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from onestream.worker.config import ModelConfig
 
+from .alternate import AlternatedResult, alternate
 from .build import Tuning
 from .phase_timing import format_breakdown, step_phases, summarise
 from .random_model import random_model
@@ -145,6 +146,41 @@ def bench_megakernel(runner: MegakernelRunner, model: Any, context: int, steps: 
     t2 = (time.perf_counter() - start) / steps
     out.append(MethodResult("megakernel (one step per call, host sync)", 1 / t2, t2 * 1e3))
     return out
+
+
+def _failed(error: str) -> Callable[[], float]:
+    def run() -> float:
+        raise RuntimeError(error)
+
+    return run
+
+
+def alternated_builds(
+    model: Any, tunings: dict[str, Tuning], *, context: int, steps: int, rounds: int
+) -> list[AlternatedResult]:
+    """Each build's device-chained greedy decode, one chain of `steps` launches per round, builds alternating
+    (kernels/alternate.py); every build decodes the same positions of the same prefilled state."""
+    state, first = _prefilled(model, context, context + steps + 8, seed=1)
+    timers: dict[str, Callable[[], float]] = {}
+    runners: list[MegakernelRunner] = []
+    for label, tuning in tunings.items():
+        try:
+            runner = MegakernelRunner(model, tuning=tuning)
+            own = state.clone()
+            runner.greedy_chain(first, own, 2)  # warm-up: module load, tables
+        except Exception as e:
+            timers[label] = _failed(f"{type(e).__name__}: {e}"[:300])
+            continue
+        runners.append(runner)
+
+        def timer(runner: MegakernelRunner = runner, own: Any = own) -> float:
+            token = own.token_ids[-1]
+            seconds = _events_time(lambda: runner.greedy_chain(token, own, steps, check=False), 1)
+            runner.check()
+            return 1e3 * seconds / steps
+
+        timers[label] = timer
+    return alternate(timers, rounds)
 
 
 @torch.no_grad()

@@ -145,7 +145,8 @@ def test_bench_command_registers() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "decode", "--layers", "8", "--skip-hf"])
-    assert args.layers == 8 and args.skip_hf and args.func is bench.run_decode
+    assert args.layers == 8 and args.skip_hf and args.func is bench.run_decode and args.alternate == 0
+    assert parser.parse_args(["bench", "decode", "--alternate", "5"]).alternate == 5
 
 
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:

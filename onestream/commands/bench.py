@@ -6,9 +6,11 @@ speculative decoding on the megakernel (SPEC_DOC below). Both need a CUDA GPU an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +39,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also time kernel variants (bf16 activations, fp32 GEMV inputs, dynamic row scheduling) and per-phase "
         "timing builds of the default and the dynamic kernel",
     )
+    decode.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time the builds (default and dynamic rows; with --sweep every untimed variant) against each "
+        "other on the 27B shapes, one chain each per round in rotating order, to separate their difference "
+        "from run-to-run spread",
+    )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
     _add_spec(sub)
@@ -56,6 +67,7 @@ def run_decode(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbs:.0f} GB/s, read {ceilings.read_gbs:.0f} GB/s", flush=True)
     results = []
+    alternated: list = []
     if not args.skip_27b:
         tunings = {"default": Tuning()}
         if args.sweep:
@@ -78,6 +90,8 @@ def run_decode(args: argparse.Namespace) -> int:
             )
         )
         print(format_results(ceilings, results[-1:], device), flush=True)
+        if args.alternate > 0:
+            alternated = run_alternated(args, tunings, ceilings, results[-1].bytes_per_token)
         torch.cuda.empty_cache()
     from onestream.worker.loading import default_model_dir, load_model
 
@@ -104,8 +118,33 @@ def run_decode(args: argparse.Namespace) -> int:
     print()
     print(format_results(ceilings, results, device))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, **as_json(ceilings, results)}, indent=2))
+        record = {"device": device, **as_json(ceilings, results)}
+        if alternated:
+            record["alternated"] = [dataclasses.asdict(r) for r in alternated]
+        Path(args.json).write_text(json.dumps(record, indent=2))
     return 0
+
+
+def run_alternated(args: argparse.Namespace, tunings: dict, ceilings: Any, bytes_per_token: int) -> list:
+    """`--alternate`: the builds that time the plain kernel (not the phase-timing ones), rounds alternating."""
+    from onestream.kernels.alternate import format_alternated
+    from onestream.kernels.benchmark import alternated_builds
+    from onestream.kernels.build import Tuning
+    from onestream.kernels.random_model import config_27b, random_model
+
+    builds = {label: t for label, t in tunings.items() if not t.phase_timing}
+    builds.setdefault("dynamic rows (80 % static, 96 KB tiles)", Tuning(dynamic=True))
+    model = random_model(config_27b(args.layers), seed=7)
+    alternated = alternated_builds(
+        model, builds, context=args.context, steps=args.steps, rounds=args.alternate
+    )
+    floor_ms = 1e3 * bytes_per_token / (ceilings.read_gbs * 1e9)
+    print(
+        f"\n== alternated builds, 27B shapes ({args.layers} layers), {args.alternate} rounds of {args.steps} steps"
+    )
+    print(format_alternated(alternated, floor_ms=floor_ms), flush=True)
+    del model
+    return alternated
 
 
 SPEC_DOC = """`onestream bench spec`: the cost of speculative decoding on the megakernel, in one run. (a) One launch of

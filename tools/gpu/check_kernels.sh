@@ -71,6 +71,9 @@ if [ "$MODE" = quick ]; then
 else
   BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep --small-model "$REPO/worker/assets/default_model")
 fi
+# BENCH_EXTRA: more options, e.g. "--alternate 6" (issue 6: builds timed against each other, rounds alternating)
+# shellcheck disable=SC2206
+BENCH_ARGS+=(${BENCH_EXTRA:-})
 echo "== bench decode ${BENCH_ARGS[*]}" | tee -a "$OUT/env.log"
 timeout "${BENCH_TIMEOUT:-130}" python3 -m onestream bench decode "${BENCH_ARGS[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
