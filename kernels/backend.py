@@ -56,6 +56,12 @@ class MegakernelBackend(ReferenceBackend):
         out = self.runner.mtp_step(input_ids.reshape(-1), hidden, state)
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
+    def prepare(self, max_tokens: int) -> None:
+        """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now: a verify of k
+        drafts takes k + 1 and a first draft step up to k + 1 pairs, and a build costs seconds to compile."""
+        for n in range(1, min(max_tokens, MAX_TOKENS_PER_LAUNCH) + 1):
+            self.runner.prepare(n)
+
     @torch.inference_mode()
     def decode_greedy(self, token: int, state: Any, n_tokens: int) -> list[int]:
         """`n_tokens` greedy tokens after `token`, chained on the device (one host sync at the end)."""

@@ -154,6 +154,10 @@ class MegakernelRunner:
         build = self._builds[n_tokens] = _Build(spec, built, sync)
         return build
 
+    def prepare(self, n_tokens: int) -> None:
+        """Build the kernels for `n_tokens` tokens per launch now rather than at their first launch."""
+        self._build(n_tokens)
+
     def _check_resident(self, built: BuiltModule, spec: KernelSpec) -> None:
         import cupy
 

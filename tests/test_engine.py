@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from onestream.worker.backend import BackendUnavailableError, create_backend
+from onestream.worker.backend import BackendUnavailableError, ReferenceBackend, create_backend
 from onestream.worker.engine import Engine, EngineBusyError, Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import ContextLengthError, InvalidRequestError
+from onestream.worker.loading import load_model
 from onestream.worker.output import StopChecker
 from onestream.worker.sampling import SamplingParams
 from onestream.worker.testing_spec import write_draftable_checkpoint
@@ -285,3 +286,27 @@ def test_errors_live_in_errors_and_keep_their_old_import_paths() -> None:
     assert state.StateError is errors.StateError
     for cls in (errors.EngineBusyError, errors.BackendUnavailableError, errors.StateError):
         assert issubclass(cls, errors.OnestreamError)
+
+
+class PreparingBackend(ReferenceBackend):
+    """A reference back end that records what the engine asks it to prepare (the megakernel compiles)."""
+
+    def __init__(self, model: object) -> None:
+        super().__init__(model)
+        self.prepared: list[int] = []
+
+    def prepare(self, max_tokens: int) -> None:
+        self.prepared.append(max_tokens)
+
+
+def test_warm_up_prepares_the_launch_sizes_a_speculative_cycle_runs(model_dir: Path) -> None:
+    backend = PreparingBackend(load_model(model_dir, dtype=torch.float32))
+    engine = Engine(model_dir, backend=backend, spec_k=3)
+    engine.warm_up()
+    assert backend.prepared == [4]  # a verify of 3 drafts is 4 tokens; first draft steps take up to 4 pairs
+    engine.spec_k = 0
+    engine.warm_up()
+    assert backend.prepared == [4, 1]
+    plain = Engine(model_dir, backend="reference", device="cpu", dtype="fp32")
+    plain.warm_up()  # a back end with nothing to prepare: a no-op
+    assert run(plain, GenerateRequest([1, 2, 3], GREEDY, max_tokens=3))[1].usage.generated_tokens == 3

@@ -203,6 +203,15 @@ def test_each_cache_keeps_its_own_capacity(setup):
     assert torch.equal(runner.mtp_step(ids, hidden, grown).logits, same)
 
 
+def test_backend_prepares_every_build_a_cycle_uses(setup):
+    from onestream.kernels.backend import MegakernelBackend
+
+    _, model, _ = setup
+    backend = MegakernelBackend(model)
+    backend.prepare(3)
+    assert set(backend.runner._builds) == {1, 2, 3}
+
+
 @torch.no_grad()
 def test_bad_launches_are_clear_errors(setup):
     _, model, runner = setup

@@ -109,6 +109,10 @@ class CardActor:
 
             torch.set_num_threads(settings.torch_threads)
         self._engine = _build_engine(settings)
+        try:  # compile the megakernel's builds before the card says it is ready, not in the first request
+            self._engine.warm_up()
+        except Exception as e:  # the first request then compiles (or reports) whatever failed here
+            log.warning("card warm-up failed: %s: %s", type(e).__name__, e)
         info = _plain(self._engine.model_info())
         self._model_info = info if isinstance(info, dict) else {"info": info}
         model = str(self._model_info.get("model_name") or Path(settings.model_dir).name)

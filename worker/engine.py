@@ -155,6 +155,13 @@ class Engine:
             raise ValueError(f"spec_k must be an integer in [0, 16], got {k!r}")
         self._spec_k = k
 
+    def warm_up(self) -> None:
+        """Prepare now what the first request would otherwise pay for: a back end with a `prepare(max_tokens)`
+        (the megakernel: one compiled build per tokens-per-launch) gets the most a cycle of spec_k drafts runs."""
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            prepare(self.spec_k + 1)
+
     def default_sampling(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, with the `overrides` that are not
         None on top (what a user passed): the settings the model's authors recommend unless told otherwise."""
