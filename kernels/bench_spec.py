@@ -28,7 +28,7 @@ from onestream.worker.config import ModelConfig
 from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.evaluation import SpecRun
 
-from .benchmark import Ceilings, _events_time, _weight_bytes
+from .benchmark import Ceilings, events_time, prefilled, weight_bytes
 
 VERIFY_TARGET_TOKENS = 4
 VERIFY_TARGET_RATIO = 1.15  # issue 7: a verify launch of 4 tokens costs at most 1.15x one decode step
@@ -135,25 +135,7 @@ def _failure(e: BaseException) -> str:
 # ---- kernel timing ------------------------------------------------------------------------------------
 def _launch_ms(launch: Callable[[], Any], launches: int, repeats: int) -> float:
     """Milliseconds of one launch: the median over `repeats` chains of `launches` back-to-back launches."""
-    return _events_time(lambda: [launch() for _ in range(launches)], repeats) / launches * 1e3
-
-
-@torch.no_grad()
-def _prefilled(
-    model: Any, context: int, max_len: int, *, seed: int, mtp: bool
-) -> tuple[Any, int, torch.Tensor]:
-    """A state holding `context` random tokens (the MTP head's cache too when `mtp`), with room for `max_len`
-    positions; returns it, the greedy next token and the last post-norm hidden [1, H]."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (context,), device="cuda", generator=g)
-    state = model.new_state(max_len)
-    out = model.forward_step(prompt, state, logits="last")
-    if mtp:  # pairs (t[p+1], H[p]), as decoding leaves the MTP cache: drafts attend over the whole context
-        model.mtp_step(prompt[1:], out.hidden[:-1], state, logits="last")
-    caches = [*state.kv.values(), *([state.mtp_kv] if state.mtp_kv is not None else [])]
-    for cache in caches:
-        cache.reserve(max_len)  # no reallocation inside a timed chain
-    return state, int(out.logits[-1].argmax()), out.hidden[-1:].contiguous()
+    return events_time(lambda: [launch() for _ in range(launches)], repeats) / launches * 1e3
 
 
 def _random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -171,7 +153,7 @@ def bench_verify(
     rows = []
     room = context + max(tokens) * (launches * repeats + 2) + 8
     # One prefill; each timed series starts from a copy of it (same context, same positions, for every T).
-    prefilled, _, _ = _prefilled(model, context, room, seed=11, mtp=False)
+    base, _, _ = prefilled(model, context, room, seed=11)
     for t in tokens:
         row = VerifyRow(t)
         rows.append(row)
@@ -186,7 +168,7 @@ def bench_verify(
             continue
         try:
             for verify in (False, True):
-                state = prefilled.clone()
+                state = base.clone()
                 ids = _random_ids(t, model.config.vocab_size, seed=100 + t)
                 accept = verify and t >= 2
 
@@ -212,13 +194,13 @@ def bench_verify(
 
 def bench_draft(runner: Any, model: Any, *, context: int, launches: int, repeats: int) -> DraftResult:
     """One MTP head step against one main-model step, both T = 1, on one state."""
-    result = DraftResult(main_weight_bytes=_weight_bytes(model), mtp_weight_bytes=mtp_weight_bytes(model))
+    result = DraftResult(main_weight_bytes=weight_bytes(model), mtp_weight_bytes=mtp_weight_bytes(model))
     if not runner.has_mtp:
         result.error = "the model has no MTP head"
         return result
     try:
         room = context + 2 * (launches * repeats + 2) + 8
-        state, first, hidden = _prefilled(model, context, room, seed=12, mtp=True)
+        state, first, hidden = prefilled(model, context, room, seed=12, mtp=True)
         ids = torch.tensor([first], device="cuda")
 
         def main_step() -> None:
@@ -258,7 +240,7 @@ def bench_27b(
     if not config.has_mtp:
         config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     model = random_model(config, seed=7)
-    verify = VerifyResult(name, config.num_hidden_layers, context, launches, repeats, _weight_bytes(model))
+    verify = VerifyResult(name, config.num_hidden_layers, context, launches, repeats, weight_bytes(model))
     try:
         runner = MegakernelRunner(model)
     except Exception as e:
@@ -294,7 +276,7 @@ def measure_backend(
     """Greedy plain decoding, then each k, on one engine, appended to `into` as measured (a failure part-way
     keeps the runs before it). A speculative output that differs from the plain one is recorded per k and
     prompt, not raised, so that every k is still measured."""
-    from onestream.worker.evaluation import run_spec
+    from onestream.worker.evaluation import differing_prompts, run_spec
 
     plain: SpecRun | None = None
     for k in (0, *ks):
@@ -306,9 +288,7 @@ def measure_backend(
         if plain is None:
             plain = run
             continue
-        into.differing[k] = [
-            i for i, (a, b) in enumerate(zip(plain.outputs, run.outputs, strict=True)) if a != b
-        ]
+        into.differing[k] = differing_prompts(plain, run)
 
 
 def bench_embedded(

@@ -77,7 +77,7 @@ class ModelResult:
         return self.weight_bytes + self.state_bytes
 
 
-def _events_time(fn: Callable[[], None], repeats: int) -> float:
+def events_time(fn: Callable[[], None], repeats: int) -> float:
     """Median seconds of `fn` over `repeats` runs, CUDA events around each."""
     times = []
     for _ in range(repeats):
@@ -96,7 +96,7 @@ def measure_ceilings(nbytes: int = 4 << 30) -> Ceilings:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()  # never time zeros
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy_s = _events_time(lambda: dst.copy_(src), 10)
+    copy_s = events_time(lambda: dst.copy_(src), 10)
     kernel = cupy.RawKernel(READ_KERNEL, "stream_read")
     out = cupy.zeros(1, dtype=cupy.uint32)
     n = nbytes // 16
@@ -108,23 +108,31 @@ def measure_ceilings(nbytes: int = 4 << 30) -> Ceilings:
             kernel((sms * 8,), (256,), (np.uint64(src.data_ptr()), np.int64(n), out))
 
     read()
-    read_s = _events_time(read, 10)
+    read_s = events_time(read, 10)
     return Ceilings(copy_gbs=2 * nbytes / copy_s / 1e9, read_gbs=nbytes / read_s / 1e9)
 
 
 # ---- methods ------------------------------------------------------------------------------------------
-def _prefilled(model: Any, context: int, max_len: int, seed: int) -> tuple[Any, int]:
+@torch.no_grad()
+def prefilled(
+    model: Any, context: int, max_len: int, *, seed: int, mtp: bool = False
+) -> tuple[Any, int, torch.Tensor]:
+    """A state holding `context` random tokens (the MTP head's cache too when `mtp`), with room for `max_len`
+    positions reserved so that nothing reallocates inside a timed or captured step; returns it, the greedy next
+    token and the last post-norm hidden [1, H]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (context,), device="cuda", generator=g)
     state = model.new_state(max_len)
     out = model.forward_step(prompt, state, logits="last")
-    for cache in state.kv.values():
-        cache.reserve(max_len)  # no reallocation inside timed or captured steps
-    return state, int(out.logits[-1].argmax())
+    if mtp:  # pairs (t[p+1], H[p]), as decoding leaves the MTP cache: drafts attend over the whole context
+        model.mtp_step(prompt[1:], out.hidden[:-1], state, logits="last")
+    for cache in [*state.kv.values(), *([state.mtp_kv] if mtp else [])]:
+        cache.reserve(max_len)
+    return state, int(out.logits[-1].argmax()), out.hidden[-1:].contiguous()
 
 
 def bench_megakernel(runner: MegakernelRunner, model: Any, context: int, steps: int) -> list[MethodResult]:
-    state, first = _prefilled(model, context, context + 4 * steps + 8, seed=1)
+    state, first, _ = prefilled(model, context, context + 4 * steps + 8, seed=1)
     runner.greedy_chain(first, state, 4)  # warm-up (module load, tables)
     token = state.token_ids[-1]
 
@@ -132,10 +140,10 @@ def bench_megakernel(runner: MegakernelRunner, model: Any, context: int, steps: 
         runner.greedy_chain(token, state, steps, check=False)
 
     # `steps` back-to-back launches, each step's argmax fed to the next on the device; median of 3 chains.
-    t = _events_time(chain, 3) / steps
+    t = events_time(chain, 3) / steps
     runner._check(runner.ctrl.cpu())
     out = [MethodResult("megakernel (device-chained greedy)", 1 / t, t * 1e3)]
-    state2, first2 = _prefilled(model, context, context + steps + 8, seed=2)
+    state2, first2, _ = prefilled(model, context, context + steps + 8, seed=2)
     ids = torch.tensor([first2], device="cuda")
     runner.step(ids, state2)
     start = time.perf_counter()
@@ -160,7 +168,7 @@ def alternated_builds(
 ) -> list[AlternatedResult]:
     """Each build's device-chained greedy decode, one chain of `steps` launches per round, builds alternating
     (kernels/alternate.py); every build decodes the same positions of the same prefilled state."""
-    state, first = _prefilled(model, context, context + steps + 8, seed=1)
+    state, first, _ = prefilled(model, context, context + steps + 8, seed=1)
     timers: dict[str, Callable[[], float]] = {}
     runners: list[MegakernelRunner] = []
     for label, tuning in tunings.items():
@@ -175,7 +183,7 @@ def alternated_builds(
 
         def timer(runner: MegakernelRunner = runner, own: Any = own) -> float:
             token = own.token_ids[-1]
-            seconds = _events_time(lambda: runner.greedy_chain(token, own, steps, check=False), 1)
+            seconds = events_time(lambda: runner.greedy_chain(token, own, steps, check=False), 1)
             runner.check()
             return 1e3 * seconds / steps
 
@@ -185,7 +193,7 @@ def alternated_builds(
 
 @torch.no_grad()
 def bench_reference_eager(model: Any, context: int, steps: int) -> MethodResult:
-    state, first = _prefilled(model, context, context + steps + 8, seed=3)
+    state, first, _ = prefilled(model, context, context + steps + 8, seed=3)
     ids = torch.tensor([first], device="cuda")
     model.forward_step(ids, state)
     torch.cuda.synchronize()
@@ -202,7 +210,7 @@ def bench_reference_eager(model: Any, context: int, steps: int) -> MethodResult:
 def bench_reference_graph(model: Any, context: int, steps: int) -> MethodResult:
     """One decode step captured in a CUDA graph at a fixed position, replayed (same work per replay)."""
     try:
-        state, first = _prefilled(model, context, context + 64, seed=4)
+        state, first, _ = prefilled(model, context, context + 64, seed=4)
         ids = torch.tensor([first], device="cuda")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -214,7 +222,7 @@ def bench_reference_graph(model: Any, context: int, steps: int) -> MethodResult:
         with torch.cuda.graph(graph):
             model.forward_step(ids, state)
         graph.replay()
-        t = _events_time(lambda: [graph.replay() for _ in range(steps)], 3) / steps
+        t = events_time(lambda: [graph.replay() for _ in range(steps)], 3) / steps
         return MethodResult("reference in a CUDA graph", 1 / t, t * 1e3)
     except Exception as e:
         return MethodResult("reference in a CUDA graph", None, None, f"failed: {type(e).__name__}: {e}"[:200])
@@ -266,7 +274,7 @@ def _materialise_rotary(module: torch.nn.Module) -> None:
             _materialise_rotary(child)
 
 
-def _weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any) -> int:
     """Bytes of weights a decode step streams: every layer matrix, the lm_head, one embedding row."""
     total = 0
     for layer in model.model.layers:
@@ -319,7 +327,7 @@ def bench_model(
                     "layers": config.num_hidden_layers,
                 },
                 config.num_hidden_layers,
-                _weight_bytes(model),
+                weight_bytes(model),
                 _state_bytes(config, context),
                 context,
                 kernel=runner.describe() if runner is not None else {},

@@ -46,9 +46,8 @@ class MegakernelError(OnestreamError, RuntimeError):
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [T, V] fp32 (the runner's buffer: clone to keep across launches)
-    hidden: (
-        torch.Tensor
-    )  # [T, H] bf16 post-norm hidden, or the MTP layer's normed output (the runner's buffer)
+    # [T, H] bf16 post-norm hidden, or the MTP layer's normed output (the runner's buffer)
+    hidden: torch.Tensor
     tokens: list[int]  # greedy (argmax) token per position; empty when the launch was not read back
     accepted: int = 0  # greedy verify (accept=True): drafts (inputs 1..) equal to the argmax before them
     inputs: list[int] | None = None  # the input tokens as the kernel read them (when read back)
@@ -96,9 +95,8 @@ class MegakernelRunner:
         self.timeout_ns = int(timeout_s * 1e9)
         self.has_mtp = bool(self.config.has_mtp) and getattr(model, "mtp", None) is not None
         self._builds: dict[int, _Build] = {}
-        first = self._build(
-            tokens_per_launch
-        )  # the default build now: shape and resource errors surface here
+        # The default build now: shape and resource errors surface here.
+        first = self._build(tokens_per_launch)
         self.spec, self.built, self.sync = first.spec, first.built, first.sync
         self.threads = self.spec.tuning.threads
         self.smem = self.spec.smem_bytes
@@ -117,7 +115,8 @@ class MegakernelRunner:
         self._layers = torch.zeros(rows * L.COUNT, dtype=torch.int64, device=self.device)
         self._bound: tuple | None = None
         self._hist: torch.Tensor | None = None
-        self._att_part: torch.Tensor | None = None
+        self._att_part: torch.Tensor | None = None  # flash-decoding partials, sized by the largest cache
+        self._att_part_chunks = 0
         # Keep-states launches record DeltaNet states here (entries: before and after each token); the
         # DeltaNetHistory handed to the state views these buffers until the next keep-states launch.
         self._hist_conv: dict[int, torch.Tensor] = {}
@@ -245,7 +244,7 @@ class MegakernelRunner:
         self._reserve_history(keep_tokens)
         capacity = max((cache.capacity for cache in caches), default=state.max_len)
         chunks = self.spec.att_chunks(capacity)
-        if self._att_part is None or self._att_part_chunks < chunks:
+        if self._att_part_chunks < chunks:
             self._att_part_chunks = chunks
             c = self.config
             pairs = c.num_attention_heads // c.num_key_value_heads * MAX_TOKENS_PER_LAUNCH
@@ -367,12 +366,14 @@ class MegakernelRunner:
         self._layers.copy_(torch.tensor(rows, dtype=torch.int64))
 
     # ---- launches ------------------------------------------------------------------------------------
-    def _launch(
-        self, name: str, args: tuple, *, n_tokens: int | None = None, smem: int | None = None
-    ) -> None:
+    def _launch(self, name: str, n_tokens: int, extra: tuple = ()) -> None:
+        """Launch kernel `name` of the `n_tokens` build with the table arguments, then `extra`."""
+        build = self._build(n_tokens)
+        self._launch_raw(build, name, (*self._table_args(build), *extra))
+
+    def _launch_raw(self, build: _Build, name: str, args: tuple, *, smem: int | None = None) -> None:
         import cupy
 
-        build = self._build(self.tokens_per_launch if n_tokens is None else n_tokens)
         kernel = build.built.kernel(name)
         handle = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(handle)
@@ -386,13 +387,12 @@ class MegakernelRunner:
                 shared_mem=build.spec.smem_bytes if smem is None else smem,
             )
 
-    def _table_args(self, n_tokens: int | None = None) -> tuple:
-        sync = self._build(self.tokens_per_launch if n_tokens is None else n_tokens).sync
+    def _table_args(self, build: _Build) -> tuple:
         return (
             np.uint64(_ptr(self._globals)),
             np.uint64(_ptr(self._layers)),
             np.uint64(_ptr(self.ctrl)),
-            np.uint64(_ptr(sync)),
+            np.uint64(_ptr(build.sync)),
         )
 
     def _set_ctrl(
@@ -463,11 +463,8 @@ class MegakernelRunner:
         verification of inputs 1.. as drafts (`StepResult.accepted`). check=False: no read-back (no
         synchronisation; `tokens` is empty; an error surfaces at the next checked launch or `check()`).
         Ids already on the GPU go to the kernel by a device copy (no host round trip before the launch)."""
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
-        ids = ids.reshape(-1)
+        ids = _launch_ids(input_ids, "tokens")
         n = ids.numel()
-        if not 1 <= n <= MAX_TOKENS_PER_LAUNCH:
-            raise MegakernelError(f"a launch takes 1..{MAX_TOKENS_PER_LAUNCH} tokens, got {n}")
         if accept and n < 2:
             raise MegakernelError("greedy verification needs the pending token and at least one draft")
         pos = state.check_room(n)
@@ -476,7 +473,7 @@ class MegakernelRunner:
         if keep_states:
             self._drop_history_owner()
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), flags)
-        self._launch("mk_decode", self._table_args(n), n_tokens=n)
+        self._launch("mk_decode", n)
         tokens, accepted, inputs = [], 0, None
         if check:
             ctrl = self.ctrl.cpu()
@@ -503,11 +500,8 @@ class MegakernelRunner:
         `state.mtp_length …`, like the reference's `mtp_step`. Not read back (no synchronisation)."""
         if not self.has_mtp:
             raise MegakernelError("this model has no MTP head")
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
-        ids = ids.reshape(-1)
+        ids = _launch_ids(input_ids, "pairs")
         n = ids.numel()
-        if not 1 <= n <= MAX_TOKENS_PER_LAUNCH:
-            raise MegakernelError(f"an MTP launch takes 1..{MAX_TOKENS_PER_LAUNCH} pairs, got {n}")
         if tuple(hidden.shape) != (n, self.config.hidden_size):
             raise MegakernelError(
                 f"hidden must have shape ({n}, {self.config.hidden_size}), got {tuple(hidden.shape)}"
@@ -516,7 +510,7 @@ class MegakernelRunner:
         self.bind(state, pos + n, mtp=True)
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), 0, MODE_MTP)
         self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
-        self._launch("mk_decode", self._table_args(n), n_tokens=n)
+        self._launch("mk_decode", n)
         state.mtp_length += n
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], [])
 
@@ -532,9 +526,10 @@ class MegakernelRunner:
             self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
         self.bind(state, pos + n)
         self._set_ctrl(pos, [first_token], CTRL_FLAG_FEEDBACK)
-        args = self._table_args(1)
+        build = self._build(1)
+        args = self._table_args(build)
         for _ in range(n):
-            self._launch("mk_decode", args, n_tokens=1)
+            self._launch_raw(build, "mk_decode", args)
         if not check:
             return []
         ctrl = self.ctrl.cpu()
@@ -548,14 +543,15 @@ class MegakernelRunner:
         """Launch one phase alone (the per-phase tests); raises on a kernel-reported error."""
         self.bind(state, pos + self.tokens_per_launch)
         self._set_ctrl(pos, tokens)
-        self._launch("mk_phase", (*self._table_args(), np.int32(phase), np.int32(layer)))
+        self._launch("mk_phase", self.tokens_per_launch, (np.int32(phase), np.int32(layer)))
         self._check(self.ctrl.cpu())
 
     def barrier_test(self, rounds: int, skip_block: int, timeout_s: float) -> tuple[int, list[int]]:
         """Run the barrier alone; returns (error code, arrivals per round)."""
         arrivals = torch.zeros(rounds, dtype=torch.int32, device=self.device)
         self.reset()
-        self._launch(
+        self._launch_raw(
+            self._build(self.tokens_per_launch),
             "mk_barrier_test",
             (
                 np.uint64(_ptr(self.ctrl)),
@@ -613,6 +609,15 @@ def _smem_optin(props: Any, device: torch.device) -> int:
         return int(cupy.cuda.Device(device.index or 0).attributes["MaxSharedMemoryPerBlockOptin"])
     except Exception:  # unknown: assume the sm_86 limit (the kernel then keeps weights in registers)
         return 99 * 1024
+
+
+def _launch_ids(input_ids: torch.Tensor | list[int], what: str) -> torch.Tensor:
+    """The ids of one launch as a flat tensor (left where they are: GPU ids reach the kernel by a device copy)."""
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
+    ids = ids.reshape(-1)
+    if not 1 <= ids.numel() <= MAX_TOKENS_PER_LAUNCH:
+        raise MegakernelError(f"a launch takes 1..{MAX_TOKENS_PER_LAUNCH} {what}, got {ids.numel()}")
+    return ids
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -342,21 +342,28 @@ class SpeculativeMismatchError(AssertionError):
     """Greedy speculative decoding produced a different output than plain greedy decoding."""
 
 
+def differing_prompts(plain: SpecRun, run: SpecRun) -> list[int]:
+    """The prompts whose output in `run` differs from the plain run's."""
+    return [i for i, (a, b) in enumerate(zip(plain.outputs, run.outputs, strict=True)) if a != b]
+
+
 def time_runs(engine: Any, prompts: Sequence[list[int]], ks: Sequence[int], max_tokens: int) -> list[SpecRun]:
-    """Plain decoding (k = 0) then each k, after a warm-up; raises SpeculativeMismatchError if a speculative
-    output differs from the plain one."""
-    run_spec(engine, prompts[:1], k=0, max_tokens=min(8, max_tokens))  # warm-up: first-call overheads
-    plain = run_spec(engine, prompts, k=0, max_tokens=max_tokens)
-    runs = [plain]
-    for k in ks:
+    """Plain decoding (k = 0) then each k, each after a warm-up on one prompt (first-call costs stay out of the
+    timing: the megakernel compiles its (k+1)-token build on first use); raises SpeculativeMismatchError if a
+    speculative output differs from the plain one."""
+    runs: list[SpecRun] = []
+    for k in (0, *ks):
+        run_spec(engine, prompts[:1], k=k, max_tokens=min(8, max_tokens))
         run = run_spec(engine, prompts, k=k, max_tokens=max_tokens)
-        for i, (a, b) in enumerate(zip(plain.outputs, run.outputs, strict=True)):
-            if a != b:
-                first = next(
-                    (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-                )
-                raise SpeculativeMismatchError(
-                    f"k={k}: prompt {i}: speculative output differs from plain greedy at token {first}"
-                )
+        differing = differing_prompts(runs[0], run) if runs else []
+        if differing:
+            i = differing[0]
+            a, b = runs[0].outputs[i], run.outputs[i]
+            first = next(
+                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+            )
+            raise SpeculativeMismatchError(
+                f"k={k}: prompt {i}: speculative output differs from plain greedy at token {first}"
+            )
         runs.append(run)
     return runs
