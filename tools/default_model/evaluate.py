@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -86,15 +87,16 @@ def run_spec_eval(model: Path, files: list[Path], extra: list[str], threads: int
 
 
 def time_generate(model: Path, spec_k: int | None, repeats: int = 5) -> dict:
-    """Median wall time of 64 greedy tokens (prefill included) with the engine, as `generate` runs it."""
+    """Median wall time of 64 tokens (prefill included) with the engine and the model's sampling defaults, as
+    `onestream generate` runs it with no sampling flags."""
     from onestream.worker.engine import Engine
     from onestream.worker.request import GenerateRequest
-    from onestream.worker.sampling import SamplingParams
 
     engine = Engine(str(model), device="cpu")
     if spec_k is not None:
         engine.spec_k = spec_k
-    request = GenerateRequest(SPEED_PROMPT, SamplingParams(temperature=0.0), max_tokens=64, ignore_eos=True)
+    sampling = engine.default_sampling()
+    request = GenerateRequest(SPEED_PROMPT, sampling, max_tokens=64, ignore_eos=True)
     times, text, usage = [], "", None
     for _ in range(repeats + 1):  # the first run pays one-time costs
         started = time.perf_counter()
@@ -109,6 +111,7 @@ def time_generate(model: Path, spec_k: int | None, repeats: int = 5) -> dict:
     times = sorted(times[1:])
     return {
         "spec_k": engine.spec_k,
+        "sampling": dataclasses.asdict(sampling),
         "median_s": times[len(times) // 2],
         "min_s": times[0],
         "generated_tokens": usage.generated_tokens if usage else None,

@@ -111,9 +111,11 @@ def cpu_eval_block(report: dict) -> str:
     generate = report.get("generate_64")
     if generate:
         default, plain = generate["default"], generate["plain"]
+        penalty = default.get("sampling", {}).get("repetition_penalty", 1.0)
+        how = f"greedy, repetition penalty {penalty}, " if penalty != 1.0 else ""
         lines += [
             "",
-            f"64 tokens from a short code prompt with the engine's defaults (k = {default['spec_k']}): "
+            f"64 tokens from a short code prompt with the engine's defaults ({how}k = {default['spec_k']}): "
             f"{default['min_s']:.2f} s best / {default['median_s']:.2f} s median of 5 (plain decoding: "
             f"{plain['min_s']:.2f} s / {plain['median_s']:.2f} s).",
         ]
