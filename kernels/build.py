@@ -88,14 +88,33 @@ class Tuning:
     dynamic: bool = False
     dyn_static_pct: int = 80
     dyn_tile_bytes: int = 96 * 1024
+    # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
+    # launch) instead of the scalar FMA path. Off: on the H200 (run 9) it streamed 9 % slower at T = 1 with
+    # per-lane copies and 1.8x slower with cooperative ones. Changes results (another summation order), the same
+    # way for every tokens-per-launch build.
+    mma: bool = False
+    mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
+    # Tensor-core ring: the warp copies each 8-row unit cooperatively, one contiguous row stretch per load
+    # instruction (False: each lane copies what it multiplies, 64 bytes of each of 8 rows per instruction).
+    mma_coop: bool = False
 
     def __post_init__(self) -> None:
         if self.fp32_gemv_in and not self.fp32_act:
             raise ValueError("fp32_gemv_in needs fp32_act")
+        if self.fp32_gemv_in and self.mma:
+            raise ValueError(
+                "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs"
+            )
+        if self.mma_sub < 1:
+            raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if not 0 <= self.dyn_static_pct <= 100:
             raise ValueError(f"dyn_static_pct must be 0..100, got {self.dyn_static_pct}")
         if self.dyn_tile_bytes <= 0:
             raise ValueError(f"dyn_tile_bytes must be positive, got {self.dyn_tile_bytes}")
+
+    @property
+    def use_mma(self) -> bool:
+        return self.mma
 
 
 @dataclass(frozen=True)
@@ -130,21 +149,82 @@ class KernelSpec:
         return self._fit()[0]
 
     def _fit(self) -> tuple[int, int, int]:
-        """(partial-sum rows, ring stages, window): the first that fits shared memory, keeping the ring deepest,
-        then the window widest, then the most partial-sum rows."""
+        """(partial-sum rows, ring stages, window) that fit shared memory: the deepest ring that fits at all,
+        then the (window, rows) pair whose GEMV phases break least often into rounds and passes (each break
+        drains the weight stream and re-stages the input), widest window first on ties."""
         top = self.tuning.part_rows
         if self.tuning.fp32_gemv_in:
             top = min(top, FP32_IN_PART_ROWS)
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
         windows = self._windows()
+        least = self._least_part_rows()
         for stages in options:
+            fits = []
             for window in windows:
                 rows = top
-                while rows >= MIN_PART_ROWS:
+                while rows >= least:
                     if self._scratch_fits(rows) and self._smem(rows, stages, window) <= self.smem_limit:
-                        return rows, stages, window
+                        fits.append((self._breaks(rows, window), -window, -rows))
                     rows //= 2
+            if fits:
+                _, window, rows = min(fits)
+                return -rows, stages, -window
         return top, options[-1], windows[-1]  # does not fit: the runner reports the shortfall
+
+    def _breaks(self, part_rows: int, window: int) -> int:
+        """Rounds x passes per step of a block's share of every GEMV phase (mirrors gemv.cuh's gemv_plan)."""
+        c, t = self.config, self.tuning
+        n_full = len(c.full_attention_layers)
+        n_lin = c.num_hidden_layers - n_full
+        item_rows = gemv_item_rows(t)
+        phases = (  # (input width, rows, phases per step)
+            (
+                c.hidden_size,
+                2 * c.linear_num_key_heads * c.linear_key_head_dim
+                + 2 * c.linear_value_dim
+                + 2 * c.linear_num_value_heads,
+                n_lin,
+            ),
+            (c.linear_value_dim, c.hidden_size, n_lin),
+            (
+                c.hidden_size,
+                2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim,
+                n_full,
+            ),
+            (c.num_attention_heads * c.head_dim, c.hidden_size, n_full),
+            (c.hidden_size, 2 * c.intermediate_size, c.num_hidden_layers),
+            (c.intermediate_size, c.hidden_size, c.num_hidden_layers),
+            (c.hidden_size, c.vocab_size, 1),
+        )
+        total = 0
+        for k, rows, count in phases:
+            nk = gemv_chunks(k, t)
+            per_round = max(item_rows, part_rows // nk // item_rows * item_rows)
+            per_pass = max(1, window // gemv_chunk_width_of(k, t))
+            share = -(-rows // self.num_sms)
+            rounds = -(-share // per_round)
+            passes = -(-nk // per_pass)
+            total += count * rounds * passes
+        return total
+
+    def _gemv_inputs(self) -> list[int]:
+        c = self.config
+        return [
+            c.hidden_size,
+            2 * c.hidden_size,
+            c.linear_value_dim,
+            c.num_attention_heads * c.head_dim,
+            c.intermediate_size,
+        ]
+
+    def _least_part_rows(self) -> int:
+        """Fewest partial-sum rows per token: MIN_PART_ROWS, or more where a round of the widest input would
+        hold less than one item's rows (tensor-core items: 8 rows of many chunks each)."""
+        need = max(gemv_chunks(k, self.tuning) * gemv_item_rows(self.tuning) for k in self._gemv_inputs())
+        rows = MIN_PART_ROWS
+        while rows < need:
+            rows *= 2
+        return rows
 
     def _windows(self) -> list[int]:
         """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
@@ -153,7 +233,7 @@ class KernelSpec:
         kmax = max(
             2 * c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size
         )
-        least = max(c.hidden_size, min(self.tuning.umax * 256, kmax))
+        least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
         steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
         out = [kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8]
         return sorted(set(out), reverse=True)
@@ -164,7 +244,7 @@ class KernelSpec:
         warps = t.threads // 32
         att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + c.head_dim
         dn_sw = c.linear_value_head_dim // max(1, self.dn_split)
-        dn = 2 * c.linear_key_head_dim + t.threads + dn_sw + 4
+        dn = 2 * nt * c.linear_key_head_dim + t.threads + dn_sw + nt * dn_sw + 2 * nt
         return att <= 2 * nt * rows and dn <= nt * rows
 
     @property
@@ -212,6 +292,9 @@ class KernelSpec:
             "MK_DYN": int(t.dynamic),
             "MK_DYN_STATIC_PCT": t.dyn_static_pct,
             "MK_DYN_TILE_BYTES": t.dyn_tile_bytes,
+            "MK_MMA": int(t.use_mma),
+            "MK_MMA_SUB": t.mma_sub,
+            "MK_MMA_COOP": int(t.mma_coop),
         }
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
@@ -226,12 +309,40 @@ class KernelSpec:
 
     def _smem(self, part_rows: int, stages: int, window: int) -> int:
         nt = self.tokens_per_launch
-        xs = (nt * window * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
-        return xs + 2 * nt * part_rows * 4 + 64 * 4 + self._ring_bytes(stages)
+        pad = 32 if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
+        xs = (nt * (window + pad) * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
+        red = max(64, nt * (self.tuning.threads // 32))  # phases.cuh RED_FLOATS
+        return xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages)
 
     def att_chunks(self, capacity: int) -> int:
         """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""
         return max(1, -(-capacity // self.tuning.att_chunk))
+
+
+def gemv_item_rows(tuning: Tuning) -> int:
+    """Rows one GEMV item multiplies: 8 on the tensor cores (the mma's n), else 1."""
+    return 8 if tuning.use_mma else 1
+
+
+def gemv_chunk_width(tuning: Tuning) -> int:
+    """Input elements of a whole GEMV chunk at most (gemv.cuh: MK_UMAX loads of 8 per lane, per sub-item)."""
+    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    return tuning.umax * lanes * sub * 8
+
+
+def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
+    """Input elements of one chunk of a GEMV over k inputs (its loads per lane shrink to fit k)."""
+    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    loads = -(-(k // 8) // lanes)
+    per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
+    return per_lane * lanes * sub * 8
+
+
+def gemv_chunks(k: int, tuning: Tuning) -> int:
+    """Chunks (partial sums) per row of a GEMV over k inputs: gemv.cuh's gemv_plan."""
+    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    loads = -(-(k // 8) // lanes)
+    return -(-loads // (tuning.umax * sub))
 
 
 def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:

@@ -175,6 +175,17 @@ __device__ __forceinline__ void ld_cg_act8(const void* base, int i8, bool bf, fl
     else ld_cg_f8((const float*)base + i8 * 8, f);
 }
 
+// ---- tensor cores (sm_80+) ---------------------------------------------------------------------
+// c += A * B for one m16n8k16 tile, bf16 inputs, fp32 accumulation. A's rows 8..15 are zero (the GEMV has at most
+// 8 tokens): a0 / a2 hold the lane's row (lane / 4) at k 2 (lane % 4) + {0, 1} / + {8, 9}, b0 / b1 the lane's
+// column (lane / 4) at the same k. c[0], c[1]: row lane / 4, columns 2 (lane % 4) + {0, 1}; c[2], c[3] stay zero.
+__device__ __forceinline__ void mma_bf16_m16n8k16(float (&c)[4], u32 a0, u32 a2, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
 // ---- reductions ----------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -197,6 +208,28 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
     for (int w = 0; w < MK_NWARPS; ++w) s += scratch[w];
     return s;
+}
+
+// Block-wide sums of N values per thread at once, each in block_sum's order (one pair of barriers for all N).
+// `scratch` holds N * MK_NWARPS floats; every thread gets the sums.
+template <int N>
+__device__ __forceinline__ void block_sum_n(float (&v)[N], float* scratch) {
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) scratch[i * MK_NWARPS + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MK_NWARPS; ++w) s += scratch[i * MK_NWARPS + w];
+        v[i] = s;
+    }
 }
 
 // ---- errors and the grid barrier ----------------------------------------------------------------

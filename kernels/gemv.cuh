@@ -14,6 +14,16 @@
 // partials land in the same slots, and the row sums stay in the same order, so results do not depend on
 // MK_XW (verify launches of many tokens get a narrower window than single steps, and the same values).
 //
+// MK_MMA (an option, off by default: slower on the H200, see Tuning.mma) multiplies on the tensor cores instead:
+// an item is 8 rows by a K range (mma.sync m16n8k16, the
+// weights as the B operand, the tokens as the A operand's rows), lane (g, t) = (lane / 4, lane % 4) streams row g at
+// vectors 4 * j + t (both operands take the same permutation of K inside a vector, so no shuffles are needed), and
+// the tensor core sums over K: per 16-byte weight vector a lane issues one shared-memory read of its token's input
+// and two mma instructions whatever MK_NT is, where the scalar path reads MK_NT input vectors and issues 8 * MK_NT
+// FMAs. A chunk is MK_MMA_SUB consecutive items of the same rows (summed in the accumulator), so rows keep few
+// partials. Each output element of the mma is its own dot product: token t's value does not depend on the other
+// tokens in the launch, so verify launches stay bit-identical to single steps.
+//
 // Shapes are run-time values on purpose: one copy of the hot loop serves every phase. With one
 // compile-time instantiation per phase, the step loop inlined seven copies and ptxas spilled the weight
 // registers of all of them.
@@ -41,7 +51,32 @@
 #ifndef MK_XW
 #error "MK_XW (input values staged per token) missing: compile through onestream.kernels.build"
 #endif
+#ifndef MK_MMA
+#define MK_MMA 0  // 1: tensor-core items of 8 rows (kernels/build.py passes it; the scalar path is the fallback)
+#endif
+#ifndef MK_MMA_COOP
+#define MK_MMA_COOP 1  // MK_MMA ring: the warp copies each row stretch with whole load instructions (see the ring)
+#endif
+#ifndef MK_MMA_SUB
+#define MK_MMA_SUB 2  // MK_MMA: items per chunk (accumulated in registers before one partial per row is stored)
+#endif
+#if MK_MMA && MK_FP32_IN
+#error "MK_FP32_IN needs the scalar GEMV (MK_MMA 0): the tensor cores take bf16 inputs"
+#endif
+#if MK_MMA
+#define GEMV_IR 8             // rows per item: the mma's n
+#define GEMV_KL 4             // lanes along K per row
+#define GEMV_SUB MK_MMA_SUB   // items (ring slots) per chunk
+#else
+#define GEMV_IR 1
+#define GEMV_KL 32
+#define GEMV_SUB 1
+#endif
 #define MK_XWV (MK_XW / 8)  // 16-byte input vectors per token in shared memory
+// Token stride of the staged input: 64 bytes more than the window when several tokens are staged, so that the
+// tokens' rows start in different shared-memory banks (the lanes of a GEMV load read one token each).
+#define MK_XLD (MK_XW + (MK_NT > 1 ? 32 : 0))
+#define MK_XLDV (MK_XLD / 8)
 #define GEMV_MAX_SEGS 4
 // Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most.
 #define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
@@ -59,26 +94,39 @@ struct GemvDesc {
 
 struct GemvPlan {
     int nvec;   // 16-byte vectors per row
-    int nk;     // chunks per row
-    int u;      // loads per lane per chunk (<= MK_UMAX)
+    int nk;     // chunks per row (a row's partial sums)
+    int u;      // loads per lane per item (<= MK_UMAX); a chunk is GEMV_SUB items
     int round;  // rows per round
 };
 
+// The same formula as kernels/build.py's gemv_round (which sizes the row-value buffer).
 __device__ __forceinline__ GemvPlan gemv_plan(int K) {
     GemvPlan p;
     p.nvec = K / 8;
-    const int lpr = (p.nvec + 31) / 32;
-    p.nk = (lpr + MK_UMAX - 1) / MK_UMAX;
-    p.u = (lpr + p.nk - 1) / p.nk;
-    p.round = (MK_PART_ROWS / p.nk) & ~1;
+    const int lpr = (p.nvec + GEMV_KL - 1) / GEMV_KL;  // loads per lane along a whole row
+    p.nk = (lpr + MK_UMAX * GEMV_SUB - 1) / (MK_UMAX * GEMV_SUB);
+    p.u = (lpr + p.nk * GEMV_SUB - 1) / (p.nk * GEMV_SUB);
+    p.round = (MK_PART_ROWS / p.nk) & (MK_MMA ? ~7 : ~1);
     return p;
 }
+// 16-byte input vectors per chunk.
+__device__ __forceinline__ int gemv_chunk_vecs(const GemvPlan& p) { return p.u * GEMV_KL * GEMV_SUB; }
+// The vector that load `uu` of sub-item `sub` of chunk `chunk` reads for `lane`.
+__device__ __forceinline__ int gemv_vec(const GemvPlan& p, int chunk, int sub, int uu, int lane) {
+    return ((chunk * GEMV_SUB + sub) * p.u + uu) * GEMV_KL + (lane & (GEMV_KL - 1));
+}
+// The row (within the range) of item row group `rg` that `lane` streams.
+__device__ __forceinline__ int gemv_lane_row(int rg, int lane) { return MK_MMA ? rg * GEMV_IR + (lane >> 2) : rg; }
+// Items of a pass over `nkq` chunks of `nr` rows.
+__device__ __forceinline__ int gemv_items(int nr, int nkq) { return (nr + GEMV_IR - 1) / GEMV_IR * nkq; }
 
-// Chunks per pass: as many whole chunks (p.u * 32 vectors each) as the staged window holds.
-__device__ __forceinline__ int gemv_pass_chunks(const GemvPlan& p) { return max(1, min(p.nk, MK_XWV / (p.u * 32))); }
+// Chunks per pass: as many whole chunks as the staged window holds.
+__device__ __forceinline__ int gemv_pass_chunks(const GemvPlan& p) {
+    return max(1, min(p.nk, MK_XWV / gemv_chunk_vecs(p)));
+}
 // Input elements [k0, k1) of pass q.
 __device__ __forceinline__ void gemv_pass_range(const GemvDesc& d, const GemvPlan& p, int q, int& k0, int& k1) {
-    const int width = gemv_pass_chunks(p) * p.u * 256;
+    const int width = gemv_pass_chunks(p) * gemv_chunk_vecs(p) * 8;
     k0 = q * width;
     k1 = min(d.K, k0 + width);
 }
@@ -146,15 +194,106 @@ __device__ __forceinline__ void block_row_range(int nrows, int align, int& r0, i
     row_range_of(bid_x(), nrows, align, r0, r1);
 }
 
-__device__ __forceinline__ void gemv_load(const GemvDesc& d, const GemvPlan& p, int row, int chunk, int lane,
-                                          vec16 (&w)[MK_UMAX]) {
-    const vec16* base = (const vec16*)gemv_row(d, row);
+// A warp's unit k of a pass: item warp + (k / GEMV_SUB) * MK_NWARPS (row group, chunk), sub-item k % GEMV_SUB.
+struct GemvUnit {
+    int rg, chunk, sub;
+};
+__device__ __forceinline__ GemvUnit gemv_unit(int warp, int k, int c0, int nkq) {
+    const int i = warp + (k / GEMV_SUB) * MK_NWARPS;
+    GemvUnit it;
+    it.rg = i / nkq;
+    it.chunk = c0 + i - it.rg * nkq;
+    it.sub = k - (k / GEMV_SUB) * GEMV_SUB;
+    return it;
+}
+// Units of warp `warp` in a pass of `nitems` items.
+__device__ __forceinline__ int gemv_units(int warp, int nitems) {
+    return warp < nitems ? ((nitems - 1 - warp) / MK_NWARPS + 1) * GEMV_SUB : 0;
+}
+
+// Per-lane sums of the chunk being multiplied: the mma accumulator (token lane / 4, rows 2 (lane % 4) and + 1 of
+// the item; the other two entries belong to the mma's unused rows 8..15), or one sum per token.
+struct GemvAcc {
+#if MK_MMA
+    float c[4];  // the first k-step of every weight vector
+    float d[4];  // the second: two chains of dependent mma instead of one (summed when the chunk is stored)
+#else
+    float c[MK_NT];
+#endif
+};
+__device__ __forceinline__ void gemv_acc_zero(GemvAcc& a) {
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(a.c) / sizeof(float)); ++i) a.c[i] = 0.0f;
+#if MK_MMA
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a.d[i] = 0.0f;
+#endif
+}
+
+// Add one unit (`w(u)`: the lane's weight vector of load u) to the accumulator. Vectors past the row's end and
+// rows past the range contribute zeros (their ring slots hold stale data: never multiplied).
+template <class W>
+__device__ __forceinline__ void gemv_accumulate(const GemvPlan& p, W w, const GemvUnit& it, int nr, int lane,
+                                                const vec16* xs, int v0, GemvAcc& acc) {
+#if MK_MMA
+    const int g = lane >> 2;
+    const bool rowok = gemv_lane_row(it.rg, lane) < nr;
 #pragma unroll
     for (int u = 0; u < MK_UMAX; ++u) {
-        const int v = (chunk * p.u + u) * 32 + lane;
+        if (u < p.u) {  // warp-uniform: every lane joins the mma
+            const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
+            vec16 wv = {0u, 0u, 0u, 0u}, xv = {0u, 0u, 0u, 0u};
+            if (v < p.nvec) {
+                if (rowok) wv = w(u);
+                if (g < MK_NT) xv = xs[g * MK_XLDV + v - v0];
+            }
+            mma_bf16_m16n8k16(acc.c, xv.x, xv.y, wv.x, wv.y);
+            mma_bf16_m16n8k16(acc.d, xv.z, xv.w, wv.z, wv.w);
+        }
+    }
+#else
+#pragma unroll
+    for (int u = 0; u < MK_UMAX; ++u) {
+        const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
+        if (u < p.u && v < p.nvec) {
+            const vec16 wv = w(u);
+#pragma unroll
+            for (int t = 0; t < MK_NT; ++t) acc.c[t] += dot8_in(wv, xs, t * MK_XLDV + v - v0);
+        }
+    }
+#endif
+}
+
+// The chunk's partial sums into shared memory: part[t * MK_PART_ROWS + row * nk + chunk].
+__device__ __forceinline__ void gemv_store(const GemvPlan& p, const GemvAcc& acc, const GemvUnit& it, int nr, int lane,
+                                           float* part) {
+#if MK_MMA
+    const int g = lane >> 2, r = it.rg * GEMV_IR + 2 * (lane & 3);
+    if (g < MK_NT) {
+        if (r < nr) part[g * MK_PART_ROWS + r * p.nk + it.chunk] = acc.c[0] + acc.d[0];
+        if (r + 1 < nr) part[g * MK_PART_ROWS + (r + 1) * p.nk + it.chunk] = acc.c[1] + acc.d[1];
+    }
+#else
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) {
+        const float s = warp_sum(acc.c[t]);
+        if (lane == 0) part[t * MK_PART_ROWS + it.rg * p.nk + it.chunk] = s;
+    }
+#endif
+}
+
+// The register path: the lane's weight vectors of one unit (zeros where there is nothing to load).
+__device__ __forceinline__ void gemv_load(const GemvDesc& d, const GemvPlan& p, int rs, int nr, const GemvUnit& it,
+                                          int lane, vec16 (&w)[MK_UMAX]) {
+    const int lr = gemv_lane_row(it.rg, lane);
+    const bool rowok = lr < nr;
+    const vec16* base = (const vec16*)gemv_row(d, rs + (rowok ? lr : 0));
+#pragma unroll
+    for (int u = 0; u < MK_UMAX; ++u) {
+        const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
         // Define the register on both paths: a predicated load alone keeps the old value live across
         // iterations, which the register allocator answered with spills around every load.
-        if (u < p.u && v < p.nvec) {
+        if (rowok && u < p.u && v < p.nvec) {
             w[u] = ld_stream16(base + v);
         } else {
             w[u].x = w[u].y = w[u].z = w[u].w = 0u;
@@ -162,51 +301,98 @@ __device__ __forceinline__ void gemv_load(const GemvDesc& d, const GemvPlan& p, 
     }
 }
 
-// `slot`: the item's partial-sum slot (local row * nk + chunk); `v0`: first input vector of the staged window.
-__device__ __forceinline__ void gemv_consume(const GemvPlan& p, const vec16 (&w)[MK_UMAX], int slot, int chunk,
-                                             int lane, const vec16* xs, float* part, int v0) {
-    float acc[MK_NT];
-#pragma unroll
-    for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
-#pragma unroll
-    for (int u = 0; u < MK_UMAX; ++u) {
-        const int v = (chunk * p.u + u) * 32 + lane;
-        if (u < p.u && v < p.nvec) {
-#pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w[u], xs, t * MK_XWV + v - v0);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MK_NT; ++t) {
-        const float s = warp_sum(acc[t]);
-        if (lane == 0) part[t * MK_PART_ROWS + slot] = s;
+// Multiply one unit held in registers; store the chunk's partials after its last sub-item.
+__device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16 (&w)[MK_UMAX], const GemvUnit& it,
+                                                  int nr, int lane, const vec16* xs, int v0, GemvAcc& acc,
+                                                  float* part) {
+    gemv_accumulate(p, [&](int u) { return w[u]; }, it, nr, lane, xs, v0, acc);
+    if (it.sub == GEMV_SUB - 1) {
+        gemv_store(p, acc, it, nr, lane, part);
+        gemv_acc_zero(acc);
     }
 }
 
 #if MK_STAGES > 0
-// The shared-memory weight ring: slot s, load u of thread `tid` at ring[(s * MK_UMAX + u) * MK_THREADS + tid].
-// Each thread reads back only what it copied itself, so no barrier is needed between copy and use; the
-// copies do not occupy registers, so MK_STAGES items per warp are in flight (the register path: one or two).
-__device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPlan& p, int row, int chunk, int lane,
-                                                 u32 ring_slot, u64 policy) {
-    const vec16* base = (const vec16*)gemv_row(d, row);
+// The shared-memory weight ring: MK_STAGES slots per warp, each MK_UMAX planes of 32 16-byte units per warp (plane u of
+// slot s for warp w at ring[(s * MK_UMAX + u) * MK_THREADS + w * 32]). The copies do not occupy registers, so
+// MK_STAGES units per warp are in flight (the register path: one or two).
+// Scalar GEMV: lane l copies and reads back unit l of each plane itself (no synchronisation needed).
+// Tensor-core GEMV: the warp copies its unit's 8 rows cooperatively, each load instruction a contiguous stretch
+// of a row (512 bytes for 8 loads per lane), so that every 128-byte line is one request; lane (g, t) then reads
+// back row g, vectors 4 j + t. The units are placed with an XOR swizzle that keeps both the copies and the
+// read-back free of bank conflicts (hence the __syncwarp()s around the ring in gemv_run).
+#if MK_MMA && MK_MMA_COOP
+// Offset (in vec16 from the warp's slot base) of row r, vector vl of a unit.
+__device__ __forceinline__ int ring_offset(int r, int vl) {
+    const int q = vl * 8 + (r ^ (2 * (vl & 3) + ((vl >> 2) & 1)));
+    return (q >> 5) * MK_THREADS + (q & 31);
+}
+#endif
+
+// Start copying unit `it` into the ring slot at shared address `slot_w` (this warp's base of the slot).
+__device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPlan& p, int rs, int nr,
+                                                 const GemvUnit& it, int lane, u32 slot_w, u64 policy) {
+#if MK_MMA && MK_MMA_COOP
+    const int per_row = 4 * p.u;  // vectors of one row in a unit
+    const int vb = (it.chunk * GEMV_SUB + it.sub) * per_row;
+    const int row0 = it.rg * GEMV_IR;
+    if (p.u == 8) {
+        // The common case (every 27B-shaped phase): load u copies row u, vector `lane`. Lane r < 8 resolves row r's
+        // address once; the others take it by shuffle (per-load address arithmetic would cost more issue slots
+        // than the multiply itself).
+        const unsigned long long mine = (unsigned long long)gemv_row(d, rs + row0 + (lane & 7));
+        const bool vok = vb + lane < p.nvec;
+        const int sw = 2 * (lane & 3) + ((lane >> 2) & 1);
+        const u32 dst = slot_w + ((lane >> 2) * MK_THREADS + (lane & 3) * 8) * 16;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const vec16* rp = (const vec16*)__shfl_sync(0xffffffffu, mine, u);
+            if (row0 + u < nr && vok) cp_async16(dst + (u ^ sw) * 16, rp + vb + lane, policy);
+        }
+        return;
+    }
 #pragma unroll
     for (int u = 0; u < MK_UMAX; ++u) {
-        const int v = (chunk * p.u + u) * 32 + lane;
-        if (u < p.u && v < p.nvec) cp_async16(ring_slot + u * MK_THREADS * 16, base + v, policy);
+        if (u < p.u) {
+            const int e = u * 32 + lane, r = e / per_row, vl = e - r * per_row;
+            if (row0 + r < nr && vb + vl < p.nvec)
+                cp_async16(slot_w + ring_offset(r, vl) * 16, (const vec16*)gemv_row(d, rs + row0 + r) + vb + vl,
+                           policy);
+        }
     }
+#else
+    // Each lane copies what it multiplies: unit l of each plane.
+    const int lr = gemv_lane_row(it.rg, lane);
+    if (lr >= nr) return;
+    const vec16* base = (const vec16*)gemv_row(d, rs + lr);
+#pragma unroll
+    for (int u = 0; u < MK_UMAX; ++u) {
+        const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
+        if (u < p.u && v < p.nvec) cp_async16(slot_w + (u * MK_THREADS + lane) * 16, base + v, policy);
+    }
+#endif
 }
 
-// The ring's head: this warp's first MK_STAGES - 1 items of the pass over chunks [c0, c0 + nkq) of the round
-// starting at row `rs` (item i: row rs + i / nkq, chunk c0 + i % nkq), one commit group each (empty groups where
-// the warp has fewer items, so that group counting stays uniform).
-__device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nitems, int c0, int nkq,
+// Lane's weight vector of load u of a unit in the ring slot whose warp base is `slot`.
+__device__ __forceinline__ vec16 ring_read(const vec16* slot, int u, int lane) {
+#if MK_MMA && MK_MMA_COOP
+    return slot[ring_offset(lane >> 2, u * 4 + (lane & 3))];
+#else
+    return slot[u * MK_THREADS + lane];
+#endif
+}
+
+// The ring's head: this warp's first MK_STAGES - 1 units of the pass over chunks [c0, c0 + nkq) of rows
+// [rs, rs + nr) (ring0: the warp's base of slot 0), one commit group each (empty groups where the warp has fewer units, so that group counting
+// stays uniform).
+__device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nr, int c0, int nkq,
                                                int lane, int warp, u32 ring0, u64 policy) {
+    const int count = gemv_units(warp, gemv_items(nr, nkq));
 #pragma unroll
     for (int k = 0; k < MK_STAGES - 1; ++k) {
-        const int i = warp + k * MK_NWARPS;
-        if (i < nitems)
-            gemv_issue_async(d, p, rs + i / nkq, c0 + i % nkq, lane, ring0 + k * MK_UMAX * MK_THREADS * 16, policy);
+        if (k < count)
+            gemv_issue_async(d, p, rs, nr, gemv_unit(warp, k, c0, nkq), lane, ring0 + k * MK_UMAX * MK_THREADS * 16,
+                             policy);
         cp_async_commit();
     }
 }
@@ -219,31 +405,8 @@ __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
     int r0, r1;
     block_row_range(gemv_static_rows(d), d.align, r0, r1);
     const int nkq = gemv_pass_chunks(p);
-    const int nitems = min(p.round, max(0, r1 - r0)) * nkq;
-    gemv_ring_head(d, p, r0, nitems, 0, nkq, tid_x() & 31, tid_x() >> 5, smem_addr(ring + tid_x()),
-                   evict_first_policy());
-}
-
-// Same arithmetic in the same order as gemv_consume (results are bit-identical to the register path).
-__device__ __forceinline__ void gemv_consume_ring(const GemvPlan& p, const vec16* ring_slot, int slot, int chunk,
-                                                  int lane, const vec16* xs, float* part, int v0) {
-    float acc[MK_NT];
-#pragma unroll
-    for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
-#pragma unroll
-    for (int u = 0; u < MK_UMAX; ++u) {
-        const int v = (chunk * p.u + u) * 32 + lane;
-        if (u < p.u && v < p.nvec) {
-            const vec16 w = ring_slot[u * MK_THREADS];
-#pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] += dot8_in(w, xs, t * MK_XWV + v - v0);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MK_NT; ++t) {
-        const float s = warp_sum(acc[t]);
-        if (lane == 0) part[t * MK_PART_ROWS + slot] = s;
-    }
+    gemv_ring_head(d, p, r0, min(p.round, max(0, r1 - r0)), 0, nkq, tid_x() & 31, tid_x() >> 5,
+                   smem_addr(ring + (tid_x() & ~31)), evict_first_policy());
 }
 #endif
 
@@ -257,13 +420,14 @@ __device__ __forceinline__ int gemv_draw(u64* counter, int ntiles, u64 per_launc
 }
 #endif
 
-// Multiply this block's rows by xs (shared memory, [MK_NT][MK_XW] xin_t, window 0 staged by the caller); after
+// Multiply this block's rows by xs (shared memory, [MK_NT][MK_XLD] xin_t, window 0 staged by the caller); after
 // each round of rows, call `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for
 // token t. Phases wider than MK_XW run each round in passes; `stage(k0, k1)` stages input [k0, k1) (and ends
-// with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only). MK_DYN builds (ring
-// only): after its static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter
-// until none is left; the next range's ring head is issued before the current one's reduction and epilogue, and
-// the next ticket is drawn during them. A row's value does not depend on which block computes it.
+// with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only); the next range's
+// ring head is issued before the current one's reduction and epilogue. MK_DYN builds (ring only): after its
+// static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter until none is
+// left; the next ticket is drawn during a range's reduction. A row's value does not depend on which block
+// computes it.
 template <class Finish, class Stage>
 __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, float* rowval, vec16* ring,
                          bool head_issued, Finish finish, Stage stage) {
@@ -276,8 +440,8 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     block_row_range(gemv_static_rows(d), d.align, r0, r1);
 #if MK_STAGES > 0
     const u64 policy = evict_first_policy();
-    const u32 ring0 = smem_addr(ring + tid_x());
-    const vec16* mine = ring + tid_x();
+    const u32 ring0 = smem_addr(ring + warp * 32);  // this warp's base of slot 0
+    const vec16* mine = ring + warp * 32;
 #endif
     int rs = r0, nr = min(p.round, r1 - r0);
     bool head = head_issued;
@@ -286,7 +450,8 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     __shared__ int s_tile;  // the next tile drawn for this block (-1: none left)
     const bool dyn = d.dyn != nullptr;
     const int srows = gemv_static_rows(d);
-    const int trows = max(d.align, min(MK_DYN_TILE_BYTES / (d.K * 2), p.round) / d.align * d.align);
+    const int tunit = MK_MMA ? GEMV_IR : d.align;  // d.align (1 or 2) divides GEMV_IR
+    const int trows = max(tunit, min(MK_DYN_TILE_BYTES / (d.K * 2), p.round) / tunit * tunit);
     const int ntiles = dyn ? (d.nrows - srows + trows - 1) / trows : 0;
     const u64 per_launch = (u64)ntiles + (u64)nblocks();
     if (dyn && tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
@@ -305,12 +470,11 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     while (nr > 0) {
         for (int q = 0; q < npass; ++q) {
             const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
-            const int nitems = nr * nkq;
-            const int v0 = c0 * p.u * 32;
+            const int v0 = c0 * gemv_chunk_vecs(p);
             if (q > 0 || !staged) {
 #if MK_STAGES > 0
                 // This pass's first weights do not depend on the input: in flight while the window is staged.
-                if (!head) gemv_ring_head(d, p, rs, nitems, c0, nkq, lane, warp, ring0, policy);
+                if (!head) gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
                 head = true;
 #endif
                 __syncthreads();  // every warp is done with the previous window
@@ -318,39 +482,44 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
                 gemv_pass_range(d, p, q, k0, k1);
                 stage(k0, k1);
             }
+            const int count = gemv_units(warp, gemv_items(nr, nkq));
+            GemvAcc acc;
+            gemv_acc_zero(acc);
 #if MK_STAGES > 0
-            // This warp's items are warp, warp + NW, ...; item k lives in slot k % MK_STAGES. One commit group per
-            // item (empty groups past the end keep the count uniform), MK_STAGES - 1 issued ahead of the one used.
-            const int count = warp < nitems ? (nitems - 1 - warp) / MK_NWARPS + 1 : 0;
-            if (!head) gemv_ring_head(d, p, rs, nitems, c0, nkq, lane, warp, ring0, policy);
+            // Unit k lives in slot k % MK_STAGES. One commit group per unit (empty groups past the end keep the
+            // count uniform), MK_STAGES - 1 issued ahead of the one used.
+            if (!head) gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
             head = false;
             for (int k = 0; k < count; ++k) {
                 const int kn = k + MK_STAGES - 1;
-                if (kn < count) {
-                    const int i = warp + kn * MK_NWARPS;
-                    gemv_issue_async(d, p, rs + i / nkq, c0 + i % nkq, lane,
+                if (MK_MMA && MK_MMA_COOP) __syncwarp();  // every lane has read unit k - 1, whose slot unit kn reuses
+                if (kn < count)
+                    gemv_issue_async(d, p, rs, nr, gemv_unit(warp, kn, c0, nkq), lane,
                                      ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
-                }
                 cp_async_commit();
-                cp_async_wait<MK_STAGES - 1>();  // item k's group is complete
-                const int i = warp + k * MK_NWARPS, r = i / nkq, c = c0 + i - r * nkq;
-                gemv_consume_ring(p, mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS, r * p.nk + c, c, lane, xs, part,
-                                  v0);
+                cp_async_wait<MK_STAGES - 1>();  // this lane's copies of unit k are complete
+                if (MK_MMA && MK_MMA_COOP) __syncwarp();        // ... and every other lane's
+                const GemvUnit it = gemv_unit(warp, k, c0, nkq);
+                const vec16* slot = mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS;
+                gemv_accumulate(p, [&](int u) { return ring_read(slot, u, lane); }, it, nr, lane, xs, v0, acc);
+                if (it.sub == GEMV_SUB - 1) {
+                    gemv_store(p, acc, it, nr, lane, part);
+                    gemv_acc_zero(acc);
+                }
             }
             cp_async_wait<0>();
+            if (MK_MMA && MK_MMA_COOP) __syncwarp();  // the next pass's head may overwrite what other lanes were reading
 #else
             vec16 wa[MK_UMAX], wb[MK_UMAX];
-            int i = warp;
-            if (i < nitems) gemv_load(d, p, rs + i / nkq, c0 + i % nkq, lane, wa);
-            while (i < nitems) {
-                const int j = i + MK_NWARPS;
-                if (j < nitems) gemv_load(d, p, rs + j / nkq, c0 + j % nkq, lane, wb);
-                gemv_consume(p, wa, (i / nkq) * p.nk + c0 + i % nkq, c0 + i % nkq, lane, xs, part, v0);
-                if (j >= nitems) break;
-                const int k = j + MK_NWARPS;
-                if (k < nitems) gemv_load(d, p, rs + k / nkq, c0 + k % nkq, lane, wa);
-                gemv_consume(p, wb, (j / nkq) * p.nk + c0 + j % nkq, c0 + j % nkq, lane, xs, part, v0);
-                i = k;
+            int k = 0;
+            if (count > 0) gemv_load(d, p, rs, nr, gemv_unit(warp, 0, c0, nkq), lane, wa);
+            while (k < count) {
+                if (k + 1 < count) gemv_load(d, p, rs, nr, gemv_unit(warp, k + 1, c0, nkq), lane, wb);
+                gemv_consume_regs(p, wa, gemv_unit(warp, k, c0, nkq), nr, lane, xs, v0, acc, part);
+                if (++k >= count) break;
+                if (k + 1 < count) gemv_load(d, p, rs, nr, gemv_unit(warp, k + 1, c0, nkq), lane, wa);
+                gemv_consume_regs(p, wb, gemv_unit(warp, k, c0, nkq), nr, lane, xs, v0, acc, part);
+                ++k;
             }
 #endif
         }
@@ -370,9 +539,10 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
                 took_tile = true;
             }
         }
-        if (dyn && next_nr > 0) {  // its first weights stream in during this range's reduction and epilogue
-            const int nkq = min(cpp, p.nk);
-            gemv_ring_head(d, p, next_rs, next_nr * nkq, 0, nkq, lane, warp, ring0, policy);
+#endif
+#if MK_STAGES > 0
+        if (next_nr > 0) {  // its first weights stream in during this range's reduction and epilogue
+            gemv_ring_head(d, p, next_rs, next_nr, 0, min(cpp, p.nk), lane, warp, ring0, policy);
             head = true;
         }
 #endif

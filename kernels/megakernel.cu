@@ -256,7 +256,7 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
         for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) {
             const int t = i / MK_H;
-            hid[i] = xin_to_bf(sm.xs[t * MK_XW + i - t * MK_H]);
+            hid[i] = xin_to_bf(sm.xs[t * MK_XLD + i - t * MK_H]);
         }
     }
     // The one copy of the GEMV loop, for every weight-streaming phase.

@@ -8,16 +8,16 @@
 #include "model.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
-#define XS_BYTES (((MK_NT * MK_XW * (int)sizeof(xin_t)) + 15) / 16 * 16)
-static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * 256),
+#define XS_BYTES (((MK_NT * MK_XLD * (int)sizeof(xin_t)) + 15) / 16 * 16)
+static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * GEMV_KL * GEMV_SUB * 8),
               "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
-#define RED_FLOATS 64
+#define RED_FLOATS (MK_NT * MK_NWARPS > 64 ? MK_NT * MK_NWARPS : 64)  // block_sum_n of every token
 #define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
 #define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4 + RING_BYTES)
 
 struct Smem {
-    xin_t* xs;      // [MK_NT][MK_XW] staged GEMV input (a window of it when K > MK_XW)
+    xin_t* xs;      // [MK_NT][MK_XLD] staged GEMV input (a window of MK_XW values when K > MK_XW)
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
@@ -44,28 +44,41 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
     vec16* xv = (vec16*)xs;
+    // Every token's loads first, then one block reduction for all of them (one pair of block barriers per launch
+    // instead of one per token; the sums are the same as token by token). A single token keeps its values in
+    // registers; several reload them (from L2, all loads independent) rather than spill.
+    constexpr int KEEP = 1;
+    float v[KEEP][VPT][8];
+    float ss[MK_NT];
+#pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
-        float v[VPT][8];
-        float ss = 0.0f;
+        ss[t] = 0.0f;
+        float(&vt)[VPT][8] = v[KEEP == MK_NT ? t : 0];
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
             if (vi < NVEC) {
-                ld_cg_act8(src[t], vi, src_bf, v[j]);
+                ld_cg_act8(src[t], vi, src_bf, vt[j]);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) ss = fmaf(v[j][e], v[j][e], ss);
+                for (int e = 0; e < 8; ++e) ss[t] = fmaf(vt[j][e], vt[j][e], ss[t]);
             }
         }
-        const float r = rsqrtf(block_sum(ss, red) / (float)MK_H + MK_EPS);
+    }
+    block_sum_n(ss, red);
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) {
+        const float r = rsqrtf(ss[t] / (float)MK_H + MK_EPS);
+        float(&vt)[VPT][8] = v[KEEP == MK_NT ? t : 0];
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
             const bool in_window = vi < NVEC && off + vi >= v0 && off + vi < v1;
+            if (KEEP != MK_NT && vi < NVEC) ld_cg_act8(src[t], vi, src_bf, vt[j]);
 #if MK_FP32_IN
             if (in_window) {
-                float* xf = xs + (t * MK_XWV + off + vi - v0) * 8;
+                float* xf = xs + (t * MK_XLDV + off + vi - v0) * 8;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) xf[e] = (v[j][e] * r) * __ldg(w1 + vi * 8 + e);
+                for (int e = 0; e < 8; ++e) xf[e] = (vt[j][e] * r) * __ldg(w1 + vi * 8 + e);
             }
 #else
             if (in_window) {
@@ -73,12 +86,12 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float w0 = __ldg(w1 + vi * 8 + 2 * e), wq = __ldg(w1 + vi * 8 + 2 * e + 1);
-                    const u32 lo = f2bf((v[j][2 * e] * r) * w0), hi = f2bf((v[j][2 * e + 1] * r) * wq);
+                    const u32 lo = f2bf((vt[j][2 * e] * r) * w0), hi = f2bf((vt[j][2 * e + 1] * r) * wq);
                     o[e] = lo | (hi << 16);
                 }
                 vec16 out;
                 out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
-                xv[t * MK_XWV + off + vi - v0] = out;
+                xv[t * MK_XLDV + off + vi - v0] = out;
             }
 #endif
         }
@@ -97,16 +110,59 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
         float f[8];
         unpack8(x, f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) xs[(t * MK_XWV + v) * 8 + e] = f[e];
+        for (int e = 0; e < 8; ++e) xs[(t * MK_XLDV + v) * 8 + e] = f[e];
 #else
-        ((vec16*)xs)[t * MK_XWV + v] = x;
+        ((vec16*)xs)[t * MK_XLDV + v] = x;
 #endif
     }
     __syncthreads();
 }
 
-// DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)), one warp per head; input
-// elements [k0, k1) (the staged window) go to xs.
+// DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)); input elements [k0, k1)
+// (the staged window) go to xs.
+#define GN_VH (MK_DV / 8)  // 16-byte vectors per value head
+#if GN_VH <= 32 && (GN_VH & (GN_VH - 1)) == 0
+// One thread per 8 values, every token and head at once: the lanes of a head are GN_VH consecutive lanes of one
+// warp, which sum the squares by shuffles (the same order for every tokens-per-launch build).
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
+    constexpr int N = MK_NT * MK_HV * GN_VH;
+    for (int i0 = tid_x() & ~31; i0 < N; i0 += MK_THREADS) {  // whole warps: every lane joins the shuffles
+        const int i = i0 + (tid_x() & 31);
+        const bool ok = i < N;
+        const int ii = ok ? i : 0;
+        const int j = ii % GN_VH, th = ii / GN_VH, t = th / MK_HV, hv = th - t * MK_HV;
+        const int e0 = hv * MK_DV + j * 8;
+        float o[8], zz[8];
+        unpack8(ld_cg16(core + t * MK_VD + e0), o);
+        unpack8(ld_cg16(z + t * MK_VD + e0), zz);
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(o[e], o[e], ss);
+#pragma unroll
+        for (int m = GN_VH / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        if (ok && e0 >= k0 && e0 < k1) {
+            const float r = rsqrtf(ss / (float)MK_DV + MK_EPS);
+            float wf[8], y[8];
+            unpack8(*(const vec16*)(w + j * 8), wf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_f(zz[e]);
+#if MK_FP32_IN
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xs[t * MK_XLD + e0 - k0 + e] = y[e];
+#else
+            vec16 out;
+            out.x = (u32)f2bf(y[0]) | ((u32)f2bf(y[1]) << 16);
+            out.y = (u32)f2bf(y[2]) | ((u32)f2bf(y[3]) << 16);
+            out.z = (u32)f2bf(y[4]) | ((u32)f2bf(y[5]) << 16);
+            out.w = (u32)f2bf(y[6]) | ((u32)f2bf(y[7]) << 16);
+            ((vec16*)xs)[t * MK_XLDV + (e0 - k0) / 8] = out;
+#endif
+        }
+    }
+    __syncthreads();
+}
+#else
+// Other head widths: one warp per (token, head).
 __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
@@ -124,11 +180,13 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
             if (e < k0 || e >= k1) continue;
             const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
             const float y = RBI(bf2f(__ldg(w + i)) * n);
-            xs[t * MK_XW + e - k0] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
+            xs[t * MK_XLD + e - k0] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
         }
     }
     __syncthreads();
 }
+
+#endif
 
 // ---- GEMV descriptors of the phases ------------------------------------------------------------
 __device__ __forceinline__ GemvDesc desc_plain(const bf16_t* w, int K, int nrows) {
@@ -339,7 +397,8 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
 #define DN_SW (MK_DV / MK_DN_SPLIT)
 #define DN_RG (MK_THREADS / DN_SW)
 #define DN_RPT ((MK_DK + DN_RG - 1) / DN_RG)
-static_assert(2 * MK_DK + MK_THREADS + DN_SW + 4 <= PART_FLOATS, "DeltaNet scratch exceeds shared memory");
+static_assert(2 * MK_NT * MK_DK + MK_THREADS + DN_SW + MK_NT * DN_SW + 2 * MK_NT <= PART_FLOATS,
+              "DeltaNet scratch exceeds shared memory");
 
 // Work items of the recurrence; blocks [items, grid) have none.
 __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
@@ -348,11 +407,12 @@ __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
 // also store the slice before the first token and after every token (L_HIST_REC, one state per entry).
 __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, float* scratch) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
-    float* qn = scratch;
-    float* kn = qn + MK_DK;
-    float* red = kn + MK_DK;
-    float* dl = red + MK_THREADS;
-    float* sc = dl + DN_SW;
+    float* qn = scratch;                // [NT][DK]
+    float* kn = qn + MK_NT * MK_DK;     // [NT][DK]
+    float* red = kn + MK_NT * MK_DK;    // [THREADS]
+    float* dl = red + MK_THREADS;       // [DN_SW]
+    float* vs = dl + DN_SW;             // [NT][DN_SW]
+    float* sc = vs + MK_NT * DN_SW;     // [NT][2]: beta, decay
     const bf16_t* xbuf = tb.gp<const bf16_t>(G_XBUF);
     const float* beta = tb.gp<const float>(G_BETA);
     const float* gdecay = tb.gp<const float>(G_GDECAY);
@@ -370,6 +430,32 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
         const long long off = (long long)hv * MK_DK * MK_DV + c0 + col;
         float* Sh = S + off;
         float* Hh = H != nullptr ? H + off : nullptr;
+        // Every token's inputs before the recurrence (their loads overlap the state's instead of costing a
+        // round trip per token): warp 2u / 2u + 1 l2-normalises token u's q / k (fp32, eps 1e-6, q scaled by
+        // dk^-0.5); the first threads read beta, the decay and this slice's values.
+        for (int job = warp; job < 2 * MK_NT; job += MK_NWARPS) {
+            const int t = job >> 1, isk = job & 1;
+            const bf16_t* src = xbuf + t * MK_C + (isk ? MK_HK * MK_DK : 0) + hk * MK_DK;
+            float ss = 0.0f;
+            for (int i = lane; i < MK_DK; i += 32) {
+                const float v = bf2f(ld_cg_bf(src + i));
+                ss = fmaf(v, v, ss);
+            }
+            const float inv = rsqrtf(warp_sum(ss) + 1e-6f);
+            for (int i = lane; i < MK_DK; i += 32) {
+                const float v = bf2f(ld_cg_bf(src + i)) * inv;
+                if (isk) kn[t * MK_DK + i] = v;
+                else qn[t * MK_DK + i] = v * qscale;
+            }
+        }
+        for (int e = tid; e < MK_NT * DN_SW; e += MK_THREADS) {
+            const int t = e / DN_SW, c = e - t * DN_SW;
+            vs[e] = bf2f(ld_cg_bf(xbuf + t * MK_C + 2 * MK_HK * MK_DK + hv * MK_DV + c0 + c));
+        }
+        if (tid < MK_NT) {
+            sc[2 * tid] = ld_cg_f(beta + tid * MK_HV + hv);
+            sc[2 * tid + 1] = expf(ld_cg_f(gdecay + tid * MK_HV + hv));
+        }
         float s[DN_RPT];
 #pragma unroll
         for (int r = 0; r < DN_RPT; ++r) {
@@ -377,34 +463,18 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             s[r] = (i < MK_DK) ? Sh[i * MK_DV] : 0.0f;
             if (Hh != nullptr && i < MK_DK) Hh[i * MK_DV] = s[r];
         }
+        __syncthreads();  // the inputs of every token are in shared memory
         for (int t = 0; t < MK_NT; ++t) {
-            const bf16_t* xt = xbuf + t * MK_C;
-            if (warp < 2) {  // warp 0: q, warp 1: k; l2-normalised in fp32 (eps 1e-6), q scaled by dk^-0.5
-                const bf16_t* src = xt + (warp == 0 ? 0 : MK_HK * MK_DK) + hk * MK_DK;
-                float ss = 0.0f;
-                for (int i = lane; i < MK_DK; i += 32) {
-                    const float v = bf2f(ld_cg_bf(src + i));
-                    ss = fmaf(v, v, ss);
-                }
-                const float inv = rsqrtf(warp_sum(ss) + 1e-6f);
-                for (int i = lane; i < MK_DK; i += 32) {
-                    const float v = bf2f(ld_cg_bf(src + i)) * inv;
-                    if (warp == 0) qn[i] = v * qscale;
-                    else kn[i] = v;
-                }
-            } else if (warp == 2 && lane == 0) {
-                sc[0] = ld_cg_f(beta + t * MK_HV + hv);
-                sc[1] = expf(ld_cg_f(gdecay + t * MK_HV + hv));
-            }
-            __syncthreads();
-            const float b = sc[0], decay = sc[1];
+            const float* qt = qn + t * MK_DK;
+            const float* kt = kn + t * MK_DK;
+            const float b = sc[2 * t], decay = sc[2 * t + 1];
             float pk = 0.0f;
 #pragma unroll
             for (int r = 0; r < DN_RPT; ++r) {
                 const int i = rg + r * DN_RG;
                 if (i < MK_DK) {
                     s[r] *= decay;
-                    pk = fmaf(s[r], kn[i], pk);
+                    pk = fmaf(s[r], kt[i], pk);
                 }
             }
             red[tid] = pk;
@@ -412,8 +482,7 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             if (rg == 0) {
                 float kv = 0.0f;
                 for (int g = 0; g < DN_RG; ++g) kv += red[g * DN_SW + col];
-                const float v = bf2f(ld_cg_bf(xt + 2 * MK_HK * MK_DK + hv * MK_DV + c0 + col));
-                dl[col] = (v - kv) * b;
+                dl[col] = (vs[t * DN_SW + col] - kv) * b;
             }
             __syncthreads();
             const float d = dl[col];
@@ -422,8 +491,8 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             for (int r = 0; r < DN_RPT; ++r) {
                 const int i = rg + r * DN_RG;
                 if (i < MK_DK) {
-                    s[r] = fmaf(kn[i], d, s[r]);
-                    po = fmaf(s[r], qn[i], po);
+                    s[r] = fmaf(kt[i], d, s[r]);
+                    po = fmaf(s[r], qt[i], po);
                 }
             }
             red[tid] = po;
@@ -452,12 +521,12 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 }
 
 // ---- gated full attention -----------------------------------------------------------------------
-// Work item = (key/value head, chunk of MK_ATT_CHUNK positions): flash-decoding partials (max, sum, unnormalised
-// output) per (query head, token); the last item of a key/value head to finish (arrival counter) merges the
+// Work item = (key/value head, chunk of MK_ATT_CHUNK positions, pass of MK_ATT_PAIRS (query head, token) pairs):
+// flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a key/value head to finish
+// (arrival counter) merges the
 // chunks in chunk order, applies the sigmoid gate and writes the attention output. Chunk bounds do not depend
 // on the context length or the tokens of the launch, and a query skips the keys after its own position, so a
-// token's attention is bit-identical whether it runs alone or in a verify pass. Queries are processed
-// MK_ATT_PAIRS (head, token) pairs per pass to bound registers.
+// token's attention is bit-identical whether it runs alone or in a verify pass (and whichever block runs its pass).
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 #define ATT_PASSES ((MK_GQ_PAIRS + MK_ATT_PAIRS - 1) / MK_ATT_PAIRS)
@@ -510,7 +579,7 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
 // Work items of the attention phase at this step (one per key/value head and chunk of positions); blocks
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
-    return MK_KVH * ((si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK);
+    return MK_KVH * ((si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK) * ATT_PASSES;
 }
 
 __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
@@ -537,13 +606,17 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
     float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [HD]
 
     bool any = false;
-    for (int item = bid_x(); item < MK_KVH * nch; item += nblocks()) {
+    // One item per (key/value head, chunk, pass of query pairs): at short context the few heads and chunks alone
+    // would leave most blocks idle and each busy one many passes in a row.
+    for (int item = bid_x(); item < MK_KVH * nch * ATT_PASSES; item += nblocks()) {
         any = true;
-        const int kvh = item / nch, c = item - kvh * nch;
+        const int kvh = item / (nch * ATT_PASSES), rest = item - kvh * nch * ATT_PASSES;
+        const int c = rest / ATT_PASSES, pass = rest - c * ATT_PASSES;
         const int p0 = c * cl, p1 = min(L, p0 + cl);
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
-        // New positions of this chunk: normed, rotated key and raw value into the cache.
+        // New positions of this chunk: normed, rotated key and raw value into the cache. Every pass's item of the
+        // chunk writes them (the same bits), so that each reads back its own writes.
         if (warp == 0) {
             for (int t = 0; t < MK_NT; ++t) {
                 const int p = pos + t;
@@ -557,7 +630,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 __syncwarp();
             }
         }
-        for (int pass = 0; pass < ATT_PASSES; ++pass) {
+        {
             if (warp < MK_ATT_PAIRS) {
                 const int pp = pass * MK_ATT_PAIRS + warp;
                 if (pp < MK_GQ_PAIRS) {
@@ -655,12 +728,12 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             }
             __syncthreads();
         }
-        // Arrival: the last chunk of this key/value head merges all chunks.
+        // Arrival: the last item of this key/value head merges all chunks of every pair.
         __threadfence();
         __syncthreads();
         if (tid == 0) {
             const u64 prev = atomicAdd(tb.sync + 1 + kvh, 1ull);
-            *s_last = (prev == (u64)(nch - 1));
+            *s_last = (prev == (u64)(nch * ATT_PASSES - 1));
         }
         __syncthreads();
         if (*s_last) {
