@@ -29,6 +29,7 @@ from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.evaluation import SpecRun
 
 from .benchmark import Ceilings, events_time, prefilled, weight_bytes
+from .phase_timing import format_breakdown, step_phases, summarise
 
 VERIFY_TARGET_TOKENS = 4
 VERIFY_TARGET_RATIO = 1.15  # issue 7: a verify launch of 4 tokens costs at most 1.15x one decode step
@@ -45,6 +46,7 @@ class VerifyRow:
     plain_ms: float | None = None  # one launch of T tokens, no recorded states
     verify_ms: float | None = None  # one verify launch: states recorded per token, greedy accept (T >= 2)
     build: dict[str, Any] = field(default_factory=dict)  # MegakernelRunner.describe(T)
+    breakdown: str = ""  # per-phase stamps of a plain launch (phase-timing builds)
     error: str = ""
 
 
@@ -185,6 +187,10 @@ def bench_verify(
                     row.verify_ms = ms
                 else:
                     row.plain_ms = ms
+                if runner.spec.tuning.phase_timing and not verify:  # the last plain launch's stamps
+                    phases = summarise(runner.phase_stamps(), step_phases(model.config))
+                    row.breakdown = format_breakdown(phases, ms)
+                    print(f"  T={t}:\n{row.breakdown}", flush=True)
                 del state
         except Exception as e:  # one T failing at run time must not hide the others
             row.error = f"failed: {_failure(e)}"
@@ -231,9 +237,17 @@ def mtp_weight_bytes(model: Any) -> int:
 
 
 def bench_27b(
-    config: ModelConfig, *, name: str, tokens: Sequence[int], context: int, launches: int, repeats: int
+    config: ModelConfig,
+    *,
+    name: str,
+    tokens: Sequence[int],
+    context: int,
+    launches: int,
+    repeats: int,
+    tuning: Any = None,
 ) -> tuple[VerifyResult, DraftResult]:
-    """Parts (a) and (b) on one random bf16 model of `config` (given an MTP head if it has none)."""
+    """Parts (a) and (b) on one random bf16 model of `config` (given an MTP head if it has none), with the
+    kernel builds of `tuning` (default: the default Tuning)."""
     from .random_model import random_model
     from .runtime import MegakernelRunner
 
@@ -242,7 +256,7 @@ def bench_27b(
     model = random_model(config, seed=7)
     verify = VerifyResult(name, config.num_hidden_layers, context, launches, repeats, weight_bytes(model))
     try:
-        runner = MegakernelRunner(model)
+        runner = MegakernelRunner(model, tuning=tuning)
     except Exception as e:
         verify.error = f"the megakernel cannot be built: {_failure(e)}"
         return verify, DraftResult(error=verify.error)
@@ -360,6 +374,7 @@ def _row_text(row: VerifyRow, base_ms: float | None) -> str:
 
 
 BUILD_FIELDS = (  # (describe() key, label, unit)
+    ("mma", "tensor cores", ""),
     ("stages", "stages", ""),
     ("part_rows", "part_rows", ""),
     ("window", "window", ""),

@@ -71,12 +71,9 @@ def run_decode(args: argparse.Namespace) -> int:
     if not args.skip_27b:
         tunings = {"default": Tuning()}
         if args.sweep:
-            # Run 4: the numerics switch (the default keeps activations in fp32) and dynamic row scheduling.
-            tunings["bf16 activations (run-3 numerics)"] = Tuning(fp32_act=False)
-            tunings["dynamic rows (80 % static, 96 KB tiles)"] = Tuning(dynamic=True)
-            tunings["fp32 GEMV inputs"] = Tuning(fp32_gemv_in=True)
+            # Run 9: the tensor-core GEMV against the default scalar one, and the per-phase timing build.
+            tunings["tensor-core GEMV"] = Tuning(mma=True)
             tunings["phase timing"] = Tuning(phase_timing=True)
-            tunings["phase timing, dynamic rows"] = Tuning(dynamic=True, phase_timing=True)
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
         results.append(
             bench_model(
@@ -216,6 +213,17 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--prompts-per-file", type=_positive, default=1)
     spec.add_argument("--max-prompts", type=_positive, default=12)
     spec.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens generated per prompt")
+    spec.add_argument(
+        "--gemv",
+        choices=["scalar", "mma"],
+        default="scalar",
+        help="the GEMV of parts (a) and (b): the scalar FMA path (the default build) or the tensor cores",
+    )
+    spec.add_argument(
+        "--phase-timing",
+        action="store_true",
+        help="parts (a) and (b) with the per-phase timing build: prints where each T's launch spends its time",
+    )
     spec.add_argument("--skip-27b", action="store_true", help="leave out parts (a) and (b)")
     spec.add_argument("--skip-embedded", action="store_true", help="leave out part (c)")
     spec.add_argument("--json", default=None, help="write the results to this JSON file (after every part)")
@@ -255,9 +263,15 @@ def run_spec(args: argparse.Namespace) -> int:
     print(bs.format_report(result), flush=True)
     if not args.skip_27b:
         tokens = sorted({1, *args.tokens})
+        from onestream.kernels.build import Tuning
+
+        gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
+        if args.phase_timing:
+            gemv += ", phase-timing build"
         result.verify, result.draft = bs.bench_27b(
             config_27b(args.layers),
-            name="27B shapes (64 layers in the real model)",
+            name=f"27B shapes (64 layers in the real model), {gemv}",
+            tuning=Tuning(mma=args.gemv == "mma", phase_timing=args.phase_timing),
             tokens=tokens,
             context=args.context,
             launches=args.launches,

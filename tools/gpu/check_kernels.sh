@@ -58,11 +58,17 @@ if [ "$MODE" = spec ] && [ -n "${SPEC_KLD:-}" ] && [ -f "$TOKENS" ]; then  # the
     --tokens "$TOKENS" --ctx 512 2>&1 | tee "$OUT/kld_default.log"
 fi
 if [ "$MODE" = spec ]; then  # issue 7: speculative decoding on the kernel (carry .data/default_model/spec_prompts)
-  echo "== bench spec ${SPEC_ARGS:-}" | tee -a "$OUT/env.log"
-  # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-200}" python3 -m onestream bench spec --prompts "$REPO/.data/default_model/spec_prompts" \
-    --json "$OUT/bench_spec.json" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log"
-  echo "bench spec exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+  # SPEC_RUNS: several `bench spec` runs in one call, their options separated by "|" (e.g. the tensor-core GEMV
+  # against "--gemv scalar --skip-embedded"); each gets BENCH_TIMEOUT and writes bench_spec_<i>.json.
+  IFS='|' read -r -a RUNS <<<"${SPEC_RUNS:-${SPEC_ARGS:-}}"
+  [ ${#RUNS[@]} -eq 0 ] && RUNS=("")
+  for i in "${!RUNS[@]}"; do
+    echo "== bench spec ${RUNS[$i]}" | tee -a "$OUT/env.log"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-200}" python3 -m onestream bench spec --prompts "$REPO/.data/default_model/spec_prompts" \
+      --json "$OUT/bench_spec_$i.json" ${RUNS[$i]} 2>&1 | tee "$OUT/bench_spec_$i.log"
+    echo "bench spec ${RUNS[$i]} exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+  done
   exit 0
 fi
 
@@ -71,7 +77,12 @@ if [ "$MODE" = quick ]; then
 else
   BENCH_ARGS=(--layers 64 --steps 64 --ref-steps 12 --sweep --small-model "$REPO/worker/assets/default_model")
 fi
-# BENCH_EXTRA: more options, e.g. "--alternate 6" (issue 6: builds timed against each other, rounds alternating)
+# DECODE_ARGS: replaces the mode's options; BENCH_EXTRA: more options, e.g. "--alternate 6" (issue 6: builds timed
+# against each other, rounds alternating)
+if [ -n "${DECODE_ARGS:-}" ]; then
+  # shellcheck disable=SC2206
+  BENCH_ARGS=(${DECODE_ARGS})
+fi
 # shellcheck disable=SC2206
 BENCH_ARGS+=(${BENCH_EXTRA:-})
 echo "== bench decode ${BENCH_ARGS[*]}" | tee -a "$OUT/env.log"
