@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and time the decode megakernel on the GPU machine, in one call:
-#   run: bash tools/gpu/check_kernels.sh [quick|spec]   (spec: tests, then `onestream bench spec`)
+#   run: bash tools/gpu/check_kernels.sh [quick|full|spec|tests]   (spec: tests, then `onestream bench spec`;
+#   tests: the GPU tests alone)
 # Logs go to $OUT (the device tool brings them back), or to /tmp/onestream-gpu-logs elsewhere. Each stage has its own time
 # limit and runs in its own process, so a failing stage still leaves the others' results.
 # The stage limits (140 + 3 x 38 + 130 s, overridable: TEST_TIMEOUT, KLD_TIMEOUT, BENCH_TIMEOUT) fit a 400 s device
@@ -37,6 +38,7 @@ TEST_FILES=(${TESTS:-test_kernels_gpu.py test_kernels_spec_gpu.py})
 timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
   ${PYTEST_K:+-k "$PYTEST_K"} "${TEST_FILES[@]/#/$REPO/tests/}" 2>&1 | tee "$OUT/tests.log"
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+[ "$MODE" = tests ] && exit 0
 
 # Issue 6's correctness bar: the megakernel against the fp32 reference, teacher-forced over held-out tokens of
 # the embedded model (a file of whitespace-separated ids; tools/gpu/README.md says how it is made). Once per
