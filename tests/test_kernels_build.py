@@ -16,6 +16,7 @@ from onestream.kernels.build import (
     Tuning,
     assemble_source,
     dn_split,
+    gemv_chunks,
     ptxas_report,
 )
 from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH, G, L, Phase, ctrl_slots, preamble_defines
@@ -210,6 +211,38 @@ def test_fp32_gemv_inputs_double_the_staged_input_and_keep_the_ring() -> None:
     assert wide.smem_bytes == kmax * 4 + 2 * FP32_IN_PART_ROWS * 4 + 64 * 4 + ring
     with pytest.raises(ValueError, match="fp32_act"):
         Tuning(fp32_act=False, fp32_gemv_in=True)
+
+
+def test_tensor_core_gemv_switch_checks_its_knobs_and_keeps_a_whole_item_per_round() -> None:
+    hopper = 227 * 1024
+    assert KernelSpec(config_27b(), num_sms=132).defines()["MK_MMA"] == 0  # the scalar GEMV is the default
+    for t in (1, 4, 8):
+        spec = KernelSpec(
+            config_27b(), num_sms=132, tokens_per_launch=t, tuning=Tuning(mma=True), smem_limit=hopper
+        )
+        d = spec.defines()
+        assert (d["MK_MMA"], d["MK_MMA_SUB"], d["MK_MMA_COOP"]) == (1, 2, 0) and spec.smem_bytes <= hopper
+        # gemv.cuh: a round holds (part_rows / chunks) & ~7 rows; every input width must leave at least one item
+        # of 8 rows, or that phase would compute nothing.
+        for k in (5120, 10240, 6144, 17408):
+            assert (spec.part_rows // gemv_chunks(k, spec.tuning)) & ~7 >= 8, (t, k)
+    with pytest.raises(ValueError, match="scalar GEMV"):
+        Tuning(mma=True, fp32_gemv_in=True)
+    with pytest.raises(ValueError, match="mma_sub"):
+        Tuning(mma=True, mma_sub=0)
+
+
+def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
+    """phases.cuh sizes shared memory as XS_BYTES (token rows of MK_XW + 32 values when MK_NT > 1) + partials and
+    row values + RED_FLOATS (max(64, tokens x warps)) + the ring; the host must ask for the same."""
+    hopper = 227 * 1024
+    for t in (1, 2, 8):
+        spec = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        pad = 32 if t > 1 else 0
+        red = max(64, t * spec.tuning.threads // 32)
+        ring = spec.stages * spec.tuning.umax * spec.tuning.threads * 16
+        xs = -(-(t * (spec.window + pad) * 2) // 16) * 16
+        assert spec.smem_bytes == xs + 2 * t * spec.part_rows * 4 + red * 4 + ring
 
 
 def test_step_phases_follow_the_layer_kinds() -> None:

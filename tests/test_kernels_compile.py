@@ -42,13 +42,25 @@ def test_sources_compile(shape: str, arch: str) -> None:
         Tuning(fp32_act=False),
         Tuning(dynamic=True),
         Tuning(fp32_gemv_in=True, dynamic=True),
+        Tuning(mma=True),
+        Tuning(mma=True, mma_coop=True, dynamic=True),
     ],
-    ids=["previous-kernel", "phase-timing", "ring-forced", "bf16-activations", "dynamic-rows", "fp32-inputs"],
+    ids=[
+        "previous-kernel",
+        "phase-timing",
+        "ring-forced",
+        "bf16-activations",
+        "dynamic-rows",
+        "fp32-inputs",
+        "tensor-cores",
+        "tensor-cores-cooperative-dynamic",
+    ],
 )
 def test_variants_compile(tuning: Tuning) -> None:
     """The switches the bench sweeps (the previous kernel, the timing build, bf16 activations, dynamic rows) and the shared-memory weight ring
     (sm_80+ cp.async: it compiles for sm_86 too, where it only lacks the room) build for 27B shapes."""
-    for arch in ("sm_90", "sm_86") if tuning.stages == 3 or tuning.fp32_gemv_in else ("sm_90",):
+    both = tuning.stages == 3 or tuning.fp32_gemv_in or tuning.mma
+    for arch in ("sm_90", "sm_86") if both else ("sm_90",):
         spec = KernelSpec(config_27b(), num_sms=SMS[arch], tuning=tuning, smem_limit=SMEM["sm_90"])
         report = ptxas_report(nvcc_compile(spec, arch))
         assert report["mk_decode"]["registers"] * spec.tuning.threads <= 65536, report["mk_decode"]
