@@ -54,8 +54,8 @@ def fp32_act_default() -> bool:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax and
-    att_chunk), and the activation precision `fp32_act`, which does."""
+    """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax,
+    att_chunk, mma and mma_sub), and the activation precision `fp32_act`, which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
@@ -158,6 +158,11 @@ class KernelSpec:
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
         windows = self._windows()
         least = self._least_part_rows()
+        if top < least:
+            raise UnsupportedModelError(
+                f"megakernel: part_rows={top} leaves a GEMV round less than one {gemv_item_rows(self.tuning)}-row "
+                f"item of the widest input; it needs at least {least}"
+            )
         for stages in options:
             fits = []
             for window in windows:
@@ -309,9 +314,10 @@ class KernelSpec:
 
     def _smem(self, part_rows: int, stages: int, window: int) -> int:
         nt = self.tokens_per_launch
-        pad = 32 if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
-        xs = (nt * (window + pad) * (4 if self.tuning.fp32_gemv_in else 2) + 15) // 16 * 16
-        red = max(64, nt * (self.tuning.threads // 32))  # phases.cuh RED_FLOATS
+        elem = 4 if self.tuning.fp32_gemv_in else 2
+        pad = 64 // elem if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
+        xs = (nt * (window + pad) * elem + 15) // 16 * 16
+        red = max(64, -(-nt * (self.tuning.threads // 32) // 4) * 4)  # phases.cuh RED_FLOATS
         return xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages)
 
     def att_chunks(self, capacity: int) -> int:

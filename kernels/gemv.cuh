@@ -55,13 +55,16 @@
 #define MK_MMA 0  // 1: tensor-core items of 8 rows (kernels/build.py passes it; the scalar path is the fallback)
 #endif
 #ifndef MK_MMA_COOP
-#define MK_MMA_COOP 1  // MK_MMA ring: the warp copies each row stretch with whole load instructions (see the ring)
+#define MK_MMA_COOP 0  // 1 (MK_MMA ring): the warp copies each row stretch with whole load instructions
 #endif
 #ifndef MK_MMA_SUB
 #define MK_MMA_SUB 2  // MK_MMA: items per chunk (accumulated in registers before one partial per row is stored)
 #endif
 #if MK_MMA && MK_FP32_IN
 #error "MK_FP32_IN needs the scalar GEMV (MK_MMA 0): the tensor cores take bf16 inputs"
+#endif
+#if MK_MMA
+static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the rows of the mma's A it uses)");
 #endif
 #if MK_MMA
 #define GEMV_IR 8             // rows per item: the mma's n
@@ -74,11 +77,14 @@
 #endif
 #define MK_XWV (MK_XW / 8)  // 16-byte input vectors per token in shared memory
 // Token stride of the staged input: 64 bytes more than the window when several tokens are staged, so that the
-// tokens' rows start in different shared-memory banks (the lanes of a GEMV load read one token each).
-#define MK_XLD (MK_XW + (MK_NT > 1 ? 32 : 0))
+// tokens' rows start in different shared-memory banks (the tensor-core GEMV's lanes read one token each; the
+// scalar path's lanes read consecutive vectors of one token and only pay the bytes).
+#define MK_XLD (MK_XW + (MK_NT > 1 ? 64 / (int)sizeof(xin_t) : 0))
 #define MK_XLDV (MK_XLD / 8)
 #define GEMV_MAX_SEGS 4
-// Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most.
+// Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most (the scalar path: a
+// prefix of the block's rows; the tensor-core path's head is the first K range of 8-row groups, so the L2
+// prefetch that skips these bytes is less exact there).
 #define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
 
 struct GemvDesc {
@@ -99,7 +105,7 @@ struct GemvPlan {
     int round;  // rows per round
 };
 
-// The same formula as kernels/build.py's gemv_round (which sizes the row-value buffer).
+// kernels/build.py mirrors this (gemv_chunks, gemv_chunk_width_of) to size rounds and windows.
 __device__ __forceinline__ GemvPlan gemv_plan(int K) {
     GemvPlan p;
     p.nvec = K / 8;

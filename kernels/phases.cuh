@@ -12,7 +12,9 @@
 static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * GEMV_KL * GEMV_SUB * 8),
               "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
-#define RED_FLOATS (MK_NT * MK_NWARPS > 64 ? MK_NT * MK_NWARPS : 64)  // block_sum_n of every token
+// block_sum_n of every token; a multiple of 4 floats so that the ring after it stays 16-byte aligned (cp.async)
+#define RED_FLOATS ((MK_NT * MK_NWARPS > 64 ? MK_NT * MK_NWARPS + 3 : 64) & ~3)
+static_assert(RED_FLOATS % 4 == 0 && RED_FLOATS >= MK_NT * MK_NWARPS, "reduction scratch size");
 #define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
 #define MK_SMEM_BYTES (XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4 + RING_BYTES)
 
@@ -44,7 +46,7 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
     vec16* xv = (vec16*)xs;
-    // Every token's loads first, then one block reduction for all of them (one pair of block barriers per launch
+    // Every token's loads first, then one block reduction for all of them (one pair of block barriers per call
     // instead of one per token; the sums are the same as token by token). A single token keeps its values in
     // registers; several reload them (from L2, all loads independent) rather than spill.
     constexpr int KEEP = 1;
@@ -121,9 +123,10 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
 // DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)); input elements [k0, k1)
 // (the staged window) go to xs.
 #define GN_VH (MK_DV / 8)  // 16-byte vectors per value head
-#if GN_VH <= 32 && (GN_VH & (GN_VH - 1)) == 0
+#if MK_DV % 8 == 0 && GN_VH <= 32 && (GN_VH & (GN_VH - 1)) == 0
 // One thread per 8 values, every token and head at once: the lanes of a head are GN_VH consecutive lanes of one
-// warp, which sum the squares by shuffles (the same order for every tokens-per-launch build).
+// warp, which sum the squares by shuffles (the same order for every tokens-per-launch build). Reads the norm
+// weight 16 bytes at a time: like every weight the kernel streams, it must be 16-byte aligned.
 __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
     constexpr int N = MK_NT * MK_HV * GN_VH;
     for (int i0 = tid_x() & ~31; i0 < N; i0 += MK_THREADS) {  // whole warps: every lane joins the shuffles
@@ -576,7 +579,7 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
     __syncwarp();
 }
 
-// Work items of the attention phase at this step (one per key/value head and chunk of positions); blocks
+// Work items of the attention phase at this step (one per key/value head, chunk of positions and pass); blocks
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
     return MK_KVH * ((si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK) * ATT_PASSES;
@@ -616,7 +619,9 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
         // New positions of this chunk: normed, rotated key and raw value into the cache. Every pass's item of the
-        // chunk writes them (the same bits), so that each reads back its own writes.
+        // chunk writes them, so that none has to wait for another block. Concurrent stores to one address are safe
+        // only because every writer stores the same bits (norm_rope_head does not depend on the block or pass) and
+        // 2-byte stores do not tear a reader's 16-byte load: keep it so.
         if (warp == 0) {
             for (int t = 0; t < MK_NT; ++t) {
                 const int p = pos + t;

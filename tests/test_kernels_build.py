@@ -243,6 +243,16 @@ def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
         ring = spec.stages * spec.tuning.umax * spec.tuning.threads * 16
         xs = -(-(t * (spec.window + pad) * 2) // 16) * 16
         assert spec.smem_bytes == xs + 2 * t * spec.part_rows * 4 + red * 4 + ring
+    # 10 warps x 7 tokens = 70 floats of reduction scratch, rounded to 72: the ring after it stays 16-byte aligned.
+    odd = KernelSpec(
+        config_27b(), num_sms=132, tokens_per_launch=7, tuning=Tuning(threads=320), smem_limit=hopper
+    )
+    assert odd.smem_bytes % 16 == 0
+
+
+def test_too_few_partial_rows_for_a_tensor_core_item_is_an_error() -> None:
+    with pytest.raises(UnsupportedModelError, match="part_rows=256"):
+        KernelSpec(config_27b(), num_sms=132, tuning=Tuning(mma=True, part_rows=256)).defines()
 
 
 def test_step_phases_follow_the_layer_kinds() -> None:
