@@ -89,14 +89,10 @@ class Tuning:
     dyn_static_pct: int = 80
     dyn_tile_bytes: int = 96 * 1024
     # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
-    # launch) instead of the scalar FMA path. Off: on the H200 (run 9) it streamed 9 % slower at T = 1 with
-    # per-lane copies and 1.8x slower with cooperative ones. Changes results (another summation order), the same
-    # way for every tokens-per-launch build.
+    # launch) instead of the scalar FMA path. Off: on the H200 (run 9) it was 8 % slower at T = 1. Changes results
+    # (another summation order), the same way for every tokens-per-launch build.
     mma: bool = False
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
-    # Tensor-core ring: the warp copies each 8-row unit cooperatively, one contiguous row stretch per load
-    # instruction (False: each lane copies what it multiplies, 64 bytes of each of 8 rows per instruction).
-    mma_coop: bool = False
 
     def __post_init__(self) -> None:
         if self.fp32_gemv_in and not self.fp32_act:
@@ -178,31 +174,10 @@ class KernelSpec:
 
     def _breaks(self, part_rows: int, window: int) -> int:
         """Rounds x passes per step of a block's share of every GEMV phase (mirrors gemv.cuh's gemv_plan)."""
-        c, t = self.config, self.tuning
-        n_full = len(c.full_attention_layers)
-        n_lin = c.num_hidden_layers - n_full
+        t = self.tuning
         item_rows = gemv_item_rows(t)
-        phases = (  # (input width, rows, phases per step)
-            (
-                c.hidden_size,
-                2 * c.linear_num_key_heads * c.linear_key_head_dim
-                + 2 * c.linear_value_dim
-                + 2 * c.linear_num_value_heads,
-                n_lin,
-            ),
-            (c.linear_value_dim, c.hidden_size, n_lin),
-            (
-                c.hidden_size,
-                2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim,
-                n_full,
-            ),
-            (c.num_attention_heads * c.head_dim, c.hidden_size, n_full),
-            (c.hidden_size, 2 * c.intermediate_size, c.num_hidden_layers),
-            (c.intermediate_size, c.hidden_size, c.num_hidden_layers),
-            (c.hidden_size, c.vocab_size, 1),
-        )
         total = 0
-        for k, rows, count in phases:
+        for k, rows, count in self._gemv_phases():
             nk = gemv_chunks(k, t)
             per_round = max(item_rows, part_rows // nk // item_rows * item_rows)
             per_pass = max(1, window // gemv_chunk_width_of(k, t))
@@ -212,20 +187,34 @@ class KernelSpec:
             total += count * rounds * passes
         return total
 
-    def _gemv_inputs(self) -> list[int]:
+    def _gemv_phases(self) -> list[tuple[int, int, int]]:
+        """(input width, rows, phases per step) of every weight-streaming phase (the MTP fc: none per step)."""
         c = self.config
+        n_full = len(c.full_attention_layers)
+        n_lin = c.num_hidden_layers - n_full
+        dn_in = (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + 2 * c.linear_value_dim
+            + 2 * c.linear_num_value_heads
+        )
+        att_in = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
         return [
-            c.hidden_size,
-            2 * c.hidden_size,
-            c.linear_value_dim,
-            c.num_attention_heads * c.head_dim,
-            c.intermediate_size,
+            (c.hidden_size, dn_in, n_lin),
+            (c.linear_value_dim, c.hidden_size, n_lin),
+            (c.hidden_size, att_in, n_full),
+            (c.num_attention_heads * c.head_dim, c.hidden_size, n_full),
+            (c.hidden_size, 2 * c.intermediate_size, c.num_hidden_layers),
+            (c.intermediate_size, c.hidden_size, c.num_hidden_layers),
+            (c.hidden_size, c.vocab_size, 1),
+            (2 * c.hidden_size, c.hidden_size, 0),
         ]
 
     def _least_part_rows(self) -> int:
         """Fewest partial-sum rows per token: MIN_PART_ROWS, or more where a round of the widest input would
         hold less than one item's rows (tensor-core items: 8 rows of many chunks each)."""
-        need = max(gemv_chunks(k, self.tuning) * gemv_item_rows(self.tuning) for k in self._gemv_inputs())
+        need = max(
+            gemv_chunks(k, self.tuning) * gemv_item_rows(self.tuning) for k, _, _ in self._gemv_phases()
+        )
         rows = MIN_PART_ROWS
         while rows < need:
             rows *= 2
@@ -235,9 +224,7 @@ class KernelSpec:
         """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
         narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit)."""
         c = self.config
-        kmax = max(
-            2 * c.hidden_size, c.linear_value_dim, c.num_attention_heads * c.head_dim, c.intermediate_size
-        )
+        kmax = max(k for k, _, _ in self._gemv_phases())
         least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
         steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
         out = [kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8]
@@ -299,7 +286,6 @@ class KernelSpec:
             "MK_DYN_TILE_BYTES": t.dyn_tile_bytes,
             "MK_MMA": int(t.use_mma),
             "MK_MMA_SUB": t.mma_sub,
-            "MK_MMA_COOP": int(t.mma_coop),
         }
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
@@ -330,25 +316,30 @@ def gemv_item_rows(tuning: Tuning) -> int:
     return 8 if tuning.use_mma else 1
 
 
+def _lanes_and_sub(tuning: Tuning) -> tuple[int, int]:
+    """gemv.cuh's GEMV_KL (lanes along K per row) and GEMV_SUB (items per chunk)."""
+    return (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+
+
 def gemv_chunk_width(tuning: Tuning) -> int:
     """Input elements of a whole GEMV chunk at most (gemv.cuh: MK_UMAX loads of 8 per lane, per sub-item)."""
-    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    lanes, sub = _lanes_and_sub(tuning)
     return tuning.umax * lanes * sub * 8
-
-
-def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
-    """Input elements of one chunk of a GEMV over k inputs (its loads per lane shrink to fit k)."""
-    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
-    loads = -(-(k // 8) // lanes)
-    per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
-    return per_lane * lanes * sub * 8
 
 
 def gemv_chunks(k: int, tuning: Tuning) -> int:
     """Chunks (partial sums) per row of a GEMV over k inputs: gemv.cuh's gemv_plan."""
-    lanes, sub = (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    lanes, sub = _lanes_and_sub(tuning)
     loads = -(-(k // 8) // lanes)
     return -(-loads // (tuning.umax * sub))
+
+
+def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
+    """Input elements of one chunk of a GEMV over k inputs (its loads per lane shrink to fit k)."""
+    lanes, sub = _lanes_and_sub(tuning)
+    loads = -(-(k // 8) // lanes)
+    per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
+    return per_lane * lanes * sub * 8
 
 
 def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:

@@ -54,9 +54,6 @@
 #ifndef MK_MMA
 #define MK_MMA 0  // 1: tensor-core items of 8 rows (kernels/build.py passes it; the scalar path is the fallback)
 #endif
-#ifndef MK_MMA_COOP
-#define MK_MMA_COOP 0  // 1 (MK_MMA ring): the warp copies each row stretch with whole load instructions
-#endif
 #ifndef MK_MMA_SUB
 #define MK_MMA_SUB 2  // MK_MMA: items per chunk (accumulated in registers before one partial per row is stored)
 #endif
@@ -320,54 +317,14 @@ __device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16
 
 #if MK_STAGES > 0
 // The shared-memory weight ring: MK_STAGES slots per warp, each MK_UMAX planes of 32 16-byte units per warp (plane u of
-// slot s for warp w at ring[(s * MK_UMAX + u) * MK_THREADS + w * 32]). The copies do not occupy registers, so
-// MK_STAGES units per warp are in flight (the register path: one or two).
-// Scalar GEMV: lane l copies and reads back unit l of each plane itself (no synchronisation needed).
-// Tensor-core GEMV: the warp copies its unit's 8 rows cooperatively, each load instruction a contiguous stretch
-// of a row (512 bytes for 8 loads per lane), so that every 128-byte line is one request; lane (g, t) then reads
-// back row g, vectors 4 j + t. The units are placed with an XOR swizzle that keeps both the copies and the
-// read-back free of bank conflicts (hence the __syncwarp()s around the ring in gemv_run).
-#if MK_MMA && MK_MMA_COOP
-// Offset (in vec16 from the warp's slot base) of row r, vector vl of a unit.
-__device__ __forceinline__ int ring_offset(int r, int vl) {
-    const int q = vl * 8 + (r ^ (2 * (vl & 3) + ((vl >> 2) & 1)));
-    return (q >> 5) * MK_THREADS + (q & 31);
-}
-#endif
+// slot s for warp w at ring[(s * MK_UMAX + u) * MK_THREADS + w * 32]). Lane l copies and reads back unit l of each
+// plane itself, so no synchronisation is needed between copy and use. The copies do not occupy registers, so
+// MK_STAGES units per warp are in flight (the register path: one or two). (A warp-cooperative layout for the
+// tensor-core GEMV, one contiguous row stretch per load instruction, measured 1.8x slower: run 9, commit faa0307.)
 
 // Start copying unit `it` into the ring slot at shared address `slot_w` (this warp's base of the slot).
 __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPlan& p, int rs, int nr,
                                                  const GemvUnit& it, int lane, u32 slot_w, u64 policy) {
-#if MK_MMA && MK_MMA_COOP
-    const int per_row = 4 * p.u;  // vectors of one row in a unit
-    const int vb = (it.chunk * GEMV_SUB + it.sub) * per_row;
-    const int row0 = it.rg * GEMV_IR;
-    if (p.u == 8) {
-        // The common case (every 27B-shaped phase): load u copies row u, vector `lane`. Lane r < 8 resolves row r's
-        // address once; the others take it by shuffle (per-load address arithmetic would cost more issue slots
-        // than the multiply itself).
-        const unsigned long long mine = (unsigned long long)gemv_row(d, rs + row0 + (lane & 7));
-        const bool vok = vb + lane < p.nvec;
-        const int sw = 2 * (lane & 3) + ((lane >> 2) & 1);
-        const u32 dst = slot_w + ((lane >> 2) * MK_THREADS + (lane & 3) * 8) * 16;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const vec16* rp = (const vec16*)__shfl_sync(0xffffffffu, mine, u);
-            if (row0 + u < nr && vok) cp_async16(dst + (u ^ sw) * 16, rp + vb + lane, policy);
-        }
-        return;
-    }
-#pragma unroll
-    for (int u = 0; u < MK_UMAX; ++u) {
-        if (u < p.u) {
-            const int e = u * 32 + lane, r = e / per_row, vl = e - r * per_row;
-            if (row0 + r < nr && vb + vl < p.nvec)
-                cp_async16(slot_w + ring_offset(r, vl) * 16, (const vec16*)gemv_row(d, rs + row0 + r) + vb + vl,
-                           policy);
-        }
-    }
-#else
-    // Each lane copies what it multiplies: unit l of each plane.
     const int lr = gemv_lane_row(it.rg, lane);
     if (lr >= nr) return;
     const vec16* base = (const vec16*)gemv_row(d, rs + lr);
@@ -376,16 +333,6 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
         const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
         if (u < p.u && v < p.nvec) cp_async16(slot_w + (u * MK_THREADS + lane) * 16, base + v, policy);
     }
-#endif
-}
-
-// Lane's weight vector of load u of a unit in the ring slot whose warp base is `slot`.
-__device__ __forceinline__ vec16 ring_read(const vec16* slot, int u, int lane) {
-#if MK_MMA && MK_MMA_COOP
-    return slot[ring_offset(lane >> 2, u * 4 + (lane & 3))];
-#else
-    return slot[u * MK_THREADS + lane];
-#endif
 }
 
 // The ring's head: this warp's first MK_STAGES - 1 units of the pass over chunks [c0, c0 + nkq) of rows
@@ -498,23 +445,20 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
             head = false;
             for (int k = 0; k < count; ++k) {
                 const int kn = k + MK_STAGES - 1;
-                if (MK_MMA && MK_MMA_COOP) __syncwarp();  // every lane has read unit k - 1, whose slot unit kn reuses
                 if (kn < count)
                     gemv_issue_async(d, p, rs, nr, gemv_unit(warp, kn, c0, nkq), lane,
                                      ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
                 cp_async_commit();
-                cp_async_wait<MK_STAGES - 1>();  // this lane's copies of unit k are complete
-                if (MK_MMA && MK_MMA_COOP) __syncwarp();        // ... and every other lane's
+                cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
                 const GemvUnit it = gemv_unit(warp, k, c0, nkq);
                 const vec16* slot = mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS;
-                gemv_accumulate(p, [&](int u) { return ring_read(slot, u, lane); }, it, nr, lane, xs, v0, acc);
+                gemv_accumulate(p, [&](int u) { return slot[u * MK_THREADS + lane]; }, it, nr, lane, xs, v0, acc);
                 if (it.sub == GEMV_SUB - 1) {
                     gemv_store(p, acc, it, nr, lane, part);
                     gemv_acc_zero(acc);
                 }
             }
             cp_async_wait<0>();
-            if (MK_MMA && MK_MMA_COOP) __syncwarp();  // the next pass's head may overwrite what other lanes were reading
 #else
             vec16 wa[MK_UMAX], wb[MK_UMAX];
             int k = 0;

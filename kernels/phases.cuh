@@ -49,13 +49,11 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
     // Every token's loads first, then one block reduction for all of them (one pair of block barriers per call
     // instead of one per token; the sums are the same as token by token). A single token keeps its values in
     // registers; several reload them (from L2, all loads independent) rather than spill.
-    constexpr int KEEP = 1;
-    float v[KEEP][VPT][8];
+    float vt[VPT][8];
     float ss[MK_NT];
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
         ss[t] = 0.0f;
-        float(&vt)[VPT][8] = v[KEEP == MK_NT ? t : 0];
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
@@ -70,12 +68,11 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
         const float r = rsqrtf(ss[t] / (float)MK_H + MK_EPS);
-        float(&vt)[VPT][8] = v[KEEP == MK_NT ? t : 0];
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
             const bool in_window = vi < NVEC && off + vi >= v0 && off + vi < v1;
-            if (KEEP != MK_NT && vi < NVEC) ld_cg_act8(src[t], vi, src_bf, vt[j]);
+            if (MK_NT > 1 && vi < NVEC) ld_cg_act8(src[t], vi, src_bf, vt[j]);  // one token: still in vt
 #if MK_FP32_IN
             if (in_window) {
                 float* xf = xs + (t * MK_XLDV + off + vi - v0) * 8;

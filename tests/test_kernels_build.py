@@ -221,7 +221,7 @@ def test_tensor_core_gemv_switch_checks_its_knobs_and_keeps_a_whole_item_per_rou
             config_27b(), num_sms=132, tokens_per_launch=t, tuning=Tuning(mma=True), smem_limit=hopper
         )
         d = spec.defines()
-        assert (d["MK_MMA"], d["MK_MMA_SUB"], d["MK_MMA_COOP"]) == (1, 2, 0) and spec.smem_bytes <= hopper
+        assert (d["MK_MMA"], d["MK_MMA_SUB"]) == (1, 2) and spec.smem_bytes <= hopper
         # gemv.cuh: a round holds (part_rows / chunks) & ~7 rows; every input width must leave at least one item
         # of 8 rows, or that phase would compute nothing.
         for k in (5120, 10240, 6144, 17408):

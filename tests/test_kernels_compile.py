@@ -43,7 +43,7 @@ def test_sources_compile(shape: str, arch: str) -> None:
         Tuning(dynamic=True),
         Tuning(fp32_gemv_in=True, dynamic=True),
         Tuning(mma=True),
-        Tuning(mma=True, mma_coop=True, dynamic=True),
+        Tuning(mma=True, dynamic=True),
     ],
     ids=[
         "previous-kernel",
@@ -53,7 +53,7 @@ def test_sources_compile(shape: str, arch: str) -> None:
         "dynamic-rows",
         "fp32-inputs",
         "tensor-cores",
-        "tensor-cores-cooperative-dynamic",
+        "tensor-cores-dynamic",
     ],
 )
 def test_variants_compile(tuning: Tuning) -> None:

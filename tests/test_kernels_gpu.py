@@ -319,6 +319,16 @@ def test_greedy_chain_matches_reference_greedy_decode(setup):
     assert agree == n or near_ties > 0
 
 
+def chained_logits(runner, base, first, steps: int = 3) -> torch.Tensor:
+    """Logits of `steps` greedy launches from a copy of `base`, starting with token `first`."""
+    state, token, out = base.clone(), first, []
+    for _ in range(steps):
+        res = runner.step(token, state)
+        out.append(res.logits.clone())
+        token = res.logits[0].argmax().reshape(1)
+    return torch.stack(out)
+
+
 @torch.no_grad()
 def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(setup):
     """The previous kernel (variant 0, register double buffer), variant 1 with register buffers, the per-phase
@@ -342,17 +352,11 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
         ),
     }
 
-    def run(r):
-        state, token, out = base.clone(), first, []
-        for _ in range(3):
-            res = r.step(token, state)
-            out.append(res.logits.clone())
-            token = res.logits[0].argmax().reshape(1)
-        return torch.stack(out)
-
-    expected = run(runner)
+    expected = chained_logits(runner, base, first)
     for label, other in others.items():
-        assert torch.equal(run(other), expected), f"{label} differs from the default build"
+        assert torch.equal(chained_logits(other, base, first), expected), (
+            f"{label} differs from the default build"
+        )
     stamps = others["timing"].phase_stamps()
     names = step_phases(c)
     assert stamps.shape == (len(names), others["timing"].grid, 2)
@@ -367,8 +371,8 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
 @torch.no_grad()
 def test_tensor_core_and_scalar_gemv_agree(setup):
     """The tensor-core GEMV (items of 8 rows, another summation order than the default scalar FMA path): its
-    logits stay within bf16 rounding of the scalar build's over 3 chained steps, and its ring (copied per lane or
-    cooperatively by the warp) and register builds agree bit for bit, as the scalar path's do."""
+    logits stay within bf16 rounding of the scalar build's over 3 chained steps, and its ring, register and
+    dynamic-row builds agree bit for bit, as the scalar path's do."""
     name, model, runner = setup
     assert not runner.spec.tuning.use_mma
     c = model.config
@@ -377,19 +381,11 @@ def test_tensor_core_and_scalar_gemv_agree(setup):
     model.forward_step(prompt, base, logits="last")
     first = torch.randint(0, c.vocab_size, (1,), device="cuda")
 
-    def run(r):
-        state, token, out = base.clone(), first, []
-        for _ in range(3):
-            res = r.step(token, state)
-            out.append(res.logits.clone())
-            token = res.logits[0].argmax().reshape(1)
-        return torch.stack(out)
-
-    scalar = run(runner)
-    assert torch.equal(run(MegakernelRunner(model, tuning=Tuning(stages=0))), scalar)
-    tc = run(MegakernelRunner(model, tuning=Tuning(mma=True)))
-    for variant in (Tuning(mma=True, stages=0), Tuning(mma=True, mma_coop=True)):
-        assert torch.equal(run(MegakernelRunner(model, tuning=variant)), tc), variant
+    scalar = chained_logits(runner, base, first)
+    assert torch.equal(chained_logits(MegakernelRunner(model, tuning=Tuning(stages=0)), base, first), scalar)
+    tc = chained_logits(MegakernelRunner(model, tuning=Tuning(mma=True)), base, first)
+    for variant in (Tuning(mma=True, stages=0), Tuning(mma=True, dynamic=True)):
+        assert torch.equal(chained_logits(MegakernelRunner(model, tuning=variant), base, first), tc), variant
     err = rel_err(tc, scalar)
     print(f"\n[{name}] tensor-core vs scalar GEMV logits, 3 chained steps: rel err {err:.2e}")
     assert not torch.equal(tc, scalar)  # the two paths really differ in summation order
