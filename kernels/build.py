@@ -71,6 +71,16 @@ class Tuning:
     # 128-byte line; blocks without DeltaNet / attention work prefetch the start of EVERY block's range of the
     # next GEMV (not only their own). 0: the previous kernel (kept so one bench run times both).
     variant: int = 1
+    # Grid barrier arrival: a release add that does not wait for its reply (True), or a fence and an atomicAdd
+    # whose reply gives the target (False, the kernel up to run 9).
+    release_barrier: bool = True
+    # Issue the output projection's ring head and own-share L2 prefetch at the barrier before the DeltaNet /
+    # attention phase, so they stream during it (True, up to run 9), or only at the barrier after it (False:
+    # the phase's own loads then do not queue behind them).
+    head_over_mixer: bool = True
+    # At that barrier, first start the DeltaNet state slices / cached keys and values of the block's own items
+    # towards L2 (False: the phase loads them from HBM, as up to run 9).
+    mixer_prefetch: bool = True
     # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
     # double buffer; None = 3 where the GPU's shared memory holds the ring (sm_90), else 0.
     stages: int | None = None
@@ -278,6 +288,9 @@ class KernelSpec:
             "MK_PF_BYTES": t.pf_bytes,
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
             "MK_VARIANT": t.variant,
+            "MK_RELEASE_BARRIER": int(t.release_barrier),
+            "MK_HEAD_OVER_MIXER": int(t.head_over_mixer),
+            "MK_MIXER_PREFETCH": int(t.mixer_prefetch),
             "MK_STAGES": self.stages,
             "MK_FP32_ACT": int(t.fp32_act),
             "MK_FP32_IN": int(t.fp32_gemv_in),

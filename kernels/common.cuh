@@ -252,15 +252,34 @@ __device__ __forceinline__ void raise_error(int* ctrl, int code, int info) {
     if (atomicCAS(ctrl + CTRL_ERR, 0, code) == 0) atomicExch(ctrl + CTRL_ERR_INFO, info);
 }
 
-// Arrive at the grid barrier: a monotonically increasing 64-bit counter (reset only by the host after an
-// error). Returns the target count to wait for. Call from every thread of the block.
+#ifndef MK_RELEASE_BARRIER
+#define MK_RELEASE_BARRIER 1  // 1: arrive with a fire-and-forget release add; 0: fence + atomicAdd round trip
+#endif
+
+// The grid barrier: a monotonically increasing 64-bit counter (reset only by the host after an error; every
+// block passes every barrier of a launch, so it is a multiple of the grid size between launches). Before its
+// first barrier a block reads the counter's launch base into *s_target (no block can pass barrier 0 before this
+// one arrives, so rounding down finds it). Thread 0 of every block; callers synchronise.
+__device__ __forceinline__ void grid_barrier_init(const u64* counter, u64* s_target) {
+    const u64 n = nblocks();
+    *s_target = (*(const volatile u64*)counter / n) * n;
+}
+
+// Arrive at the grid barrier; returns the count to wait for. Call from every thread of the block.
+// MK_RELEASE_BARRIER: the release add orders this block's writes (cumulative over the bar.sync before it) and
+// does not wait for a reply, so the last block to arrive is not held up by an atomic's round trip.
 __device__ __forceinline__ u64 grid_arrive(u64* counter, u64* s_target) {
     __syncthreads();
     if (tid_x() == 0) {
-        __threadfence();  // release this block's writes (cumulative over the bar.sync above)
         const u64 n = nblocks();
+#if MK_RELEASE_BARRIER
+        *s_target += n;
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+#else
+        __threadfence();  // release this block's writes (cumulative over the bar.sync above)
         const u64 old = atomicAdd(counter, 1ull);
         *s_target = (old / n + 1) * n;
+#endif
     }
     __syncthreads();
     return *s_target;
@@ -292,7 +311,9 @@ __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u
 #endif
             }
         }
-        __threadfence();  // acquire side: later reads see the other blocks' writes
+#if !MK_RELEASE_BARRIER
+        __threadfence();  // acquire side (the acquire loads above already order the later reads)
+#endif
         *s_flag = ok;
     }
     __syncthreads();

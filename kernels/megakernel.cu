@@ -31,6 +31,12 @@
 #ifndef MK_PF_BYTES
 #define MK_PF_BYTES 32768  // next-phase weights each block pulls into L2 while waiting at a barrier
 #endif
+#ifndef MK_HEAD_OVER_MIXER
+#define MK_HEAD_OVER_MIXER 1  // the output projection's first loads stream during the DeltaNet / attention phase
+#endif
+#ifndef MK_MIXER_PREFETCH
+#define MK_MIXER_PREFETCH 1  // the DeltaNet / attention phase's state or keys and values start towards L2 first
+#endif
 #ifndef MK_PF_IDLE_BYTES
 #define MK_PF_IDLE_BYTES 131072  // same, around a DeltaNet or attention phase (most blocks are idle)
 #endif
@@ -44,7 +50,7 @@ struct BlockState {
     int err;
     int last;  // attention: this block merges its key/value head's chunks
     int flag;  // barrier result
-    u64 target;
+    u64 target;  // the grid barrier's count after this block's latest arrival
     int head;  // the weight ring's first items of this phase were issued before the barrier (MK_STAGES > 0)
 #ifdef MK_PHASE_TIMING
     u64 t_start;  // globaltimer when this block began the current phase
@@ -76,6 +82,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
         bs.err = err;
         bs.head = 0;
+        grid_barrier_init(tb.sync, &bs.target);
     }
     __syncthreads();
     return bs.err == 0;
@@ -309,10 +316,15 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
     const int nl = (int)tb.gi(G_NUM_LAYERS);
     int next_phase, next_layer;
     schedule(tb, bs.si, step + 1, nl, next_phase, next_layer);
-    // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights:
-    // prefetch the output projection after it.
-    if (next_phase == PH_DN_REC || next_phase == PH_ATT) schedule(tb, bs.si, step + 2, nl, next_phase, next_layer);
     const u64 target = grid_arrive(tb.sync, &bs.target);
+    // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights: its
+    // inputs start towards L2 first, then the loads of the output projection after it.
+    if (next_phase == PH_DN_REC || next_phase == PH_ATT) {
+#if MK_VARIANT != 0 && MK_MIXER_PREFETCH
+        prefetch_mixer_inputs(tb, bs.si, next_phase, next_layer);
+#endif
+        schedule(tb, bs.si, step + 2, nl, next_phase, next_layer);
+    }
     if (tid_x() == 0) plan_gemv(tb, bs.si, next_phase, next_layer, bs);
     __syncthreads();
 #if MK_VARIANT == 0
@@ -321,11 +333,15 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
         budget = MK_PF_IDLE_BYTES;
     if (bs.gemv) gemv_prefetch(bs.desc, budget);
 #else
+    // The barrier that starts the next GEMV's own loads (ring head, own-share prefetch): with MK_HEAD_OVER_MIXER the
+    // one after the mixer's input projections, so they stream during the DeltaNet / attention phase (it does not
+    // use the ring) and are not issued again after it; without, the one after that phase, whose own loads then
+    // do not queue behind them.
+    const bool before_mixer = phase == PH_DN_IN || phase == PH_ATT_IN;
+    const bool after_mixer = phase == PH_DN_REC || phase == PH_ATT;
+    const bool own_now = MK_HEAD_OVER_MIXER ? !after_mixer : !before_mixer;
 #if MK_STAGES > 0
-    // Start the next weight-streaming phase's first loads now, into the ring: across this barrier, and after
-    // a mixer's input projections across the whole DeltaNet / attention phase too (it does not use the ring),
-    // so they are not issued again at the barrier after it.
-    if (bs.gemv && phase != PH_DN_REC && phase != PH_ATT) {
+    if (bs.gemv && own_now) {
         gemv_issue_first_head(bs.desc, carve_smem(smem_raw).ring);
         if (tid_x() == 0) bs.head = 1;
     }
@@ -335,19 +351,17 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
         int busy = nb;  // blocks with work in the phase just finished
         if (phase == PH_DN_REC) busy = min(nb, dn_rec_items());
         if (phase == PH_ATT) busy = min(nb, att_items(bs.si));
-        if (busy == nb) {
-            // After a weight-streaming phase (or a DeltaNet / attention phase that kept every block busy): the
-            // start of this block's own share of the next GEMV, so its first loads after the barrier hit L2.
-            // Early finishers keep HBM busy while the last blocks of this phase finish.
-            // With the weight ring, the head just issued covers about the first GEMV_HEAD_BYTES: start after it.
-            if (phase != PH_DN_REC && phase != PH_ATT)
-                gemv_prefetch_share(bs.desc, bid_x(), GEMV_HEAD_BYTES, MK_PF_BYTES);
-        } else if (!had) {
+        if (busy < nb && !had) {
             // Blocks without DeltaNet / attention work: the next stretch of EVERY block's share, split over the
             // idle blocks, so that most of the output projection is in L2 when the few busy blocks finish.
             const int nidle = nb - busy;
             for (int b = bid_x() - busy; b < nb; b += nidle)
                 gemv_prefetch_share(bs.desc, b, GEMV_HEAD_BYTES + MK_PF_BYTES, MK_PF_IDLE_BYTES);
+        } else if (own_now) {
+            // The start of this block's own share of the next GEMV, so that its first loads after the barrier hit
+            // L2 (early finishers keep HBM busy while the last blocks finish). The ring head just issued covers
+            // about the first GEMV_HEAD_BYTES: start after it.
+            gemv_prefetch_share(bs.desc, bid_x(), GEMV_HEAD_BYTES, MK_PF_BYTES);
         }
     }
 #endif
@@ -412,6 +426,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_barrier_test(int* ctrl, u64* sync, int* arrivals, int rounds, int skip_block, long long timeout_ns) {
     __shared__ u64 s_target;
     __shared__ int s_flag;
+    if (tid_x() == 0) grid_barrier_init(sync, &s_target);
     for (int r = 0; r < rounds; ++r) {
         if (r == rounds - 1 && bid_x() == skip_block) return;
         if (tid_x() == 0) atomicAdd(arrivals + r, 1);

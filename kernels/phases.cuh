@@ -397,6 +397,7 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
 #define DN_SW (MK_DV / MK_DN_SPLIT)
 #define DN_RG (MK_THREADS / DN_SW)
 #define DN_RPT ((MK_DK + DN_RG - 1) / DN_RG)
+#define DN_KPL ((MK_DK + 31) / 32)  // q / k values per lane in the l2 norm
 static_assert(2 * MK_NT * MK_DK + MK_THREADS + DN_SW + MK_NT * DN_SW + 2 * MK_NT <= PART_FLOATS,
               "DeltaNet scratch exceeds shared memory");
 
@@ -430,20 +431,33 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
         const long long off = (long long)hv * MK_DK * MK_DV + c0 + col;
         float* Sh = S + off;
         float* Hh = H != nullptr ? H + off : nullptr;
-        // Every token's inputs before the recurrence (their loads overlap the state's instead of costing a
-        // round trip per token): warp 2u / 2u + 1 l2-normalises token u's q / k (fp32, eps 1e-6, q scaled by
-        // dk^-0.5); the first threads read beta, the decay and this slice's values.
+        // The state slice first, then every token's inputs: all of them are loads in flight together, one round
+        // trip before the recurrence instead of one per dependent load. Warp 2u / 2u + 1 l2-normalises token u's
+        // q / k (fp32, eps 1e-6, q scaled by dk^-0.5) from registers; the first threads read beta, the decay and
+        // this slice's values.
+        float s[DN_RPT];
+#pragma unroll
+        for (int r = 0; r < DN_RPT; ++r) {
+            const int i = rg + r * DN_RG;
+            s[r] = (i < MK_DK) ? Sh[i * MK_DV] : 0.0f;
+        }
         for (int job = warp; job < 2 * MK_NT; job += MK_NWARPS) {
             const int t = job >> 1, isk = job & 1;
             const bf16_t* src = xbuf + t * MK_C + (isk ? MK_HK * MK_DK : 0) + hk * MK_DK;
+            float x[DN_KPL];
             float ss = 0.0f;
-            for (int i = lane; i < MK_DK; i += 32) {
-                const float v = bf2f(ld_cg_bf(src + i));
-                ss = fmaf(v, v, ss);
+#pragma unroll
+            for (int j = 0; j < DN_KPL; ++j) {
+                const int i = lane + 32 * j;
+                x[j] = i < MK_DK ? bf2f(ld_cg_bf(src + i)) : 0.0f;
+                ss = fmaf(x[j], x[j], ss);
             }
             const float inv = rsqrtf(warp_sum(ss) + 1e-6f);
-            for (int i = lane; i < MK_DK; i += 32) {
-                const float v = bf2f(ld_cg_bf(src + i)) * inv;
+#pragma unroll
+            for (int j = 0; j < DN_KPL; ++j) {
+                const int i = lane + 32 * j;
+                if (i >= MK_DK) continue;
+                const float v = x[j] * inv;
                 if (isk) kn[t * MK_DK + i] = v;
                 else qn[t * MK_DK + i] = v * qscale;
             }
@@ -456,12 +470,12 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             sc[2 * tid] = ld_cg_f(beta + tid * MK_HV + hv);
             sc[2 * tid + 1] = expf(ld_cg_f(gdecay + tid * MK_HV + hv));
         }
-        float s[DN_RPT];
+        if (Hh != nullptr) {
 #pragma unroll
-        for (int r = 0; r < DN_RPT; ++r) {
-            const int i = rg + r * DN_RG;
-            s[r] = (i < MK_DK) ? Sh[i * MK_DV] : 0.0f;
-            if (Hh != nullptr && i < MK_DK) Hh[i * MK_DV] = s[r];
+            for (int r = 0; r < DN_RPT; ++r) {
+                const int i = rg + r * DN_RG;
+                if (i < MK_DK) Hh[i * MK_DV] = s[r];
+            }
         }
         __syncthreads();  // the inputs of every token are in shared memory
         for (int t = 0; t < MK_NT; ++t) {
@@ -576,6 +590,21 @@ __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* 
     __syncwarp();
 }
 
+// A block's softmax denominator of pair j over its warps (warp order), relative to the block's maximum M.
+__device__ __forceinline__ float att_block_den(const float* wm, const float* wl, int j, float M) {
+    float v = 0.0f;
+    for (int w = 0; w < MK_NWARPS; ++w) {
+        const float mw = wm[w * MK_ATT_PAIRS + j];
+        if (mw != -MK_INF) v += wl[w * MK_ATT_PAIRS + j] * expf(mw - M);
+    }
+    return v;
+}
+
+// The attention output of one value: normalised, times the sigmoid of its gate.
+__device__ __forceinline__ bf16_t att_gated(float num, float den, float gate) {
+    return f2bf(RBI(num / den) * RBI(sigmoid_f(gate)));
+}
+
 // Work items of the attention phase at this step (one per key/value head, chunk of positions and pass); blocks
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
@@ -619,7 +648,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
         // chunk writes them, so that none has to wait for another block. Concurrent stores to one address are safe
         // only because every writer stores the same bits (norm_rope_head does not depend on the block or pass) and
         // 2-byte stores do not tear a reader's 16-byte load: keep it so.
-        if (warp == 0) {
+        if (warp == MK_NWARPS - 1) {  // the last warp: the first ones normalise the queries meanwhile
             for (int t = 0; t < MK_NT; ++t) {
                 const int p = pos + t;
                 if (p < p0 || p >= p1) continue;
@@ -710,22 +739,29 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 }
                 __syncthreads();
             }
+            // One chunk (short context): this item's pairs are final, written here without partials: the merge
+            // below with one chunk, the same operations (its factor expf(M - M) is 1).
+            if (nch == 1) {
+                float* den = knew;  // [PAIRS]: the K/V writer is done with it
+                if (tid < MK_ATT_PAIRS) den[tid] = att_block_den(wm, wl, tid, M[tid]);
+                __syncthreads();
+                for (int e = tid; e < MK_ATT_PAIRS * MK_HD; e += MK_THREADS) {
+                    const int j = e / MK_HD, d = e - j * MK_HD, pp = pass * MK_ATT_PAIRS + j;
+                    if (pp >= MK_GQ_PAIRS) continue;
+                    const float f = expf(M[j] - M[j]);
+                    const float num = fmaf(accs[e], f, 0.0f), dn = fmaf(den[j], f, 0.0f);
+                    const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+                    const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
+                    att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, dn, gate);
+                }
+                __syncthreads();
+                continue;
+            }
             for (int e = tid; e < MK_ATT_PAIRS * (MK_HD + 2); e += MK_THREADS) {
                 const int j = e / (MK_HD + 2), d = e - j * (MK_HD + 2);
                 const int pp = pass * MK_ATT_PAIRS + j;
                 if (pp >= MK_GQ_PAIRS) continue;
-                float v;
-                if (d < MK_HD) {
-                    v = accs[j * MK_HD + d];
-                } else if (d == MK_HD) {
-                    v = M[j];
-                } else {
-                    v = 0.0f;
-                    for (int w = 0; w < MK_NWARPS; ++w) {
-                        const float mw = wm[w * MK_ATT_PAIRS + j];
-                        if (mw != -MK_INF) v += wl[w * MK_ATT_PAIRS + j] * expf(mw - M[j]);
-                    }
-                }
+                const float v = d < MK_HD ? accs[j * MK_HD + d] : d == MK_HD ? M[j] : att_block_den(wm, wl, j, M[j]);
                 part[(((long long)kvh * maxch + c) * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d] = v;
             }
             __syncthreads();
@@ -756,11 +792,43 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 }
                 const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
                 const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
-                att_out[t * MK_AD + hq * MK_HD + d] = f2bf(RBI(num / den) * RBI(sigmoid_f(gate)));
+                att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, den, gate);
             }
             if (tid == 0) atomicExch(tb.sync + 1 + kvh, 0ull);
         }
         __syncthreads();
     }
     return any;
+}
+
+// At the barrier before the DeltaNet / attention phase (thread 0): this block's items' recurrent state slices or
+// cached keys and values start towards L2, ahead of the output projection's first weights, so that the phase's
+// loads (a chain of round trips in a few blocks) find them there. Items as in phase_dn_rec / phase_attention; L2
+// is coherent with the new positions' stores.
+__device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int phase, int layer) {
+    if (tid_x() != 0) return;
+    if (phase == PH_DN_REC) {
+        const char* S = (const char*)tb.lp<const float>(layer, L_REC_STATE);
+        constexpr int head_bytes = MK_DK * MK_DV * 4, piece = head_bytes / MK_DN_SPLIT;
+        for (int item = bid_x(); item < dn_rec_items(); item += nblocks()) {
+            const char* base = S + (long long)(item / MK_DN_SPLIT) * head_bytes + (item % MK_DN_SPLIT) * piece;
+            for (int off = 0; off < piece; off += MK_PF_PIECE)
+                prefetch_l2_bytes(base + off, (unsigned)min(piece - off, MK_PF_PIECE));
+        }
+    } else if (phase == PH_ATT) {
+        const int L = si.pos + MK_NT, nch = (L + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK;
+        const long long cap = tb.li(layer, L_KV_CAP);
+        const char* kc = (const char*)tb.lp<const bf16_t>(layer, L_KCACHE);
+        const char* vc = (const char*)tb.lp<const bf16_t>(layer, L_VCACHE);
+        for (int item = bid_x(); item < att_items(si); item += nblocks()) {
+            const int kvh = item / (nch * ATT_PASSES), c = (item - kvh * nch * ATT_PASSES) / ATT_PASSES;
+            const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
+            const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
+            for (int off = 0; off < bytes; off += MK_PF_PIECE) {
+                const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
+                prefetch_l2_bytes(kc + start + off, n);
+                prefetch_l2_bytes(vc + start + off, n);
+            }
+        }
+    }
 }

@@ -150,6 +150,37 @@ def test_bench_command_registers() -> None:
     assert parser.parse_args(["bench", "decode", "--alternate", "5"]).alternate == 5
 
 
+def test_bench_variants_and_tuning_overrides_parse() -> None:
+    from onestream.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "bench",
+            "decode",
+            "--variant",
+            "fence:release_barrier=0,pf_idle_bytes=0",
+            "--variant",
+            "t:phase_timing=1",
+        ]
+    )
+    (label, fence), (_, timing) = args.variant
+    assert label == "fence" and not fence.release_barrier and fence.pf_idle_bytes == 0
+    assert fence.head_over_mixer and not fence.phase_timing and timing.phase_timing
+    spec = parser.parse_args(["bench", "spec", "--tuning", "head_over_mixer=false,att_pairs=2"])
+    assert not spec.tuning.head_over_mixer and spec.tuning.att_pairs == 2
+    for bad in (
+        "nolabel",
+        "x:nosuch=1",
+        "x:release_barrier=maybe",
+        "x:att_pairs=two",
+        "x:mma=1,fp32_gemv_in=1",
+    ):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench._variant(bad)
+
+
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:
     ampere = KernelSpec(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
     hopper = KernelSpec(config_27b(), num_sms=132, smem_limit=227 * 1024)
@@ -166,6 +197,15 @@ def test_variant_and_timing_switches_reach_the_source() -> None:
     assert plain["MK_VARIANT"] == 1 and "MK_PHASE_TIMING" not in plain
     old = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(variant=0, phase_timing=True)).defines()
     assert old["MK_VARIANT"] == 0 and old["MK_PHASE_TIMING"] == 1
+    assert (
+        plain["MK_RELEASE_BARRIER"] == 1
+        and plain["MK_HEAD_OVER_MIXER"] == 1
+        and plain["MK_MIXER_PREFETCH"] == 1
+    )
+    fenced = KernelSpec(
+        tiny_config(), num_sms=132, tuning=Tuning(release_barrier=False, head_over_mixer=False)
+    )
+    assert fenced.defines()["MK_RELEASE_BARRIER"] == 0 and fenced.defines()["MK_HEAD_OVER_MIXER"] == 0
 
 
 def test_activation_precision_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -332,7 +332,7 @@ def chained_logits(runner, base, first, steps: int = 3) -> torch.Tensor:
 @torch.no_grad()
 def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(setup):
     """The previous kernel (variant 0, register double buffer), variant 1 with register buffers, the per-phase
-    timing build and dynamic row scheduling change schedules, prefetches, which block computes a row and where
+    timing build, dynamic row scheduling, the barrier's arrival and the prefetch schedule change schedules, prefetches, which block computes a row and where
     weights wait (registers or the shared-memory ring), never the arithmetic: their logits equal the default
     build's bit for bit, chained over 3 steps (3 launches: the dynamic builds' ticket counters carry over)."""
     name, model, runner = setup
@@ -349,6 +349,13 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
         "dynamic rows": MegakernelRunner(model, tuning=Tuning(dynamic=True)),
         "dynamic rows only, small tiles": MegakernelRunner(
             model, tuning=Tuning(dynamic=True, dyn_static_pct=0, dyn_tile_bytes=4096)
+        ),
+        # The run-9 barrier (fence + atomicAdd), no L2 prefetch around the mixer, its output projection's loads after it.
+        "fenced barrier, head after the mixer": MegakernelRunner(
+            model,
+            tuning=Tuning(
+                release_barrier=False, head_over_mixer=False, mixer_prefetch=False, pf_idle_bytes=0
+            ),
         ),
     }
 

@@ -61,11 +61,14 @@ def assert_same_state(a, b, config) -> None:
         assert torch.equal(a.kv[i].v[:, :n], b.kv[i].v[:, :n]), f"layer {i}: values differ"
 
 
+@pytest.mark.parametrize("n_prompt", [29, 125])
 @torch.no_grad()
-def test_verify_launch_is_bit_identical_to_single_steps(setup):
+def test_verify_launch_is_bit_identical_to_single_steps(setup, n_prompt):
+    """At 125 the verify launches reach past the first attention chunk (128 positions): they merge two chunks'
+    partials where single steps before position 128 write their one chunk's output directly."""
     name, model, runner = setup
     c = model.config
-    base = prefilled(model)
+    base = prefilled(model, n_prompt=n_prompt)
     for t in token_counts(name):
         tokens = torch.randint(0, c.vocab_size, (t,), device="cuda")
         single = base.clone()

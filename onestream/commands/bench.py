@@ -40,6 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "timing builds of the default and the dynamic kernel",
     )
     decode.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        metavar="LABEL:KEY=VALUE,...",
+        help="also time a build with these Tuning fields changed, e.g. 'no idle prefetch:pf_idle_bytes=0' "
+        "(repeatable; phase_timing=1 makes it a per-phase timing build)",
+    )
+    decode.add_argument(
         "--alternate",
         type=int,
         default=0,
@@ -74,6 +83,7 @@ def run_decode(args: argparse.Namespace) -> int:
             # Run 9: the tensor-core GEMV against the default scalar one, and the per-phase timing build.
             tunings["tensor-core GEMV"] = Tuning(mma=True)
             tunings["phase timing"] = Tuning(phase_timing=True)
+        tunings.update(dict(args.variant))
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
         results.append(
             bench_model(
@@ -171,6 +181,41 @@ def _drafts_per_cycle(text: str) -> int:
     return value
 
 
+def tuning_overrides(text: str) -> Any:
+    """A Tuning with the fields of "key=value,key=value" changed (ints; booleans as 0/1/true/false)."""
+    from onestream.kernels.build import Tuning
+
+    types = {f.name: f.type for f in dataclasses.fields(Tuning)}
+    changes: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not sep or key not in types:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(types))}"
+            )
+        if "bool" in str(types[key]):
+            if value not in ("0", "1", "true", "false"):
+                raise argparse.ArgumentTypeError(f"{key} takes 0/1/true/false, got {value!r}")
+            changes[key] = value in ("1", "true")
+        else:
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{key} takes an integer, got {value!r}") from None
+    try:
+        return dataclasses.replace(Tuning(), **changes)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _variant(text: str) -> tuple[str, Any]:
+    label, sep, fields = text.partition(":")
+    if not sep or not label.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL:KEY=VALUE,...")
+    return label.strip(), tuning_overrides(fields)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -224,6 +269,13 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="parts (a) and (b) with the per-phase timing build: prints where each T's launch spends its time",
     )
+    spec.add_argument(
+        "--tuning",
+        type=tuning_overrides,
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="parts (a) and (b) with these Tuning fields changed (applied after --gemv and --phase-timing)",
+    )
     spec.add_argument("--skip-27b", action="store_true", help="leave out parts (a) and (b)")
     spec.add_argument("--skip-embedded", action="store_true", help="leave out part (c)")
     spec.add_argument("--json", default=None, help="write the results to this JSON file (after every part)")
@@ -268,10 +320,19 @@ def run_spec(args: argparse.Namespace) -> int:
         gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
         if args.phase_timing:
             gemv += ", phase-timing build"
+        tuning = Tuning(mma=args.gemv == "mma", phase_timing=args.phase_timing)
+        if args.tuning is not None:
+            changed = {
+                f.name: getattr(args.tuning, f.name)
+                for f in dataclasses.fields(Tuning)
+                if getattr(args.tuning, f.name) != getattr(Tuning(), f.name)
+            }
+            tuning = dataclasses.replace(tuning, **changed)
+            gemv += ", " + ", ".join(f"{k}={v}" for k, v in changed.items())
         result.verify, result.draft = bs.bench_27b(
             config_27b(args.layers),
             name=f"27B shapes (64 layers in the real model), {gemv}",
-            tuning=Tuning(mma=args.gemv == "mma", phase_timing=args.phase_timing),
+            tuning=tuning,
             tokens=tokens,
             context=args.context,
             launches=args.launches,
