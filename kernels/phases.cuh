@@ -653,10 +653,19 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 const int p = pos + t;
                 if (p < p0 || p >= p1) continue;
                 const bf16_t* row = qkv + t * MK_ATT_IN_ROWS;
+                bf16_t vv[ATT_NPL];  // the value row, loaded beside the key's (the stores below could alias it)
+#pragma unroll
+                for (int j = 0; j < ATT_NPL; ++j) {
+                    const int d = lane + 32 * j;
+                    vv[j] = d < MK_HD ? ld_cg_bf(row + MK_QROWS + MK_KVROWS + kvh * MK_HD + d) : (bf16_t)0;
+                }
                 norm_rope_head(row + MK_QROWS + kvh * MK_HD, kn_w, inv_freq, p, knew);
-                for (int d = lane; d < MK_HD; d += 32) {
+#pragma unroll
+                for (int j = 0; j < ATT_NPL; ++j) {
+                    const int d = lane + 32 * j;
+                    if (d >= MK_HD) continue;
                     kh[(long long)p * MK_HD + d] = f2bf(knew[d]);
-                    vh[(long long)p * MK_HD + d] = ld_cg_bf(row + MK_QROWS + MK_KVROWS + kvh * MK_HD + d);
+                    vh[(long long)p * MK_HD + d] = vv[j];
                 }
                 __syncwarp();
             }
@@ -672,7 +681,8 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             }
             __syncthreads();  // queries ready; this block's cache writes visible
             const bool active = lane * ATT_DPL < MK_HD;
-            float q[MK_ATT_PAIRS][ATT_DPL], acc[MK_ATT_PAIRS][ATT_DPL], m[MK_ATT_PAIRS], l[MK_ATT_PAIRS];
+            // The queries stay in shared memory (qsm): registers go to the accumulators and the next position's loads.
+            float acc[MK_ATT_PAIRS][ATT_DPL], m[MK_ATT_PAIRS], l[MK_ATT_PAIRS];
             int lastpos[MK_ATT_PAIRS];
 #pragma unroll
             for (int j = 0; j < MK_ATT_PAIRS; ++j) {
@@ -681,26 +691,29 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 m[j] = -MK_INF;
                 l[j] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < ATT_DPL; ++e) {
-                    q[j][e] = active ? qsm[j * MK_HD + lane * ATT_DPL + e] : 0.0f;
-                    acc[j][e] = 0.0f;
-                }
+                for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
+            }
+            // A warp's positions in order; the next one's key and value load while this one's are used.
+            vec16 kr = {0u, 0u, 0u, 0u}, vr = {0u, 0u, 0u, 0u};
+            if (active && p0 + warp < p1) {
+                kr = ld_cg16(kh + (long long)(p0 + warp) * MK_HD + lane * ATT_DPL);
+                vr = ld_cg16(vh + (long long)(p0 + warp) * MK_HD + lane * ATT_DPL);
             }
             for (int p = p0 + warp; p < p1; p += MK_NWARPS) {
                 float kf[8], vf[8];
-                if (active) {
-                    unpack8(ld_cg16(kh + (long long)p * MK_HD + lane * ATT_DPL), kf);
-                    unpack8(ld_cg16(vh + (long long)p * MK_HD + lane * ATT_DPL), vf);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) kf[e] = vf[e] = 0.0f;
+                unpack8(kr, kf);  // zeros on inactive lanes
+                unpack8(vr, vf);
+                if (active && p + MK_NWARPS < p1) {
+                    kr = ld_cg16(kh + (long long)(p + MK_NWARPS) * MK_HD + lane * ATT_DPL);
+                    vr = ld_cg16(vh + (long long)(p + MK_NWARPS) * MK_HD + lane * ATT_DPL);
                 }
 #pragma unroll
                 for (int j = 0; j < MK_ATT_PAIRS; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform
+                    const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);  // kf is 0 on inactive lanes
                     float s = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) s = fmaf(q[j][e], kf[e], s);
+                    for (int e = 0; e < 8; ++e) s = fmaf(qj[e], kf[e], s);
                     s = warp_sum(s) * scale;
                     const float mn = fmaxf(m[j], s);
                     const float corr = expf(m[j] - mn), w = expf(s - mn);
