@@ -60,7 +60,7 @@ class Tuning:
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
     part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
-    att_pairs: int = 3  # (query head, token) pairs per attention pass
+    att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.

@@ -535,15 +535,14 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 }
 
 // ---- gated full attention -----------------------------------------------------------------------
-// Work item = (key/value head, chunk of MK_ATT_CHUNK positions, pass of MK_ATT_PAIRS (query head, token) pairs):
-// flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a key/value head to finish
-// (arrival counter) merges the
-// chunks in chunk order, applies the sigmoid gate and writes the attention output. Chunk bounds do not depend
+// Work item = (key/value head, chunk of MK_ATT_CHUNK positions, pass of np <= MK_ATT_PAIRS (query head, token)
+// pairs): flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a key/value head to
+// finish (arrival counter) merges the chunks in chunk order, applies the sigmoid gate and writes the attention
+// output (with one chunk, each item writes its pairs' output itself). Chunk bounds do not depend
 // on the context length or the tokens of the launch, and a query skips the keys after its own position, so a
 // token's attention is bit-identical whether it runs alone or in a verify pass (and whichever block runs its pass).
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
-#define ATT_PASSES ((MK_GQ_PAIRS + MK_ATT_PAIRS - 1) / MK_ATT_PAIRS)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS): MK_FP32_IN builds shrink both.
 static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <= 2 * PART_FLOATS,
@@ -605,10 +604,25 @@ __device__ __forceinline__ bf16_t att_gated(float num, float den, float gate) {
     return f2bf(RBI(num / den) * RBI(sigmoid_f(gate)));
 }
 
+// Flash-decoding chunks of the context at this step (the launch's last token included).
+__device__ __forceinline__ int att_chunks(const StepInfo& si) {
+    return (si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK;
+}
+
+// (Query head, token) pairs per item at this step: the fewest (at most MK_ATT_PAIRS) whose items still fit the
+// grid. A block's time in the phase grows with its pairs while other blocks idle (run 10: 3 pairs 25.8 us, 1 pair
+// 16.6 us at context 64); at long context, where the chunks alone fill the grid, an item takes MK_ATT_PAIRS.
+// Results do not depend on it: each pair's sums run in the same order whichever item computes it.
+__device__ __forceinline__ int att_pass_pairs(const StepInfo& si) {
+    const int fit = nblocks() / (MK_KVH * att_chunks(si));  // passes per (key/value head, chunk) the grid holds
+    return min(MK_ATT_PAIRS, (MK_GQ_PAIRS + max(1, fit) - 1) / max(1, fit));
+}
+__device__ __forceinline__ int att_passes(int np) { return (MK_GQ_PAIRS + np - 1) / np; }
+
 // Work items of the attention phase at this step (one per key/value head, chunk of positions and pass); blocks
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
-    return MK_KVH * ((si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK) * ATT_PASSES;
+    return MK_KVH * att_chunks(si) * att_passes(att_pass_pairs(si));
 }
 
 __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
@@ -637,10 +651,11 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
     bool any = false;
     // One item per (key/value head, chunk, pass of query pairs): at short context the few heads and chunks alone
     // would leave most blocks idle and each busy one many passes in a row.
-    for (int item = bid_x(); item < MK_KVH * nch * ATT_PASSES; item += nblocks()) {
+    const int np = att_pass_pairs(si), passes = att_passes(np);
+    for (int item = bid_x(); item < MK_KVH * nch * passes; item += nblocks()) {
         any = true;
-        const int kvh = item / (nch * ATT_PASSES), rest = item - kvh * nch * ATT_PASSES;
-        const int c = rest / ATT_PASSES, pass = rest - c * ATT_PASSES;
+        const int kvh = item / (nch * passes), rest = item - kvh * nch * passes;
+        const int c = rest / passes, pass = rest - c * passes;
         const int p0 = c * cl, p1 = min(L, p0 + cl);
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
@@ -671,8 +686,8 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             }
         }
         {
-            if (warp < MK_ATT_PAIRS) {
-                const int pp = pass * MK_ATT_PAIRS + warp;
+            if (warp < np) {
+                const int pp = pass * np + warp;
                 if (pp < MK_GQ_PAIRS) {
                     const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
                     norm_rope_head(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD, qn_w, inv_freq, pos + t,
@@ -686,8 +701,8 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             int lastpos[MK_ATT_PAIRS];
 #pragma unroll
             for (int j = 0; j < MK_ATT_PAIRS; ++j) {
-                const int pp = pass * MK_ATT_PAIRS + j;
-                lastpos[j] = pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
+                const int pp = pass * np + j;
+                lastpos[j] = j < np && pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
                 m[j] = -MK_INF;
                 l[j] = 0.0f;
 #pragma unroll
@@ -756,10 +771,10 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             // below with one chunk, the same operations (its factor expf(M - M) is 1).
             if (nch == 1) {
                 float* den = knew;  // [PAIRS]: the K/V writer is done with it
-                if (tid < MK_ATT_PAIRS) den[tid] = att_block_den(wm, wl, tid, M[tid]);
+                if (tid < np) den[tid] = att_block_den(wm, wl, tid, M[tid]);
                 __syncthreads();
-                for (int e = tid; e < MK_ATT_PAIRS * MK_HD; e += MK_THREADS) {
-                    const int j = e / MK_HD, d = e - j * MK_HD, pp = pass * MK_ATT_PAIRS + j;
+                for (int e = tid; e < np * MK_HD; e += MK_THREADS) {
+                    const int j = e / MK_HD, d = e - j * MK_HD, pp = pass * np + j;
                     if (pp >= MK_GQ_PAIRS) continue;
                     const float f = expf(M[j] - M[j]);
                     const float num = fmaf(accs[e], f, 0.0f), dn = fmaf(den[j], f, 0.0f);
@@ -770,9 +785,9 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                 __syncthreads();
                 continue;
             }
-            for (int e = tid; e < MK_ATT_PAIRS * (MK_HD + 2); e += MK_THREADS) {
+            for (int e = tid; e < np * (MK_HD + 2); e += MK_THREADS) {
                 const int j = e / (MK_HD + 2), d = e - j * (MK_HD + 2);
-                const int pp = pass * MK_ATT_PAIRS + j;
+                const int pp = pass * np + j;
                 if (pp >= MK_GQ_PAIRS) continue;
                 const float v = d < MK_HD ? accs[j * MK_HD + d] : d == MK_HD ? M[j] : att_block_den(wm, wl, j, M[j]);
                 part[(((long long)kvh * maxch + c) * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d] = v;
@@ -784,7 +799,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
         __syncthreads();
         if (tid == 0) {
             const u64 prev = atomicAdd(tb.sync + 1 + kvh, 1ull);
-            *s_last = (prev == (u64)(nch * ATT_PASSES - 1));
+            *s_last = (prev == (u64)(nch * passes - 1));
         }
         __syncthreads();
         if (*s_last) {
@@ -829,12 +844,12 @@ __device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int 
                 prefetch_l2_bytes(base + off, (unsigned)min(piece - off, MK_PF_PIECE));
         }
     } else if (phase == PH_ATT) {
-        const int L = si.pos + MK_NT, nch = (L + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK;
+        const int L = si.pos + MK_NT, nch = att_chunks(si), passes = att_passes(att_pass_pairs(si));
         const long long cap = tb.li(layer, L_KV_CAP);
         const char* kc = (const char*)tb.lp<const bf16_t>(layer, L_KCACHE);
         const char* vc = (const char*)tb.lp<const bf16_t>(layer, L_VCACHE);
         for (int item = bid_x(); item < att_items(si); item += nblocks()) {
-            const int kvh = item / (nch * ATT_PASSES), c = (item - kvh * nch * ATT_PASSES) / ATT_PASSES;
+            const int kvh = item / (nch * passes), c = (item - kvh * nch * passes) / passes;
             const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
             const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
             for (int off = 0; off < bytes; off += MK_PF_PIECE) {

@@ -145,14 +145,16 @@ def test_deltanet_gated_norm_and_output_projection(setup):
     assert rel_err(runner.buf["h"][:1], ref) < 1e-2
 
 
-@pytest.mark.parametrize("pos", [0, 5, 300])
+@pytest.mark.parametrize("pos", [0, 5, 300, 4000])
 @torch.no_grad()
 def test_gated_attention_step_against_the_cache(setup, pos):
+    """One chunk (each item writes its output), a few (partials merged by the last item), and enough chunks to
+    fill the grid (each item then takes several query heads)."""
     _, model, runner = setup
     c = model.config
     li = first_layer(model, full=True, at_least=1)
     layer = model.model.layers[li]
-    state = model.new_state(512)
+    state = model.new_state(max(512, pos + 1))
     cache = state.kv[li]
     cache.reserve(pos + 1)
     cache.k[:, :pos] = randn(c.num_key_value_heads, pos, c.head_dim)
