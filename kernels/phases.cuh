@@ -625,7 +625,11 @@ __device__ __forceinline__ int att_items(const StepInfo& si) {
     return MK_KVH * att_chunks(si) * att_passes(att_pass_pairs(si));
 }
 
-__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
+// The phase with items of np <= NP pairs (NP sizes the per-lane accumulators; shared memory keeps the
+// MK_ATT_PAIRS strides).
+template <int NP>
+__device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last,
+                                int np) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const int pos = si.pos, L = pos + MK_NT;
     const int maxch = (int)tb.gi(G_ATT_CHUNKS);  // room in the partials buffer (the host sizes it by capacity)
@@ -651,7 +655,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
     bool any = false;
     // One item per (key/value head, chunk, pass of query pairs): at short context the few heads and chunks alone
     // would leave most blocks idle and each busy one many passes in a row.
-    const int np = att_pass_pairs(si), passes = att_passes(np);
+    const int passes = att_passes(np);
     for (int item = bid_x(); item < MK_KVH * nch * passes; item += nblocks()) {
         any = true;
         const int kvh = item / (nch * passes), rest = item - kvh * nch * passes;
@@ -697,10 +701,10 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             __syncthreads();  // queries ready; this block's cache writes visible
             const bool active = lane * ATT_DPL < MK_HD;
             // The queries stay in shared memory (qsm): registers go to the accumulators and the next position's loads.
-            float acc[MK_ATT_PAIRS][ATT_DPL], m[MK_ATT_PAIRS], l[MK_ATT_PAIRS];
-            int lastpos[MK_ATT_PAIRS];
+            float acc[NP][ATT_DPL], m[NP], l[NP];
+            int lastpos[NP];
 #pragma unroll
-            for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+            for (int j = 0; j < NP; ++j) {
                 const int pp = pass * np + j;
                 lastpos[j] = j < np && pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
                 m[j] = -MK_INF;
@@ -723,7 +727,7 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
                     vr = ld_cg16(vh + (long long)(p + MK_NWARPS) * MK_HD + lane * ATT_DPL);
                 }
 #pragma unroll
-                for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                for (int j = 0; j < NP; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform
                     const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);  // kf is 0 on inactive lanes
                     float s = 0.0f;
@@ -741,22 +745,22 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
             // Merge the warps of the block in warp order (deterministic).
             if (lane == 0) {
 #pragma unroll
-                for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                for (int j = 0; j < NP; ++j) {
                     wm[warp * MK_ATT_PAIRS + j] = m[j];
                     wl[warp * MK_ATT_PAIRS + j] = l[j];
                 }
             }
             __syncthreads();
-            float M[MK_ATT_PAIRS];
+            float M[NP];
 #pragma unroll
-            for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+            for (int j = 0; j < NP; ++j) {
                 M[j] = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) M[j] = fmaxf(M[j], wm[w * MK_ATT_PAIRS + j]);
             }
             for (int w = 0; w < MK_NWARPS; ++w) {
                 if (warp == w && active) {
 #pragma unroll
-                    for (int j = 0; j < MK_ATT_PAIRS; ++j) {
+                    for (int j = 0; j < NP; ++j) {
                         const float f = (m[j] == -MK_INF) ? 0.0f : expf(m[j] - M[j]);
 #pragma unroll
                         for (int e = 0; e < ATT_DPL; ++e) {
@@ -827,6 +831,14 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
         __syncthreads();
     }
     return any;
+}
+
+// Short context gives items of one pair (att_pass_pairs): that case compiles on its own, with one pair's
+// accumulators, the rest with MK_ATT_PAIRS'.
+__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
+    const int np = att_pass_pairs(si);
+    if (np == 1) return attention_items<1>(tb, si, layer, scratch, s_last, 1);
+    return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, s_last, np);
 }
 
 // At the barrier before the DeltaNet / attention phase (thread 0): this block's items' recurrent state slices or
