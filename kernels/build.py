@@ -69,7 +69,8 @@ class Tuning:
     pf_idle_bytes: int = 192 * 1024  # same, DeltaNet / attention phases (variant 1: of each block's share)
     # 1: barrier spin without sleeping; on sm_90 one bulk L2 prefetch per row range instead of one prefetch per
     # 128-byte line; blocks without DeltaNet / attention work prefetch the start of EVERY block's range of the
-    # next GEMV (not only their own). 0: the previous kernel (kept so one bench run times both).
+    # next GEMV (not only their own). 0: the previous kernel (kept so one bench run times both; its barrier
+    # arrival follows release_barrier, so the run-2 kernel is variant=0 with release_barrier=False).
     variant: int = 1
     # Grid barrier arrival: a release add that does not wait for its reply (True), or a fence and an atomicAdd
     # whose reply gives the target (False, the kernel up to run 9).
@@ -78,8 +79,8 @@ class Tuning:
     # attention phase, so they stream during it (True, up to run 9), or only at the barrier after it (False:
     # the phase's own loads then do not queue behind them).
     head_over_mixer: bool = True
-    # At that barrier, first start the DeltaNet state slices / cached keys and values of the block's own items
-    # towards L2 (False: the phase loads them from HBM, as up to run 9).
+    # At that barrier, first start the phase's inputs towards L2: a share of the DeltaNet state, or the keys and
+    # values of the block's first attention item (False: the phase loads them from HBM, as up to run 9).
     mixer_prefetch: bool = True
     # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
     # double buffer; None = 3 where the GPU's shared memory holds the ring (sm_90), else 0.

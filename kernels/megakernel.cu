@@ -50,7 +50,7 @@ struct BlockState {
     int err;
     int last;  // attention: this block merges its key/value head's chunks
     int flag;  // barrier result
-    u64 target;  // the grid barrier's count after this block's latest arrival
+    u64 target;  // the grid barrier's count after this block's latest arrival (before the first: the launch base)
     int head;  // the weight ring's first items of this phase were issued before the barrier (MK_STAGES > 0)
 #ifdef MK_PHASE_TIMING
     u64 t_start;  // globaltimer when this block began the current phase

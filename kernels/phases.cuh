@@ -841,34 +841,36 @@ __device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer,
     return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, s_last, np);
 }
 
-// At the barrier before the DeltaNet / attention phase (thread 0): this block's items' recurrent state slices or
-// cached keys and values start towards L2, ahead of the output projection's first weights, so that the phase's
-// loads (a chain of round trips in a few blocks) find them there. Items as in phase_dn_rec / phase_attention; L2
-// is coherent with the new positions' stores.
+// At the barrier before the DeltaNet / attention phase (thread 0): inputs of the phase start towards L2, ahead
+// of the output projection's first weights, so that its loads (a chain of round trips in a few blocks) find them
+// there. DeltaNet: the block's first item's share of its head's state, as contiguous rows (the item itself
+// reads a column slice of every row; its sibling items' blocks prefetch the other rows). Attention: the chunk of
+// keys and values of the block's first item (only the first: at long context the chunks of every item would
+// exceed L2 and evict the weights prefetched beside them). L2 is coherent with the new positions' stores.
 __device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int phase, int layer) {
     if (tid_x() != 0) return;
     if (phase == PH_DN_REC) {
         const char* S = (const char*)tb.lp<const float>(layer, L_REC_STATE);
         constexpr int head_bytes = MK_DK * MK_DV * 4, piece = head_bytes / MK_DN_SPLIT;
-        for (int item = bid_x(); item < dn_rec_items(); item += nblocks()) {
-            const char* base = S + (long long)(item / MK_DN_SPLIT) * head_bytes + (item % MK_DN_SPLIT) * piece;
-            for (int off = 0; off < piece; off += MK_PF_PIECE)
-                prefetch_l2_bytes(base + off, (unsigned)min(piece - off, MK_PF_PIECE));
-        }
+        const int item = bid_x();
+        if (item >= dn_rec_items()) return;
+        const char* base = S + (long long)(item / MK_DN_SPLIT) * head_bytes + (item % MK_DN_SPLIT) * piece;
+        for (int off = 0; off < piece; off += MK_PF_PIECE)
+            prefetch_l2_bytes(base + off, (unsigned)min(piece - off, MK_PF_PIECE));
     } else if (phase == PH_ATT) {
         const int L = si.pos + MK_NT, nch = att_chunks(si), passes = att_passes(att_pass_pairs(si));
         const long long cap = tb.li(layer, L_KV_CAP);
         const char* kc = (const char*)tb.lp<const bf16_t>(layer, L_KCACHE);
         const char* vc = (const char*)tb.lp<const bf16_t>(layer, L_VCACHE);
-        for (int item = bid_x(); item < att_items(si); item += nblocks()) {
-            const int kvh = item / (nch * passes), c = (item - kvh * nch * passes) / passes;
-            const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
-            const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
-            for (int off = 0; off < bytes; off += MK_PF_PIECE) {
-                const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
-                prefetch_l2_bytes(kc + start + off, n);
-                prefetch_l2_bytes(vc + start + off, n);
-            }
+        const int item = bid_x();
+        if (item >= att_items(si)) return;
+        const int kvh = item / (nch * passes), c = (item - kvh * nch * passes) / passes;
+        const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
+        const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
+        for (int off = 0; off < bytes; off += MK_PF_PIECE) {
+            const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
+            prefetch_l2_bytes(kc + start + off, n);
+            prefetch_l2_bytes(vc + start + off, n);
         }
     }
 }

@@ -150,7 +150,7 @@ def test_bench_command_registers() -> None:
     assert parser.parse_args(["bench", "decode", "--alternate", "5"]).alternate == 5
 
 
-def test_bench_variants_and_tuning_overrides_parse() -> None:
+def test_bench_variants_and_tuning_overrides_parse(capsys: pytest.CaptureFixture) -> None:
     from onestream.commands import bench
 
     parser = argparse.ArgumentParser()
@@ -168,10 +168,12 @@ def test_bench_variants_and_tuning_overrides_parse() -> None:
     (label, fence), (_, timing) = args.variant
     assert label == "fence" and not fence.release_barrier and fence.pf_idle_bytes == 0
     assert fence.head_over_mixer and not fence.phase_timing and timing.phase_timing
+    # bench spec applies --tuning after --gemv / --phase-timing, so it keeps the fields named, not a whole Tuning
     spec = parser.parse_args(["bench", "spec", "--tuning", "head_over_mixer=false,att_pairs=2"])
-    assert not spec.tuning.head_over_mixer and spec.tuning.att_pairs == 2
+    assert spec.tuning == {"head_over_mixer": False, "att_pairs": 2}
     for bad in (
         "nolabel",
+        "default:att_pairs=1",  # the bench's own build
         "x:nosuch=1",
         "x:release_barrier=maybe",
         "x:att_pairs=two",
@@ -179,6 +181,9 @@ def test_bench_variants_and_tuning_overrides_parse() -> None:
     ):
         with pytest.raises(argparse.ArgumentTypeError):
             bench._variant(bad)
+    twice = parser.parse_args(["bench", "decode", "--variant", "a:att_pairs=1", "--variant", "a:att_pairs=2"])
+    assert bench.run_decode(twice) == 2  # before any GPU work
+    assert "labels repeat" in capsys.readouterr().err
 
 
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:

@@ -65,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_decode(args: argparse.Namespace) -> int:
     import torch
 
+    labels = [label for label, _ in args.variant]
+    if len(set(labels)) != len(labels):
+        print(f"onestream bench decode: --variant labels repeat: {labels}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("onestream bench decode: needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2
@@ -181,8 +185,9 @@ def _drafts_per_cycle(text: str) -> int:
     return value
 
 
-def tuning_overrides(text: str) -> Any:
-    """A Tuning with the fields of "key=value,key=value" changed (ints; booleans as 0/1/true/false)."""
+def tuning_changes(text: str) -> dict[str, Any]:
+    """The Tuning fields named in "key=value,key=value" (ints; booleans as 0/1/true/false), checked by building a
+    Tuning from the defaults with them."""
     from onestream.kernels.build import Tuning
 
     types = {f.name: f.type for f in dataclasses.fields(Tuning)}
@@ -204,16 +209,26 @@ def tuning_overrides(text: str) -> Any:
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{key} takes an integer, got {value!r}") from None
     try:
-        return dataclasses.replace(Tuning(), **changes)
+        Tuning(**changes)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return changes
+
+
+# Builds `bench decode` names itself; a --variant may not take their labels.
+_OWN_BUILDS = ("default", "tensor-core GEMV", "phase timing")
 
 
 def _variant(text: str) -> tuple[str, Any]:
+    from onestream.kernels.build import Tuning
+
     label, sep, fields = text.partition(":")
-    if not sep or not label.strip():
+    label = label.strip()
+    if not sep or not label:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL:KEY=VALUE,...")
-    return label.strip(), tuning_overrides(fields)
+    if label in _OWN_BUILDS:
+        raise argparse.ArgumentTypeError(f"{label!r} names one of the bench's own builds; pick another label")
+    return label, Tuning(**tuning_changes(fields))
 
 
 def _positive(text: str) -> int:
@@ -271,7 +286,7 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
     )
     spec.add_argument(
         "--tuning",
-        type=tuning_overrides,
+        type=tuning_changes,
         default=None,
         metavar="KEY=VALUE,...",
         help="parts (a) and (b) with these Tuning fields changed (applied after --gemv and --phase-timing)",
@@ -321,14 +336,13 @@ def run_spec(args: argparse.Namespace) -> int:
         if args.phase_timing:
             gemv += ", phase-timing build"
         tuning = Tuning(mma=args.gemv == "mma", phase_timing=args.phase_timing)
-        if args.tuning is not None:
-            changed = {
-                f.name: getattr(args.tuning, f.name)
-                for f in dataclasses.fields(Tuning)
-                if getattr(args.tuning, f.name) != getattr(Tuning(), f.name)
-            }
-            tuning = dataclasses.replace(tuning, **changed)
-            gemv += ", " + ", ".join(f"{k}={v}" for k, v in changed.items())
+        if args.tuning:
+            try:
+                tuning = dataclasses.replace(tuning, **args.tuning)
+            except ValueError as e:
+                print(f"onestream bench spec: --tuning: {e}", file=sys.stderr)
+                return 2
+            gemv += ", " + ", ".join(f"{k}={v}" for k, v in args.tuning.items())
         result.verify, result.draft = bs.bench_27b(
             config_27b(args.layers),
             name=f"27B shapes (64 layers in the real model), {gemv}",
