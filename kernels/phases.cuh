@@ -391,6 +391,22 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
     }
 }
 
+// One warp loads a row of N bf16 values (lane l holds elements l, l + 32, ...; zeros past N) and returns the
+// sum of their squares, added lane by lane in element order, then across the warp.
+template <int N, int PL>
+__device__ __forceinline__ float warp_load_sumsq(const bf16_t* src, float (&x)[PL]) {
+    static_assert(PL * 32 >= N, "too few values per lane");
+    const int lane = tid_x() & 31;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PL; ++j) {
+        const int i = lane + 32 * j;
+        x[j] = i < N ? bf2f(ld_cg_bf(src + i)) : 0.0f;
+        ss = fmaf(x[j], x[j], ss);
+    }
+    return warp_sum(ss);
+}
+
 // ---- Gated DeltaNet recurrence ------------------------------------------------------------------
 // Work item = (value head, slice of DN_SW state columns). Columns are independent in the delta rule, so a
 // block owns its slice of S [dk, dv] in registers for all MK_NT tokens.
@@ -445,14 +461,7 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             const int t = job >> 1, isk = job & 1;
             const bf16_t* src = xbuf + t * MK_C + (isk ? MK_HK * MK_DK : 0) + hk * MK_DK;
             float x[DN_KPL];
-            float ss = 0.0f;
-#pragma unroll
-            for (int j = 0; j < DN_KPL; ++j) {
-                const int i = lane + 32 * j;
-                x[j] = i < MK_DK ? bf2f(ld_cg_bf(src + i)) : 0.0f;
-                ss = fmaf(x[j], x[j], ss);
-            }
-            const float inv = rsqrtf(warp_sum(ss) + 1e-6f);
+            const float inv = rsqrtf(warp_load_sumsq<MK_DK>(src, x) + 1e-6f);
 #pragma unroll
             for (int j = 0; j < DN_KPL; ++j) {
                 const int i = lane + 32 * j;
@@ -553,14 +562,7 @@ static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <=
 __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* inv_freq, int p, float* out) {
     const int lane = tid_x() & 31;
     float x[ATT_NPL];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ATT_NPL; ++j) {
-        const int d = lane + 32 * j;
-        x[j] = d < MK_HD ? bf2f(ld_cg_bf(src + d)) : 0.0f;
-        ss = fmaf(x[j], x[j], ss);
-    }
-    const float r = rsqrtf(warp_sum(ss) / (float)MK_HD + MK_EPS);
+    const float r = rsqrtf(warp_load_sumsq<MK_HD>(src, x) / (float)MK_HD + MK_EPS);
 #pragma unroll
     for (int j = 0; j < ATT_NPL; ++j) {
         const int d = lane + 32 * j;
@@ -634,7 +636,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     const int pos = si.pos, L = pos + MK_NT;
     const int maxch = (int)tb.gi(G_ATT_CHUNKS);  // room in the partials buffer (the host sizes it by capacity)
     const int cl = MK_ATT_CHUNK;
-    const int nch = (L + cl - 1) / cl;
+    const int nch = (L + cl - 1) / cl;  // att_chunks(si), from the position already read
     const long long cap = tb.li(layer, L_KV_CAP);  // this cache's per-head stride
     const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
     const float* inv_freq = tb.gp<const float>(G_INV_FREQ);
