@@ -60,6 +60,12 @@ class Tuning:
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
     part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
+    # Widest staged GEMV input window per token (None: the widest that fits). A narrower window only adds passes
+    # over K (tests use it to cross many pass breaks); the kernel takes at least the hidden size.
+    max_window: int | None = None
+    # Unused dynamic shared memory bytes added to the launch: a probe of how the share of the SM's memory left to
+    # the L1 cache affects the weight stream (0 in every real build).
+    smem_pad: int = 0
     att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
@@ -100,8 +106,10 @@ class Tuning:
     dyn_static_pct: int = 80
     dyn_tile_bytes: int = 96 * 1024
     # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
-    # launch) instead of the scalar FMA path. Off: on the H200 (run 9) it was 8 % slower at T = 1. Changes results
-    # (another summation order), the same way for every tokens-per-launch build.
+    # launch) instead of the scalar FMA path. Off: on the H200 it is 8 % slower at T = 1 (run 11: 16.25 against 15.05
+    # ms) though faster from T = 4 on (19.7 against 22.5 ms); plain and speculative decoding must share one summation
+    # order, and the plain step is the common case. Changes results (another summation order), the same way for
+    # every tokens-per-launch build.
     mma: bool = False
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
 
@@ -112,6 +120,10 @@ class Tuning:
             raise ValueError(
                 "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs"
             )
+        if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
+            raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")
+        if self.smem_pad < 0:
+            raise ValueError(f"smem_pad must be >= 0, got {self.smem_pad}")
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if not 0 <= self.dyn_static_pct <= 100:
@@ -233,13 +245,15 @@ class KernelSpec:
 
     def _windows(self) -> list[int]:
         """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
-        narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit)."""
+        narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit); none wider than max_window
+        (the narrowest where max_window is below it)."""
         c = self.config
         kmax = max(k for k, _, _ in self._gemv_phases())
         least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
         steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
-        out = [kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8]
-        return sorted(set(out), reverse=True)
+        out = sorted({kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8}, reverse=True)
+        cap = self.tuning.max_window
+        return out if cap is None else [w for w in out if w <= cap] or out[-1:]
 
     def _scratch_fits(self, rows: int) -> bool:
         """The attention and DeltaNet phases borrow the partial-sum buffers (static_asserts in phases.cuh)."""
@@ -318,7 +332,7 @@ class KernelSpec:
         pad = 64 // elem if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
         xs = (nt * (window + pad) * elem + 15) // 16 * 16
         red = max(64, -(-nt * (self.tuning.threads // 32) // 4) * 4)  # phases.cuh RED_FLOATS
-        return xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages)
+        return xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages) + self.tuning.smem_pad
 
     def att_chunks(self, capacity: int) -> int:
         """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""

@@ -103,6 +103,15 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
     return r;
 }
+// 16 bytes from shared memory through an explicit shared load. The GEMV's operands (the weight ring, the staged
+// input) reach its loop as generic pointers, which the compiler turned into generic loads (LD.E): this names the
+// state space, so they issue as LDS.
+__device__ __forceinline__ vec16 ld_shared16(const void* p) {
+    vec16 r;
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+    return r;
+}
 // An L2 policy that evicts streamed weights first (what the .cs register loads ask for).
 __device__ __forceinline__ u64 evict_first_policy() {
     u64 pol;

@@ -163,7 +163,7 @@ __device__ __forceinline__ float dot8(const vec16& w, const vec16& x) {
 // MK_FP32_IN, K / 4 vec16 of fp32), in the order of dot8.
 __device__ __forceinline__ float dot8_in(const vec16& w, const vec16* xs, int v) {
 #if MK_FP32_IN
-    const vec16 a = xs[2 * v], b = xs[2 * v + 1];
+    const vec16 a = ld_shared16(xs + 2 * v), b = ld_shared16(xs + 2 * v + 1);
     float s = bf_lo(w.x) * __uint_as_float(a.x);
     s = fmaf(bf_hi(w.x), __uint_as_float(a.y), s);
     s = fmaf(bf_lo(w.y), __uint_as_float(a.z), s);
@@ -174,7 +174,7 @@ __device__ __forceinline__ float dot8_in(const vec16& w, const vec16* xs, int v)
     s = fmaf(bf_hi(w.w), __uint_as_float(b.w), s);
     return s;
 #else
-    return dot8(w, xs[v]);
+    return dot8(w, ld_shared16(xs + v));
 #endif
 }
 
@@ -248,7 +248,7 @@ __device__ __forceinline__ void gemv_accumulate(const GemvPlan& p, W w, const Ge
             vec16 wv = {0u, 0u, 0u, 0u}, xv = {0u, 0u, 0u, 0u};
             if (v < p.nvec) {
                 if (rowok) wv = w(u);
-                if (g < MK_NT) xv = xs[g * MK_XLDV + v - v0];
+                if (g < MK_NT) xv = ld_shared16(xs + g * MK_XLDV + v - v0);
             }
             mma_bf16_m16n8k16(acc.c, xv.x, xv.y, wv.x, wv.y);
             mma_bf16_m16n8k16(acc.d, xv.z, xv.w, wv.z, wv.w);
@@ -376,8 +376,9 @@ __device__ __forceinline__ int gemv_draw(u64* counter, int ntiles, u64 per_launc
 // Multiply this block's rows by xs (shared memory, [MK_NT][MK_XLD] xin_t, window 0 staged by the caller); after
 // each round of rows, call `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for
 // token t. Phases wider than MK_XW run each round in passes; `stage(k0, k1)` stages input [k0, k1) (and ends
-// with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only); the next range's
-// ring head is issued before the current one's reduction and epilogue. MK_DYN builds (ring only): after its
+// with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only); the next pass's or
+// range's first units are issued while the current one's last units are multiplied (a dynamic tile's: before the
+// reduction, once drawn). MK_DYN builds (ring only): after its
 // static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter until none is
 // left; the next ticket is drawn during a range's reduction. A row's value does not depend on which block
 // computes it.
@@ -397,8 +398,16 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     const vec16* mine = ring + warp * 32;
 #endif
     int rs = r0, nr = min(p.round, r1 - r0);
-    bool head = head_issued;
     bool staged = true;  // window 0 is in shared memory (the caller staged it)
+#if MK_STAGES > 0
+    // The weight stream continues across the breaks between passes and rounds: while a warp multiplies the last
+    // units of a segment (one pass of one range), the ring slots they free take the first MK_STAGES - 1 units of
+    // the following segment, so the loads stay in flight through the break (the window's restaging, the
+    // reduction and the epilogue) instead of draining and refilling. `pre`: this warp's first MK_STAGES - 1 units
+    // of the current segment are in flight, one commit group each, from ring slot `base` on.
+    bool pre = head_issued;
+    int base = 0;
+#endif
 #if MK_DYN && MK_STAGES > 0
     __shared__ int s_tile;  // the next tile drawn for this block (-1: none left)
     const bool dyn = d.dyn != nullptr;
@@ -412,7 +421,7 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
         __syncthreads();
         const int tile = s_tile;
         __syncthreads();
-        head = false;
+        pre = false;
         if (tile >= 0) {
             rs = srows + tile * trows;
             nr = min(trows, d.nrows - rs);
@@ -421,14 +430,17 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     }
 #endif
     while (nr > 0) {
+        // This block's next static round (a dynamic tile is drawn later and never streamed ahead).
+        int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
         for (int q = 0; q < npass; ++q) {
             const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
             const int v0 = c0 * gemv_chunk_vecs(p);
             if (q > 0 || !staged) {
 #if MK_STAGES > 0
                 // This pass's first weights do not depend on the input: in flight while the window is staged.
-                if (!head) gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
-                head = true;
+                if (!pre) gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
+                if (!pre) base = 0;
+                pre = true;
 #endif
                 __syncthreads();  // every warp is done with the previous window
                 int k0, k1;
@@ -439,26 +451,48 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
             GemvAcc acc;
             gemv_acc_zero(acc);
 #if MK_STAGES > 0
-            // Unit k lives in slot k % MK_STAGES. One commit group per unit (empty groups past the end keep the
-            // count uniform), MK_STAGES - 1 issued ahead of the one used.
-            if (!head) gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
-            head = false;
+            if (!pre) {
+                gemv_ring_head(d, p, rs, nr, c0, nkq, lane, warp, ring0, policy);
+                base = 0;
+            }
+            // The following segment: the next pass over these rows, else the next static round's first pass.
+            int f_rs = rs, f_nr = nr, f_c0 = c0 + cpp;
+            if (q + 1 >= npass) {
+                f_rs = next_rs;
+                f_nr = next_nr;
+                f_c0 = 0;
+            }
+            const int f_nkq = min(cpp, p.nk - f_c0);
+            const int f_count = f_nr > 0 ? gemv_units(warp, gemv_items(f_nr, f_nkq)) : 0;
+            // Stream the following segment's head from this loop only where the loop covers all of it (a warp with
+            // fewer units than the head issues it at the break, as the first pass's head is issued).
+            const bool ahead = f_count > 0 && count >= MK_STAGES - 1;
+            // Unit k lives in slot (base + k) % MK_STAGES. One commit group per unit (empty groups past the end keep
+            // the count uniform), MK_STAGES - 1 issued ahead of the one used.
             for (int k = 0; k < count; ++k) {
                 const int kn = k + MK_STAGES - 1;
+                const u32 slot_n = ring0 + ((base + kn) % MK_STAGES) * MK_UMAX * MK_THREADS * 16;
                 if (kn < count)
-                    gemv_issue_async(d, p, rs, nr, gemv_unit(warp, kn, c0, nkq), lane,
-                                     ring0 + (kn % MK_STAGES) * MK_UMAX * MK_THREADS * 16, policy);
+                    gemv_issue_async(d, p, rs, nr, gemv_unit(warp, kn, c0, nkq), lane, slot_n, policy);
+                else if (ahead && kn - count < f_count)
+                    gemv_issue_async(d, p, f_rs, f_nr, gemv_unit(warp, kn - count, f_c0, f_nkq), lane, slot_n, policy);
                 cp_async_commit();
                 cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
                 const GemvUnit it = gemv_unit(warp, k, c0, nkq);
-                const vec16* slot = mine + (k % MK_STAGES) * MK_UMAX * MK_THREADS;
-                gemv_accumulate(p, [&](int u) { return slot[u * MK_THREADS + lane]; }, it, nr, lane, xs, v0, acc);
+                const vec16* slot = mine + ((base + k) % MK_STAGES) * MK_UMAX * MK_THREADS;
+                gemv_accumulate(p, [&](int u) { return ld_shared16(slot + u * MK_THREADS + lane); }, it, nr, lane, xs, v0,
+                                acc);
                 if (it.sub == GEMV_SUB - 1) {
                     gemv_store(p, acc, it, nr, lane, part);
                     gemv_acc_zero(acc);
                 }
             }
-            cp_async_wait<0>();
+            if (ahead) {
+                base = (base + count) % MK_STAGES;
+            } else {
+                cp_async_wait<0>();  // only empty groups can be pending
+            }
+            pre = ahead;
 #else
             vec16 wa[MK_UMAX], wb[MK_UMAX];
             int k = 0;
@@ -475,9 +509,6 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
         }
         staged = npass == 1;  // a multi-pass range leaves the last window staged: the next range restages window 0
         __syncthreads();
-        // The next range: this block's next static round, else (MK_DYN) the tile drawn during this one.
-        int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
-        head = false;
 #if MK_DYN && MK_STAGES > 0
         bool took_tile = false;
         if (dyn && next_nr <= 0) {
@@ -491,9 +522,10 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
         }
 #endif
 #if MK_STAGES > 0
-        if (next_nr > 0) {  // its first weights stream in during this range's reduction and epilogue
+        if (next_nr > 0 && !pre) {  // its first weights stream in during this range's reduction and epilogue
             gemv_ring_head(d, p, next_rs, next_nr, 0, min(cpp, p.nk), lane, warp, ring0, policy);
-            head = true;
+            base = 0;
+            pre = true;
         }
 #endif
         for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {

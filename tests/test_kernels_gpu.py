@@ -354,6 +354,9 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
         "dynamic rows only, small tiles": MegakernelRunner(
             model, tuning=Tuning(dynamic=True, dyn_static_pct=0, dyn_tile_bytes=4096)
         ),
+        # Many GEMV rounds and passes (27B shapes: 6 lm_head rounds, 5 passes over the MLP down projection's
+        # input): the weight stream runs on across every break.
+        "many rounds and passes": MegakernelRunner(model, tuning=Tuning(part_rows=1024, max_window=5120)),
         # The run-9 barrier (fence + atomicAdd), no L2 prefetch around the mixer, its output projection's loads after it.
         "fenced barrier, head after the mixer": MegakernelRunner(
             model,
@@ -395,7 +398,8 @@ def test_tensor_core_and_scalar_gemv_agree(setup):
     scalar = chained_logits(runner, base, first)
     assert torch.equal(chained_logits(MegakernelRunner(model, tuning=Tuning(stages=0)), base, first), scalar)
     tc = chained_logits(MegakernelRunner(model, tuning=Tuning(mma=True)), base, first)
-    for variant in (Tuning(mma=True, stages=0), Tuning(mma=True, dynamic=True)):
+    many_breaks = Tuning(mma=True, part_rows=1024, max_window=5120)  # 27B shapes: 20 lm_head rounds, passes
+    for variant in (Tuning(mma=True, stages=0), Tuning(mma=True, dynamic=True), many_breaks):
         assert torch.equal(chained_logits(MegakernelRunner(model, tuning=variant), base, first), tc), variant
     err = rel_err(tc, scalar)
     print(f"\n[{name}] tensor-core vs scalar GEMV logits, 3 chained steps: rel err {err:.2e}")
