@@ -332,7 +332,8 @@ class KernelSpec:
         pad = 64 // elem if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
         xs = (nt * (window + pad) * elem + 15) // 16 * 16
         red = max(64, -(-nt * (self.tuning.threads // 32) // 4) * 4)  # phases.cuh RED_FLOATS
-        return xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages) + self.tuning.smem_pad
+        align = 128  # phases.cuh SMEM_ALIGN: the carve starts at a 128-byte boundary
+        return align + xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages) + self.tuning.smem_pad
 
     def att_chunks(self, capacity: int) -> int:
         """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""

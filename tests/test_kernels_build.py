@@ -253,7 +253,7 @@ def test_fp32_gemv_inputs_double_the_staged_input_and_keep_the_ring() -> None:
     assert wide.stages == plain.stages == AUTO_STAGES and wide.smem_bytes <= hopper
     kmax = config_27b().intermediate_size
     ring = AUTO_STAGES * wide.tuning.umax * wide.tuning.threads * 16
-    assert wide.smem_bytes == kmax * 4 + 2 * FP32_IN_PART_ROWS * 4 + 64 * 4 + ring
+    assert wide.smem_bytes == 128 + kmax * 4 + 2 * FP32_IN_PART_ROWS * 4 + 64 * 4 + ring
     with pytest.raises(ValueError, match="fp32_act"):
         Tuning(fp32_act=False, fp32_gemv_in=True)
 
@@ -278,8 +278,9 @@ def test_tensor_core_gemv_switch_checks_its_knobs_and_keeps_a_whole_item_per_rou
 
 
 def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
-    """phases.cuh sizes shared memory as XS_BYTES (token rows of MK_XW + 32 values when MK_NT > 1) + partials and
-    row values + RED_FLOATS (max(64, tokens x warps)) + the ring; the host must ask for the same."""
+    """phases.cuh sizes shared memory as SMEM_ALIGN (128: the carve starts at a 128-byte boundary) + the ring +
+    XS_BYTES (token rows of MK_XW + 32 values when MK_NT > 1) + partials and row values + RED_FLOATS (max(64, tokens x
+    warps)); the host must ask for the same."""
     hopper = 227 * 1024
     for t in (1, 2, 8):
         spec = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
@@ -287,8 +288,8 @@ def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
         red = max(64, t * spec.tuning.threads // 32)
         ring = spec.stages * spec.tuning.umax * spec.tuning.threads * 16
         xs = -(-(t * (spec.window + pad) * 2) // 16) * 16
-        assert spec.smem_bytes == xs + 2 * t * spec.part_rows * 4 + red * 4 + ring
-    # 10 warps x 7 tokens = 70 floats of reduction scratch, rounded to 72: the ring after it stays 16-byte aligned.
+        assert spec.smem_bytes == 128 + ring + xs + 2 * t * spec.part_rows * 4 + red * 4
+    # 10 warps x 7 tokens = 70 floats of reduction scratch, rounded to 72: the whole stays 16-byte aligned.
     odd = KernelSpec(
         config_27b(), num_sms=132, tokens_per_launch=7, tuning=Tuning(threads=320), smem_limit=hopper
     )
