@@ -39,6 +39,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 FP32_ACT_ENV = "ONESTREAM_MK_FP32_ACT"
 FP32_IN_ENV = "ONESTREAM_MK_FP32_IN"
+GEMV_ENV = "ONESTREAM_MK_GEMV"
 FP32_IN_PART_ROWS = (
     1024  # partial-sum rows per round of fp32-input builds (room for the fp32 input and the ring)
 )
@@ -50,6 +51,15 @@ def fp32_act_default() -> bool:
     if value not in ("0", "1", "true", "false", ""):
         raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {value!r}")
     return value not in ("0", "false")
+
+
+def mma_default() -> bool:
+    """The GEMV of a default Tuning: the scalar FMA path unless $ONESTREAM_MK_GEMV is "tensor" (the tensor cores, for
+    deployments that decode speculatively nearly always: plain and verify launches then share that order)."""
+    value = os.environ.get(GEMV_ENV, "scalar").strip().lower()
+    if value not in ("scalar", "tensor", ""):
+        raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {value!r}")
+    return value == "tensor"
 
 
 @dataclass(frozen=True)
@@ -109,8 +119,8 @@ class Tuning:
     # launch) instead of the scalar FMA path. Off: on the H200 it is 8 % slower at T = 1 (run 11: 16.25 against 15.05
     # ms) though faster from T = 4 on (19.7 against 22.5 ms); plain and speculative decoding must share one summation
     # order, and the plain step is the common case. Changes results (another summation order), the same way for
-    # every tokens-per-launch build.
-    mma: bool = False
+    # every tokens-per-launch build. Default from $ONESTREAM_MK_GEMV ("tensor" selects True).
+    mma: bool = field(default_factory=mma_default)
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
 
     def __post_init__(self) -> None:

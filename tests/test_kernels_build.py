@@ -12,6 +12,7 @@ from onestream.kernels.build import (
     AUTO_STAGES,
     FP32_ACT_ENV,
     FP32_IN_PART_ROWS,
+    GEMV_ENV,
     KernelSpec,
     Tuning,
     assemble_source,
@@ -336,3 +337,15 @@ def test_phase_breakdown_from_stamps() -> None:
     assert "dn_rec" not in text and "\n   b " in text
     with pytest.raises(ValueError, match="do not match"):
         summarise(stamps[:3], names)
+
+
+def test_gemv_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$ONESTREAM_MK_GEMV picks the default GEMV (scalar unless "tensor"); a bad value names the variable."""
+    monkeypatch.delenv(GEMV_ENV, raising=False)
+    assert not Tuning().mma
+    monkeypatch.setenv(GEMV_ENV, "tensor")
+    assert Tuning().mma and KernelSpec(tiny_config(), num_sms=4).defines()["MK_MMA"] == 1
+    assert not Tuning(mma=False).mma  # an explicit choice wins
+    monkeypatch.setenv(GEMV_ENV, "fast")
+    with pytest.raises(ValueError, match=GEMV_ENV):
+        Tuning()
