@@ -128,7 +128,8 @@ class Tuning:
             raise ValueError("fp32_gemv_in needs fp32_act")
         if self.fp32_gemv_in and self.mma:
             raise ValueError(
-                "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs"
+                "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs "
+                f"(${FP32_IN_ENV} and ${GEMV_ENV} set defaults for both)"
             )
         if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
             raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")
