@@ -142,10 +142,6 @@ class Tuning:
         if self.dyn_tile_bytes <= 0:
             raise ValueError(f"dyn_tile_bytes must be positive, got {self.dyn_tile_bytes}")
 
-    @property
-    def use_mma(self) -> bool:
-        return self.mma
-
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -181,7 +177,7 @@ class KernelSpec:
     def _fit(self) -> tuple[int, int, int]:
         """(partial-sum rows, ring stages, window) that fit shared memory: the deepest ring that fits at all,
         then the (window, rows) pair whose GEMV phases break least often into rounds and passes (each break
-        drains the weight stream and re-stages the input), widest window first on ties."""
+        waits for the whole block, and a pass break re-stages the input), widest window first on ties."""
         top = self.tuning.part_rows
         if self.tuning.fp32_gemv_in:
             top = min(top, FP32_IN_PART_ROWS)
@@ -323,7 +319,7 @@ class KernelSpec:
             "MK_DYN": int(t.dynamic),
             "MK_DYN_STATIC_PCT": t.dyn_static_pct,
             "MK_DYN_TILE_BYTES": t.dyn_tile_bytes,
-            "MK_MMA": int(t.use_mma),
+            "MK_MMA": int(t.mma),
             "MK_MMA_SUB": t.mma_sub,
         }
         if t.phase_timing:
@@ -353,12 +349,12 @@ class KernelSpec:
 
 def gemv_item_rows(tuning: Tuning) -> int:
     """Rows one GEMV item multiplies: 8 on the tensor cores (the mma's n), else 1."""
-    return 8 if tuning.use_mma else 1
+    return 8 if tuning.mma else 1
 
 
 def _lanes_and_sub(tuning: Tuning) -> tuple[int, int]:
     """gemv.cuh's GEMV_KL (lanes along K per row) and GEMV_SUB (items per chunk)."""
-    return (4, tuning.mma_sub) if tuning.use_mma else (32, 1)
+    return (4, tuning.mma_sub) if tuning.mma else (32, 1)
 
 
 def gemv_chunk_width(tuning: Tuning) -> int:

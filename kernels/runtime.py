@@ -593,7 +593,7 @@ class MegakernelRunner:
             "fp32_act": spec.tuning.fp32_act,
             "fp32_gemv_in": spec.tuning.fp32_gemv_in,
             "dynamic": spec.tuning.dynamic,
-            "mma": spec.tuning.use_mma,
+            "mma": spec.tuning.mma,
             "smem_limit": spec.smem_limit,
             **build.built.resources("mk_decode"),
         }

@@ -388,7 +388,7 @@ def test_tensor_core_and_scalar_gemv_agree(setup):
     logits stay within bf16 rounding of the scalar build's over 3 chained steps, and its ring, register and
     dynamic-row builds agree bit for bit, as the scalar path's do."""
     name, model, runner = setup
-    assert not runner.spec.tuning.use_mma
+    assert not runner.spec.tuning.mma
     c = model.config
     prompt = torch.randint(0, c.vocab_size, (19,), device="cuda")
     base = model.new_state(64)
