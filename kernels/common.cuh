@@ -245,6 +245,11 @@ __device__ __forceinline__ void block_sum_n(float (&v)[N], float* scratch) {
 // The control block (CTRL_*), the error codes (MK_ERR_*) and the table slots are generated from
 // kernels/layout.py into the source preamble, so that host and device agree by construction.
 
+__device__ __forceinline__ unsigned sm_id() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+    return r;
+}
 __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -389,7 +389,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     if (!read_step(tb, bs)) return;
     const int nsteps = num_steps(bs.si, (int)tb.gi(G_NUM_LAYERS));
 #ifdef MK_PHASE_TIMING
-    if (tid_x() == 0) bs.t_start = global_timer_ns();
+    if (tid_x() == 0) {
+        bs.t_start = global_timer_ns();
+        // The row after a decode step's phases: the SM each block runs on (is a block's speed its SM's?).
+        u64* tm = tb.gp<u64>(G_TIMING);
+        if (tm != nullptr) tm[2 * ((long long)(5 * (int)tb.gi(G_NUM_LAYERS) + 2) * nblocks() + bid_x())] = sm_id();
+    }
 #endif
     for (int step = 0; step < nsteps; ++step) {
         int phase, layer;

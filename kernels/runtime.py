@@ -125,8 +125,8 @@ class MegakernelRunner:
         # Debug builds (Tuning.phase_timing): per (phase of the step, block) start and end stamps, ns.
         self._timing: torch.Tensor | None = None
         if self.spec.tuning.phase_timing:
-            steps = 5 * self.config.num_hidden_layers + 2
-            self._timing = torch.zeros((steps, self.grid, 2), dtype=torch.int64, device=self.device)
+            steps = 5 * self.config.num_hidden_layers + 2  # and one more row: each block's SM
+            self._timing = torch.zeros((steps + 1, self.grid, 2), dtype=torch.int64, device=self.device)
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -573,7 +573,14 @@ class MegakernelRunner:
         if self._timing is None:
             raise MegakernelError("phase stamps need a runner built with Tuning(phase_timing=True)")
         torch.cuda.synchronize(self.device)
-        return self._timing.cpu().numpy()
+        return self._timing[:-1].cpu().numpy()
+
+    def block_sms(self) -> np.ndarray:
+        """The SM each block of the last launch ran on, [grid] (timing builds)."""
+        if self._timing is None:
+            raise MegakernelError("block SM ids need a runner built with Tuning(phase_timing=True)")
+        torch.cuda.synchronize(self.device)
+        return self._timing[-1, :, 0].cpu().numpy()
 
     def describe(self, n_tokens: int | None = None) -> dict[str, Any]:
         """The build for `n_tokens` tokens per launch (default: the runner's): grid, shared memory, ring, registers."""
