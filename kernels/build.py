@@ -29,6 +29,12 @@ from .layout import MAX_TOKENS_PER_LAUNCH, preamble_defines
 CUDA_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "megakernel.cu"
 AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 384 threads x 16 B = 144 KB)
+SMEM_PREFER = (
+    196 * 1024 - 1024 - 512
+)  # Tuning.smem_prefer: the 196 KB carveout less reserved and static bytes
+# What going over smem_prefer costs, in GEMV breaks: a break costs about 1.1 us (run 11, call 5: 527 more breaks,
+# 0.57 ms) and the smaller L1 about 0.12 ms per step (run 12: 0.8 % of the T = 1 step).
+SMEM_OVER_BREAKS = 100
 STAGE_FALLBACKS = (AUTO_STAGES, 2, 0)  # tried in order when shared memory is short (many tokens per launch)
 MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
 WINDOW_STEP = (
@@ -76,6 +82,11 @@ class Tuning:
     # Unused dynamic shared memory bytes added to the launch: a probe of how the share of the SM's memory left to
     # the L1 cache affects the weight stream (0 in every real build).
     smem_pad: int = 0
+    # Dynamic shared memory the fit stays within unless that costs more than SMEM_OVER_BREAKS breaks (0: no
+    # preference). On sm_90 a block at or below it leaves the SM the 196 KB carveout (after the 1 KB the
+    # runtime reserves per block and the static block state), so 60 KB of L1 instead of 28: run 12 measured the
+    # T = 1 step 0.8 % faster at 194.4 KB (part_rows 2048) than at 210.4 KB (part_rows 4096).
+    smem_prefer: int = SMEM_PREFER
     att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
@@ -133,6 +144,8 @@ class Tuning:
             )
         if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
             raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")
+        if self.smem_prefer < 0:
+            raise ValueError(f"smem_prefer must be >= 0, got {self.smem_prefer}")
         if self.smem_pad < 0:
             raise ValueError(f"smem_pad must be >= 0, got {self.smem_pad}")
         if self.mma_sub < 1:
@@ -177,7 +190,8 @@ class KernelSpec:
     def _fit(self) -> tuple[int, int, int]:
         """(partial-sum rows, ring stages, window) that fit shared memory: the deepest ring that fits at all,
         then the (window, rows) pair whose GEMV phases break least often into rounds and passes (each break
-        waits for the whole block, and a pass break re-stages the input), widest window first on ties."""
+        waits for the whole block, and a pass break re-stages the input), widest window first on ties; a fit above
+        Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
         if self.tuning.fp32_gemv_in:
             top = min(top, FP32_IN_PART_ROWS)
@@ -194,8 +208,11 @@ class KernelSpec:
             for window in windows:
                 rows = top
                 while rows >= least:
-                    if self._scratch_fits(rows) and self._smem(rows, stages, window) <= self.smem_limit:
-                        fits.append((self._breaks(rows, window), -window, -rows))
+                    smem = self._smem(rows, stages, window)
+                    if self._scratch_fits(rows) and smem <= self.smem_limit:
+                        over = smem > self.tuning.smem_prefer
+                        score = self._breaks(rows, window) + (SMEM_OVER_BREAKS if over else 0)
+                        fits.append((score, -window, -rows))
                     rows //= 2
             if fits:
                 _, window, rows = min(fits)

@@ -13,6 +13,8 @@ from onestream.kernels.build import (
     FP32_ACT_ENV,
     FP32_IN_PART_ROWS,
     GEMV_ENV,
+    SMEM_OVER_BREAKS,
+    SMEM_PREFER,
     KernelSpec,
     Tuning,
     assemble_source,
@@ -189,7 +191,8 @@ def test_bench_variants_and_tuning_overrides_parse(capsys: pytest.CaptureFixture
 
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:
     ampere = KernelSpec(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
-    hopper = KernelSpec(config_27b(), num_sms=132, smem_limit=227 * 1024)
+    # Without the L1 preference both pick the same rows and window, so the ring is the only difference.
+    hopper = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(smem_prefer=0), smem_limit=227 * 1024)
     assert ampere.stages == 0 and ampere.defines()["MK_STAGES"] == 0
     assert hopper.stages == AUTO_STAGES and hopper.defines()["MK_STAGES"] == AUTO_STAGES
     t = hopper.tuning
@@ -248,7 +251,9 @@ def test_dynamic_row_switch_reaches_the_source_and_checks_its_knobs() -> None:
 def test_fp32_gemv_inputs_double_the_staged_input_and_keep_the_ring() -> None:
     hopper = 227 * 1024
     plain = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(fp32_act=True), smem_limit=hopper)
-    wide = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(fp32_gemv_in=True), smem_limit=hopper)
+    wide = KernelSpec(
+        config_27b(), num_sms=132, tuning=Tuning(fp32_gemv_in=True, smem_prefer=0), smem_limit=hopper
+    )  # the widest window: no L1 preference
     assert wide.defines()["MK_FP32_IN"] == 1 and plain.defines()["MK_FP32_IN"] == 0
     assert wide.part_rows == FP32_IN_PART_ROWS and wide.defines()["MK_PART_ROWS"] == FP32_IN_PART_ROWS
     assert wide.stages == plain.stages == AUTO_STAGES and wide.smem_bytes <= hopper
@@ -349,3 +354,23 @@ def test_gemv_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(GEMV_ENV, "fast")
     with pytest.raises(ValueError, match=GEMV_ENV):
         Tuning()
+
+
+def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:
+    """At or below Tuning.smem_prefer the H200 keeps 60 KB of L1; the fit goes over only where staying under
+    costs more than SMEM_OVER_BREAKS GEMV breaks."""
+    hopper = 227 * 1024
+    single = KernelSpec(config_27b(), num_sms=132, smem_limit=hopper)
+    assert single.smem_bytes <= SMEM_PREFER and single.part_rows == 2048 and single.window == 17408
+    unpreferred = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(smem_prefer=0), smem_limit=hopper)
+    assert unpreferred.smem_bytes > SMEM_PREFER and unpreferred.part_rows == 4096
+    assert single._breaks(single.part_rows, single.window) <= (
+        unpreferred._breaks(unpreferred.part_rows, unpreferred.window) + SMEM_OVER_BREAKS
+    )
+    # Two tokens on the tensor cores: staying under would cost 394 more breaks, so the fit goes over.
+    mma2 = KernelSpec(
+        config_27b(), num_sms=132, tokens_per_launch=2, tuning=Tuning(mma=True), smem_limit=hopper
+    )
+    assert mma2.smem_bytes > SMEM_PREFER and mma2.part_rows == 2048
+    with pytest.raises(ValueError, match="smem_prefer"):
+        Tuning(smem_prefer=-1)
