@@ -28,14 +28,15 @@ from .layout import MAX_TOKENS_PER_LAUNCH, preamble_defines
 
 CUDA_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "megakernel.cu"
-AUTO_STAGES = 3  # weight-ring depth where shared memory allows (3 x 8 loads x 384 threads x 16 B = 144 KB)
-SMEM_PREFER = (
-    196 * 1024 - 1024 - 512
-)  # Tuning.smem_prefer: the 196 KB carveout less reserved and static bytes
+# Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB). Run 12 (calls 2-3)
+# measured 2 faster than 3 at every tokens-per-launch: T = 1 2.2 % (alternated), T = 2..4 1.7-2.5 %.
+AUTO_STAGES = 2
+# Tuning.smem_prefer: the 196 KB carveout less the 1 KB reserved per block and the static block state.
+SMEM_PREFER = 196 * 1024 - 1024 - 512
 # What going over smem_prefer costs, in GEMV breaks: a break costs about 1.1 us (run 11, call 5: 527 more breaks,
 # 0.57 ms) and the smaller L1 about 0.12 ms per step (run 12: 0.8 % of the T = 1 step).
 SMEM_OVER_BREAKS = 100
-STAGE_FALLBACKS = (AUTO_STAGES, 2, 0)  # tried in order when shared memory is short (many tokens per launch)
+STAGE_FALLBACKS = (AUTO_STAGES, 0)  # tried in order when shared memory is short (many tokens per launch)
 MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
 WINDOW_STEP = (
     2048  # staged-input window widths tried: the widest input, then multiples of this (a whole chunk)
@@ -110,7 +111,7 @@ class Tuning:
     # values of the block's first attention item (False: the phase loads them from HBM, as up to run 9).
     mixer_prefetch: bool = True
     # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
-    # double buffer; None = 3 where the GPU's shared memory holds the ring (sm_90), else 0.
+    # double buffer; None = AUTO_STAGES (2) where the GPU's shared memory holds the ring (sm_90), else 0.
     stages: int | None = None
     phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
     # Numerics (changes results): True keeps the residual stream and the logits in fp32 and rounds the other

@@ -360,17 +360,23 @@ def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:
     """At or below Tuning.smem_prefer the H200 keeps 60 KB of L1; the fit goes over only where staying under
     costs more than SMEM_OVER_BREAKS GEMV breaks."""
     hopper = 227 * 1024
-    single = KernelSpec(config_27b(), num_sms=132, smem_limit=hopper)
-    assert single.smem_bytes <= SMEM_PREFER and single.part_rows == 2048 and single.window == 17408
-    unpreferred = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(smem_prefer=0), smem_limit=hopper)
+    assert (
+        KernelSpec(config_27b(), num_sms=132, smem_limit=hopper).smem_bytes <= SMEM_PREFER
+    )  # the default T = 1
+    # A 3-stage ring at T = 1: 2048 partial-sum rows per round keep it under (one more break than 4096 rows).
+    deep = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(stages=3), smem_limit=hopper)
+    assert deep.smem_bytes <= SMEM_PREFER and deep.part_rows == 2048 and deep.window == 17408
+    unpreferred = KernelSpec(
+        config_27b(), num_sms=132, tuning=Tuning(stages=3, smem_prefer=0), smem_limit=hopper
+    )
     assert unpreferred.smem_bytes > SMEM_PREFER and unpreferred.part_rows == 4096
-    assert single._breaks(single.part_rows, single.window) <= (
+    assert deep._breaks(deep.part_rows, deep.window) <= (
         unpreferred._breaks(unpreferred.part_rows, unpreferred.window) + SMEM_OVER_BREAKS
     )
-    # Two tokens on the tensor cores: staying under would cost 394 more breaks, so the fit goes over.
-    mma2 = KernelSpec(
-        config_27b(), num_sms=132, tokens_per_launch=2, tuning=Tuning(mma=True), smem_limit=hopper
+    # Four tokens on the tensor cores: staying under would cost too many breaks, so the fit goes over.
+    mma4 = KernelSpec(
+        config_27b(), num_sms=132, tokens_per_launch=4, tuning=Tuning(mma=True), smem_limit=hopper
     )
-    assert mma2.smem_bytes > SMEM_PREFER and mma2.part_rows == 2048
+    assert mma4.smem_bytes > SMEM_PREFER
     with pytest.raises(ValueError, match="smem_prefer"):
         Tuning(smem_prefer=-1)

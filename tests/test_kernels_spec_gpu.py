@@ -38,7 +38,7 @@ def setup(request):
 
 
 def token_counts(name: str) -> list[int]:
-    # At the 27B shapes, T >= 3 stages a narrower input window and crosses the wide inputs in passes.
+    # At the 27B shapes, T >= 2 stages a narrower input window and crosses the wide inputs in passes.
     return [2, 3, 5, 8]
 
 
