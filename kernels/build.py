@@ -103,6 +103,9 @@ class Tuning:
     # Grid barrier arrival: a release add that does not wait for its reply (True), or a fence and an atomicAdd
     # whose reply gives the target (False, the kernel up to run 9).
     release_barrier: bool = True
+    # Grid barrier wait: poll the counter with relaxed loads and acquire once (a fence) when it is reached (True),
+    # or poll with acquire loads (False).
+    relaxed_poll: bool = False
     # Issue the output projection's ring head and own-share L2 prefetch at the barrier before the DeltaNet /
     # attention phase, so they stream during it (True, up to run 9), or only at the barrier after it (False:
     # the phase's own loads then do not queue behind them).
@@ -329,6 +332,7 @@ class KernelSpec:
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
             "MK_VARIANT": t.variant,
             "MK_RELEASE_BARRIER": int(t.release_barrier),
+            "MK_RELAXED_POLL": int(t.relaxed_poll),
             "MK_HEAD_OVER_MIXER": int(t.head_over_mixer),
             "MK_MIXER_PREFETCH": int(t.mixer_prefetch),
             "MK_STAGES": self.stages,

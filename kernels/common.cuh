@@ -269,6 +269,23 @@ __device__ __forceinline__ void raise_error(int* ctrl, int code, int info) {
 #ifndef MK_RELEASE_BARRIER
 #define MK_RELEASE_BARRIER 1  // 1: arrive with a fire-and-forget release add; 0: fence + atomicAdd round trip
 #endif
+#ifndef MK_RELAXED_POLL
+#define MK_RELAXED_POLL 0  // 1: poll the barrier with relaxed loads and acquire once (a fence) when it is reached
+#endif
+
+__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+// One poll of the barrier counter (see MK_RELAXED_POLL).
+__device__ __forceinline__ u64 ld_poll_u64(const u64* p) {
+#if MK_RELAXED_POLL
+    return ld_relaxed_u64(p);
+#else
+    return ld_acquire_u64(p);
+#endif
+}
 
 // The grid barrier: a monotonically increasing 64-bit counter (reset only by the host after an error; every
 // block passes every barrier of a launch, so it is a multiple of the grid size between launches). Before its
@@ -305,10 +322,10 @@ __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u
                                           int* s_flag) {
     if (tid_x() == 0) {
         int ok = 1;
-        if (ld_acquire_u64(counter) < target) {
+        if (ld_poll_u64(counter) < target) {
             const u64 t0 = global_timer_ns();
             unsigned spins = 0;
-            while (ld_acquire_u64(counter) < target) {
+            while (ld_poll_u64(counter) < target) {
                 if ((++spins & 63u) == 0) {
                     if (ld_volatile_int(ctrl + CTRL_ERR) != 0) {
                         ok = 0;
@@ -327,6 +344,9 @@ __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u
         }
 #if !MK_RELEASE_BARRIER
         __threadfence();  // acquire side (the acquire loads above already order the later reads)
+#elif MK_RELAXED_POLL
+        // The acquire side: the relaxed load that saw the target, then this fence (acquire loads need none).
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
 #endif
         *s_flag = ok;
     }

@@ -215,6 +215,9 @@ def test_variant_and_timing_switches_reach_the_source() -> None:
         tiny_config(), num_sms=132, tuning=Tuning(release_barrier=False, head_over_mixer=False)
     )
     assert fenced.defines()["MK_RELEASE_BARRIER"] == 0 and fenced.defines()["MK_HEAD_OVER_MIXER"] == 0
+    relaxed = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(relaxed_poll=True)).defines()
+    assert plain["MK_RELAXED_POLL"] == 0 and relaxed["MK_RELAXED_POLL"] == 1
+    assert "fence.acq_rel.gpu" in assemble_source(KernelSpec(tiny_config(), num_sms=132))
 
 
 def test_activation_precision_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
