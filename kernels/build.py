@@ -93,7 +93,10 @@ class Tuning:
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.
     att_chunk: int = 128
-    pf_bytes: int = 64 * 1024  # L2 prefetch of the next phase per block, at a barrier
+    # L2 prefetch of the start of this block's share of the next phase, at a barrier. Off: with the 2-deep ring
+    # it measured 0.8 % slower than none (run 12, call 4: 64 KB 14.36 ms, none 14.25); run 10 (3-deep ring)
+    # found 32-128 KB within 0.2 % of each other.
+    pf_bytes: int = 0
     pf_idle_bytes: int = 192 * 1024  # same, DeltaNet / attention phases (variant 1: of each block's share)
     # 1: barrier spin without sleeping; on sm_90 one bulk L2 prefetch per row range instead of one prefetch per
     # 128-byte line; blocks without DeltaNet / attention work prefetch the start of EVERY block's range of the

@@ -351,6 +351,7 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
         "timing": MegakernelRunner(model, tuning=Tuning(phase_timing=True)),
         "weight ring of 3 (the default up to run 11)": MegakernelRunner(model, tuning=Tuning(stages=3)),
         "barrier polled with relaxed loads": MegakernelRunner(model, tuning=Tuning(relaxed_poll=True)),
+        "own-share L2 prefetch at the barriers": MegakernelRunner(model, tuning=Tuning(pf_bytes=64 * 1024)),
         # Dynamic row tiles: the default split, and every row dynamic in small tiles (blocks without static rows).
         "dynamic rows": MegakernelRunner(model, tuning=Tuning(dynamic=True)),
         "dynamic rows only, small tiles": MegakernelRunner(
