@@ -32,6 +32,12 @@ def split_half(rel: np.ndarray) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
+def relative_by_launch(sel: np.ndarray) -> np.ndarray:
+    """A unit's mean busy time relative to the mean of its phase, per launch: [launches, units] from
+    sel [launches, instances, units]."""
+    return (sel / sel.mean(axis=2, keepdims=True)).mean(axis=1)
+
+
 def weighted_critical(busy: np.ndarray, speed: np.ndarray) -> tuple[float, float, float]:
     """(actual critical, critical with shares proportional to 1 / speed, mean busy), per instance in us, from busy
     [instances, units] and the predicted relative time per unit of the same bytes `speed` [units]."""
@@ -76,21 +82,16 @@ def main() -> None:
         idx = [s for s, n in enumerate(names) if n == kind]
         if not idx:
             continue
-        for label, arr in (("block", busy_a), ("sm", by_sm)):
-            sel = arr[:, idx, :]  # [launches, instances, units]
-            rel = sel / sel.mean(axis=2, keepdims=True)
-            rel_l = rel.mean(axis=1)  # [launches, units]: a unit's mean relative time in a launch
-            if label == "block":
-                r_block = split_half(rel_l)
-            else:
-                r_sm = split_half(rel_l)
-                # Shares from the even launches' speeds, applied to the odd launches.
-                speed = rel_l[0::2].mean(axis=0)
-                odd = sel[1::2].reshape(-1, sel.shape[2])
-                crit, weighted, mean_busy = weighted_critical(odd, speed)
-                spread = float((sel.max(axis=2) - sel.min(axis=2)).mean())
-                gain = (crit - weighted) * len(idx)
-                total_gain += gain
+        block_sel, sm_sel = busy_a[:, idx, :], by_sm[:, idx, :]  # [launches, instances, units]
+        r_block = split_half(relative_by_launch(block_sel))
+        sm_rel = relative_by_launch(sm_sel)
+        r_sm = split_half(sm_rel)
+        # Shares from the even launches' speeds, applied to the odd launches.
+        odd = sm_sel[1::2].reshape(-1, sm_sel.shape[2])
+        crit, weighted, mean_busy = weighted_critical(odd, sm_rel[0::2].mean(axis=0))
+        spread = float((sm_sel.max(axis=2) - sm_sel.min(axis=2)).mean())
+        gain = (crit - weighted) * len(idx)
+        total_gain += gain
         print(
             f"{kind:9s} {len(idx):3d} {mean_busy:8.2f} {spread:7.2f} {r_block:8.3f} {r_sm:6.3f} "
             f"{crit:8.2f} {weighted:8.2f} {gain:7.1f}us"
