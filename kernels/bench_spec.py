@@ -47,6 +47,7 @@ class VerifyRow:
     verify_ms: float | None = None  # one verify launch: states recorded per token, greedy accept (T >= 2)
     build: dict[str, Any] = field(default_factory=dict)  # MegakernelRunner.describe(T)
     breakdown: str = ""  # per-phase stamps of a plain launch (phase-timing builds)
+    verify_breakdown: str = ""  # the same for a verify launch
     error: str = ""
 
 
@@ -187,10 +188,13 @@ def bench_verify(
                     row.verify_ms = ms
                 else:
                     row.plain_ms = ms
-                if runner.spec.tuning.phase_timing and not verify:  # the last plain launch's stamps
-                    phases = summarise(runner.phase_stamps(), step_phases(model.config))
-                    row.breakdown = format_breakdown(phases, ms)
-                    print(f"  T={t}:\n{row.breakdown}", flush=True)
+                if runner.spec.tuning.phase_timing:  # the last launch's stamps
+                    text = format_breakdown(summarise(runner.phase_stamps(), step_phases(model.config)), ms)
+                    if verify:
+                        row.verify_breakdown = text
+                    else:
+                        row.breakdown = text
+                    print(f"  T={t} {'verify' if verify else 'plain'}:\n{text}", flush=True)
                 del state
         except Exception as e:  # one T failing at run time must not hide the others
             row.error = f"failed: {_failure(e)}"
