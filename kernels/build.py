@@ -155,6 +155,11 @@ class Tuning:
             raise ValueError(f"smem_prefer must be >= 0, got {self.smem_prefer}")
         if self.smem_pad < 0:
             raise ValueError(f"smem_pad must be >= 0, got {self.smem_pad}")
+        if self.mma and self.umax != 8 and self.stages != 0:
+            raise ValueError(
+                f"the tensor-core GEMV's weight ring keeps an item's 8 rows one per plane: umax must be 8, got "
+                f"{self.umax} (or stages=0)"
+            )
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if not 0 <= self.dyn_static_pct <= 100:
@@ -290,7 +295,7 @@ class KernelSpec:
         """The attention and DeltaNet phases borrow the partial-sum buffers (static_asserts in phases.cuh)."""
         c, t, nt = self.config, self.tuning, self.tokens_per_launch
         warps = t.threads // 32
-        att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + c.head_dim
+        att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + nt * c.head_dim
         dn_sw = c.linear_value_head_dim // max(1, self.dn_split)
         dn = 2 * nt * c.linear_key_head_dim + t.threads + dn_sw + nt * dn_sw + 2 * nt
         return att <= 2 * nt * rows and dn <= nt * rows

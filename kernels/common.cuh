@@ -123,6 +123,10 @@ __device__ __forceinline__ void cp_async16(u32 dst_smem, const void* src, u64 po
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst_smem), "l"(src), "l"(policy)
                  : "memory");
 }
+// The same for data written earlier in this launch (activations): L2 only, no eviction hint.
+__device__ __forceinline__ void cp_async16_l2(u32 dst_smem, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst_smem), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

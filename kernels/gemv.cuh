@@ -322,9 +322,35 @@ __device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16
 // MK_STAGES units per warp are in flight (the register path: one or two). (A warp-cooperative layout for the
 // tensor-core GEMV, one contiguous row stretch per load instruction, measured 1.8x slower: run 9, commit faa0307.)
 
+#if MK_MMA
+// The tensor-core ring is filled row by row: plane i of a slot holds row i of the item, and copy instruction i
+// reads that row's stretch of up to 512 contiguous bytes, as the scalar path's instructions do. (With each lane
+// copying what it multiplies, every instruction read 64 bytes of each of 8 rows: twice the L2 requests per byte.)
+// Lane (g, t) then reads row g's vectors 4 u + t back from plane g, so lanes read what other lanes copied
+// (__syncwarp after the wait and before a slot is refilled). Position p of plane i is stored at p ^ 4 (i & 1): the
+// two rows a quarter-warp reads then fall on different banks.
+static_assert(MK_STAGES == 0 || MK_UMAX == GEMV_IR, "the tensor-core ring keeps one row of an item per plane");
+__device__ __forceinline__ int gemv_ring_pos(int row, int pos) { return pos ^ ((row & 1) << 2); }
+#endif
+
 // Start copying unit `it` into the ring slot at shared address `slot_w` (this warp's base of the slot).
 __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPlan& p, int rs, int nr,
                                                  const GemvUnit& it, int lane, u32 slot_w, u64 policy) {
+#if MK_MMA
+    __syncwarp();  // every lane has read the data this slot held (the lanes read each other's copies)
+    const int vb = gemv_vec(p, it.chunk, it.sub, 0, 0), v = vb + lane;
+    const bool ok = lane < p.u * GEMV_KL && v < p.nvec;
+    // Lane i finds row i's address once; the copies take it by shuffle (gemv_row reads the descriptor, which
+    // lives in local memory: eight lookups per unit in a row cost the stream 45 %, run 13).
+    const int mine = it.rg * GEMV_IR + (lane & (GEMV_IR - 1));
+    const unsigned long long row_addr = (unsigned long long)gemv_row(d, rs + min(mine, nr - 1));
+#pragma unroll
+    for (int i = 0; i < GEMV_IR; ++i) {
+        const int r = it.rg * GEMV_IR + i;
+        const vec16* row = (const vec16*)__shfl_sync(0xffffffffu, row_addr, i);
+        if (ok && r < nr) cp_async16(slot_w + (i * MK_THREADS + gemv_ring_pos(i, lane)) * 16, row + v, policy);
+    }
+#else
     const int lr = gemv_lane_row(it.rg, lane);
     if (lr >= nr) return;
     const vec16* base = (const vec16*)gemv_row(d, rs + lr);
@@ -333,6 +359,7 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
         const int v = gemv_vec(p, it.chunk, it.sub, u, lane);
         if (u < p.u && v < p.nvec) cp_async16(slot_w + (u * MK_THREADS + lane) * 16, base + v, policy);
     }
+#endif
 }
 
 // The ring's head: this warp's first MK_STAGES - 1 units of the pass over chunks [c0, c0 + nkq) of rows
@@ -480,8 +507,16 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
                 cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
                 const GemvUnit it = gemv_unit(warp, k, c0, nkq);
                 const vec16* slot = mine + ((base + k) % MK_STAGES) * MK_UMAX * MK_THREADS;
+#if MK_MMA
+                __syncwarp();  // and so are the other lanes' copies of it
+                const vec16* plane = slot + (lane >> 2) * MK_THREADS;
+                gemv_accumulate(
+                    p, [&](int u) { return ld_shared16(plane + gemv_ring_pos(lane >> 2, 4 * u + (lane & 3))); }, it, nr,
+                    lane, xs, v0, acc);
+#else
                 gemv_accumulate(p, [&](int u) { return ld_shared16(slot + u * MK_THREADS + lane); }, it, nr, lane, xs, v0,
                                 acc);
+#endif
                 if (it.sub == GEMV_SUB - 1) {
                     gemv_store(p, acc, it, nr, lane, part);
                     gemv_acc_zero(acc);

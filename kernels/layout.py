@@ -142,7 +142,7 @@ def ctrl_slots() -> dict[str, int]:
 
 
 CTRL_FLAG_FEEDBACK = 1  # the greedy token of a step becomes the next step's input (no host round trip)
-CTRL_FLAG_KEEP_STATES = 2  # record each DeltaNet layer's state before and after every token (HIST_*)
+CTRL_FLAG_KEEP_STATES = 2  # record each DeltaNet layer's state after every token but the last (HIST_*)
 CTRL_FLAG_ACCEPT = 4  # greedy verify: count the inputs 1.. that equal the argmax before them (CTRL_ACCEPTED)
 MODE_MAIN = 0  # the main model's step
 MODE_MTP = 1  # the MTP head's step (its layer is the layer table's row num_hidden_layers)

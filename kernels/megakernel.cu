@@ -2,7 +2,8 @@
 // embedding rows, every layer (Gated DeltaNet or gated attention, SwiGLU MLP, residuals, norms), the
 // final norm, the lm_head and the greedy argmax. With MK_NT > 1 the launch verifies drafts: every weight is
 // read once for all tokens, attention is causal within them, and with CTRL_FLAG_KEEP_STATES each DeltaNet
-// layer records its state before and after every token (rolling back is then a copy); with CTRL_FLAG_ACCEPT
+// layer records its state after every token but the last (the live state holds that one; the first token of a
+// verify pass is always kept), so rolling back is a copy; with CTRL_FLAG_ACCEPT
 // block 0 counts the drafts that match the argmax before them. CTRL_MODE MODE_MTP runs the MTP head instead
 // (fc over the normed embedding and hidden, its full-attention layer, its norm, the shared lm_head) on the
 // same phases: the MTP layer is the layer table's row num_layers. Phases are separated by a software grid barrier whose
@@ -245,7 +246,7 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         case PH_DN_REC:
             return phase_dn_rec(tb, si, l, sm.part);
         case PH_ATT:
-            return phase_attention(tb, si, l, sm.part, &bs.last);
+            return phase_attention(tb, si, l, sm.part, sm.xs, &bs.last);
         case PH_FINALIZE:
             finalize_step(tb, si);
             return true;

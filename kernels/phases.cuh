@@ -108,20 +108,28 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
 
 // Copy of input vectors [v0, v1) of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32:
 // MK_FP32_IN).
+// The window goes global -> shared by cp.async (no registers; every copy of a thread in flight at once, one L2
+// round trip instead of one per vector: a 4-token window of 8192 values is 11 vectors per thread). Waiting for
+// all groups also waits for the weight ring's first units, which the GEMV needs next anyway.
 __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) {
     const int w = v1 - v0, n = MK_NT * w;
+#if MK_FP32_IN
     for (int i = tid_x(); i < n; i += MK_THREADS) {
         const int t = i / w, v = i - t * w;
-        const vec16 x = ld_cg16(src + (long long)t * K + (v0 + v) * 8);
-#if MK_FP32_IN
         float f[8];
-        unpack8(x, f);
+        unpack8(ld_cg16(src + (long long)t * K + (v0 + v) * 8), f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xs[(t * MK_XLDV + v) * 8 + e] = f[e];
-#else
-        ((vec16*)xs)[t * MK_XLDV + v] = x;
-#endif
     }
+#else
+    const u32 base = smem_addr(xs);
+    for (int i = tid_x(); i < n; i += MK_THREADS) {
+        const int t = i / w, v = i - t * w;
+        cp_async16_l2(base + (t * MK_XLDV + v) * 16, src + (long long)t * K + (v0 + v) * 8);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+#endif
     __syncthreads();
 }
 
@@ -134,37 +142,53 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
 // weight 16 bytes at a time: like every weight the kernel streams, it must be 16-byte aligned.
 __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
     constexpr int N = MK_NT * MK_HV * GN_VH;
-    for (int i0 = tid_x() & ~31; i0 < N; i0 += MK_THREADS) {  // whole warps: every lane joins the shuffles
-        const int i = i0 + (tid_x() & 31);
-        const bool ok = i < N;
-        const int ii = ok ? i : 0;
-        const int j = ii % GN_VH, th = ii / GN_VH, t = th / MK_HV, hv = th - t * MK_HV;
-        const int e0 = hv * MK_DV + j * 8;
-        float o[8], zz[8];
-        unpack8(ld_cg16(core + t * MK_VD + e0), o);
-        unpack8(ld_cg16(z + t * MK_VD + e0), zz);
-        float ss = 0.0f;
+    constexpr int B = 1;  // batches of a warp whose loads are in flight together (two loads each)
+    const int lane = tid_x() & 31;
+    for (int w0 = tid_x() & ~31; w0 < N; w0 += B * MK_THREADS) {  // whole warps: every lane joins the shuffles
+        vec16 cv[B], zv[B];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ss = fmaf(o[e], o[e], ss);
+        for (int b = 0; b < B; ++b) {
+            const int i = w0 + b * MK_THREADS + lane, ii = i < N ? i : 0;
+            const int j = ii % GN_VH, th = ii / GN_VH, t = th / MK_HV, hv = th - t * MK_HV;
+            if (w0 + b * MK_THREADS < N) {  // warp-uniform
+                cv[b] = ld_cg16(core + t * MK_VD + hv * MK_DV + j * 8);
+                zv[b] = ld_cg16(z + t * MK_VD + hv * MK_DV + j * 8);
+            }
+        }
 #pragma unroll
-        for (int m = GN_VH / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        if (ok && e0 >= k0 && e0 < k1) {
-            const float r = rsqrtf(ss / (float)MK_DV + MK_EPS);
-            float wf[8], y[8];
-            unpack8(*(const vec16*)(w + j * 8), wf);
+        for (int b = 0; b < B; ++b) {
+            if (w0 + b * MK_THREADS >= N) break;  // warp-uniform
+            const int i = w0 + b * MK_THREADS + lane;
+            const bool ok = i < N;
+            const int ii = ok ? i : 0;
+            const int j = ii % GN_VH, th = ii / GN_VH, t = th / MK_HV, hv = th - t * MK_HV;
+            const int e0 = hv * MK_DV + j * 8;
+            float o[8], zz[8];
+            unpack8(cv[b], o);
+            unpack8(zv[b], zz);
+            float ss = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_f(zz[e]);
+            for (int e = 0; e < 8; ++e) ss = fmaf(o[e], o[e], ss);
+#pragma unroll
+            for (int m = GN_VH / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+            if (ok && e0 >= k0 && e0 < k1) {
+                const float r = rsqrtf(ss / (float)MK_DV + MK_EPS);
+                float wf[8], y[8];
+                unpack8(*(const vec16*)(w + j * 8), wf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_f(zz[e]);
 #if MK_FP32_IN
 #pragma unroll
-            for (int e = 0; e < 8; ++e) xs[t * MK_XLD + e0 - k0 + e] = y[e];
+                for (int e = 0; e < 8; ++e) xs[t * MK_XLD + e0 - k0 + e] = y[e];
 #else
-            vec16 out;
-            out.x = (u32)f2bf(y[0]) | ((u32)f2bf(y[1]) << 16);
-            out.y = (u32)f2bf(y[2]) | ((u32)f2bf(y[3]) << 16);
-            out.z = (u32)f2bf(y[4]) | ((u32)f2bf(y[5]) << 16);
-            out.w = (u32)f2bf(y[6]) | ((u32)f2bf(y[7]) << 16);
-            ((vec16*)xs)[t * MK_XLDV + (e0 - k0) / 8] = out;
+                vec16 out;
+                out.x = (u32)f2bf(y[0]) | ((u32)f2bf(y[1]) << 16);
+                out.y = (u32)f2bf(y[2]) | ((u32)f2bf(y[3]) << 16);
+                out.z = (u32)f2bf(y[4]) | ((u32)f2bf(y[5]) << 16);
+                out.w = (u32)f2bf(y[6]) | ((u32)f2bf(y[7]) << 16);
+                ((vec16*)xs)[t * MK_XLDV + (e0 - k0) / 8] = out;
 #endif
+            }
         }
     }
     __syncthreads();
@@ -256,7 +280,7 @@ struct Epi {
     float* gdecay;
     const bf16_t* convw;  // [C][kernel]
     bf16_t* conv_state;   // [C][kernel - 1], oldest first
-    bf16_t* hist_conv;    // keep-states launches: [MK_NT + 1][C][kernel - 1], the window before / after each token
+    bf16_t* hist_conv;    // keep-states launches: [MK_NT - 1][C][kernel - 1], the window after each token but the last
     const float* neg_a;   // -exp(A_log)
     const float* dt_bias;
     float* logits;  // EPI_LM_HEAD
@@ -290,10 +314,6 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
             for (int j = 0; j < MK_CONVK - 1; ++j) st[j] = bf2f(e.conv_state[r * (MK_CONVK - 1) + j]);
             bf16_t* hist = e.hist_conv != nullptr ? e.hist_conv + r * (MK_CONVK - 1) : nullptr;
             constexpr int hstride = MK_C * (MK_CONVK - 1);
-            if (hist != nullptr) {
-#pragma unroll
-                for (int j = 0; j < MK_CONVK - 1; ++j) hist[j] = f2bf(st[j]);
-            }
             for (int t = 0; t < MK_NT; ++t) {
                 // (window * w).sum() in bf16 products, as the reference's decode step; then SiLU in bf16.
                 // MK_FP32_ACT: in fp32; the window keeps x rounded to bf16, as the state tensor stores it.
@@ -306,9 +326,9 @@ __device__ void epi_dn_in(const Epi& e, int rs, int nr, const float* rowval, int
 #pragma unroll
                 for (int j = 0; j + 1 < MK_CONVK - 1; ++j) st[j] = st[j + 1];
                 st[MK_CONVK - 2] = x;
-                if (hist != nullptr) {
+                if (hist != nullptr && t + 1 < MK_NT) {
 #pragma unroll
-                    for (int j = 0; j < MK_CONVK - 1; ++j) hist[(t + 1) * hstride + j] = f2bf(st[j]);
+                    for (int j = 0; j < MK_CONVK - 1; ++j) hist[t * hstride + j] = f2bf(st[j]);
                 }
             }
 #pragma unroll
@@ -429,7 +449,8 @@ static_assert(2 * MK_NT * MK_DK + MK_THREADS + DN_SW + MK_NT * DN_SW + 2 * MK_NT
 __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
 
 // Returns whether this block had an item (blocks without one prefetch while they wait). Keep-states launches
-// also store the slice before the first token and after every token (L_HIST_REC, one state per entry).
+// also store the slice after every token but the last (L_HIST_REC, one state per entry; the live state holds the
+// last, and the first token of a verify pass is never rolled back, so the state before it is not kept).
 __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, float* scratch) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     float* qn = scratch;                // [NT][DK]
@@ -487,13 +508,6 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             sc[2 * tid] = ld_cg_f(beta + tid * MK_HV + hv);
             sc[2 * tid + 1] = expf(ld_cg_f(gdecay + tid * MK_HV + hv));
         }
-        if (Hh != nullptr) {
-#pragma unroll
-            for (int r = 0; r < DN_RPT; ++r) {
-                const int i = rg + r * DN_RG;
-                if (i < MK_DK) Hh[i * MK_DV] = s[r];
-            }
-        }
         __syncthreads();  // the inputs of every token are in shared memory
         for (int t = 0; t < MK_NT; ++t) {
             const float* qt = qn + t * MK_DK;
@@ -527,11 +541,11 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
                 }
             }
             red[tid] = po;
-            if (Hh != nullptr) {
+            if (Hh != nullptr && t + 1 < MK_NT) {
 #pragma unroll
                 for (int r = 0; r < DN_RPT; ++r) {
                     const int i = rg + r * DN_RG;
-                    if (i < MK_DK) Hh[(t + 1) * hstride + i * MK_DV] = s[r];
+                    if (i < MK_DK) Hh[t * hstride + i * MK_DV] = s[r];
                 }
             }
             __syncthreads();
@@ -561,8 +575,9 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
+static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(xin_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS): MK_FP32_IN builds shrink both.
-static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_HD <= 2 * PART_FLOATS,
+static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
 
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
@@ -638,7 +653,7 @@ __device__ __forceinline__ int att_items(const StepInfo& si) {
 // The phase with items of np <= NP pairs (NP sizes the per-lane accumulators; shared memory keeps the
 // MK_ATT_PAIRS strides).
 template <int NP>
-__device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last,
+__device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, xin_t* xs, int* s_last,
                                 int np) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const int pos = si.pos, L = pos + MK_NT;
@@ -660,7 +675,9 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [PAIRS][HD]
     float* wm = accs + MK_ATT_PAIRS * MK_HD;       // [NWARPS][PAIRS]
     float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
-    float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [HD]
+    float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [NT][HD]
+    // [NT][2][HD]: the new positions' key and value as cached, in the GEMV input's buffer (free in this phase).
+    bf16_t* kvnew = (bf16_t*)xs;
 
     bool any = false;
     // One item per (key/value head, chunk, pass of query pairs): at short context the few heads and chunks alone
@@ -673,12 +690,15 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         const int p0 = c * cl, p1 = min(L, p0 + cl);
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
-        // New positions of this chunk: normed, rotated key and raw value into the cache. Every pass's item of the
-        // chunk writes them, so that none has to wait for another block. Concurrent stores to one address are safe
-        // only because every writer stores the same bits (norm_rope_head does not depend on the block or pass) and
-        // 2-byte stores do not tear a reader's 16-byte load: keep it so.
-        if (warp == MK_NWARPS - 1) {  // the last warp: the first ones normalise the queries meanwhile
-            for (int t = 0; t < MK_NT; ++t) {
+        // New positions of this chunk: normed, rotated key and raw value. Every pass's item of the chunk computes
+        // them into shared memory and attends to them there, so that none waits for another block; the pass-0
+        // item also writes them to the cache (for later launches). When every item wrote them and read them back
+        // from L2, the 24 blocks of a key/value head at T = 4 contended for the same lines and the phase took 3x
+        // its single-token time. The last warps take a token each (the first np warps normalise the queries
+        // meanwhile).
+        const int kv_warps = max(1, MK_NWARPS - np), kw = MK_NWARPS - 1 - warp;
+        if (kw < kv_warps) {
+            for (int t = kw; t < MK_NT; t += kv_warps) {
                 const int p = pos + t;
                 if (p < p0 || p >= p1) continue;
                 const bf16_t* row = qkv + t * MK_ATT_IN_ROWS;
@@ -688,13 +708,20 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     const int d = lane + 32 * j;
                     vv[j] = d < MK_HD ? ld_cg_bf(row + MK_QROWS + MK_KVROWS + kvh * MK_HD + d) : (bf16_t)0;
                 }
-                norm_rope_head(row + MK_QROWS + kvh * MK_HD, kn_w, inv_freq, p, knew);
+                float* kt = knew + t * MK_HD;
+                norm_rope_head(row + MK_QROWS + kvh * MK_HD, kn_w, inv_freq, p, kt);
+                bf16_t* kv = kvnew + t * 2 * MK_HD;
 #pragma unroll
                 for (int j = 0; j < ATT_NPL; ++j) {
                     const int d = lane + 32 * j;
                     if (d >= MK_HD) continue;
-                    kh[(long long)p * MK_HD + d] = f2bf(knew[d]);
-                    vh[(long long)p * MK_HD + d] = vv[j];
+                    const bf16_t kb = f2bf(kt[d]);
+                    kv[d] = kb;
+                    kv[MK_HD + d] = vv[j];
+                    if (pass == 0) {
+                        kh[(long long)p * MK_HD + d] = kb;
+                        vh[(long long)p * MK_HD + d] = vv[j];
+                    }
                 }
                 __syncwarp();
             }
@@ -708,7 +735,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                                    qsm + warp * MK_HD);
                 }
             }
-            __syncthreads();  // queries ready; this block's cache writes visible
+            __syncthreads();  // queries and the new keys and values ready
             const bool active = lane * ATT_DPL < MK_HD;
             // The queries stay in shared memory (qsm): registers go to the accumulators and the next position's loads.
             float acc[NP][ATT_DPL], m[NP], l[NP];
@@ -722,20 +749,25 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                 for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
             }
-            // A warp's positions in order; the next one's key and value load while this one's are used.
+            // A warp's positions in order; the next one's key and value load while this one's are used (positions
+            // of this launch from shared memory, earlier ones from the cache).
+            auto load_kv = [&](int q, vec16& k, vec16& v) {
+                if (q >= pos) {
+                    const bf16_t* src = kvnew + (q - pos) * 2 * MK_HD + lane * ATT_DPL;
+                    k = ld_shared16(src);
+                    v = ld_shared16(src + MK_HD);
+                } else {
+                    k = ld_cg16(kh + (long long)q * MK_HD + lane * ATT_DPL);
+                    v = ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
+                }
+            };
             vec16 kr = {0u, 0u, 0u, 0u}, vr = {0u, 0u, 0u, 0u};
-            if (active && p0 + warp < p1) {
-                kr = ld_cg16(kh + (long long)(p0 + warp) * MK_HD + lane * ATT_DPL);
-                vr = ld_cg16(vh + (long long)(p0 + warp) * MK_HD + lane * ATT_DPL);
-            }
+            if (active && p0 + warp < p1) load_kv(p0 + warp, kr, vr);
             for (int p = p0 + warp; p < p1; p += MK_NWARPS) {
                 float kf[8], vf[8];
                 unpack8(kr, kf);  // zeros on inactive lanes
                 unpack8(vr, vf);
-                if (active && p + MK_NWARPS < p1) {
-                    kr = ld_cg16(kh + (long long)(p + MK_NWARPS) * MK_HD + lane * ATT_DPL);
-                    vr = ld_cg16(vh + (long long)(p + MK_NWARPS) * MK_HD + lane * ATT_DPL);
-                }
+                if (active && p + MK_NWARPS < p1) load_kv(p + MK_NWARPS, kr, vr);
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform
@@ -845,10 +877,11 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 
 // Short context gives items of one pair (att_pass_pairs): that case compiles on its own, with one pair's
 // accumulators, the rest with MK_ATT_PAIRS'.
-__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, int* s_last) {
+__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, xin_t* xs,
+                                int* s_last) {
     const int np = att_pass_pairs(si);
-    if (np == 1) return attention_items<1>(tb, si, layer, scratch, s_last, 1);
-    return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, s_last, np);
+    if (np == 1) return attention_items<1>(tb, si, layer, scratch, xs, s_last, 1);
+    return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, xs, s_last, np);
 }
 
 // At the barrier before the DeltaNet / attention phase (thread 0): inputs of the phase start towards L2, ahead

@@ -117,7 +117,7 @@ class MegakernelRunner:
         self._hist: torch.Tensor | None = None
         self._att_part: torch.Tensor | None = None  # flash-decoding partials, sized by the largest cache
         self._att_part_chunks = 0
-        # Keep-states launches record DeltaNet states here (entries: before and after each token); the
+        # Keep-states launches record DeltaNet states here (entry j: after token j, for every token but the last); the
         # DeltaNetHistory handed to the state views these buffers until the next keep-states launch.
         self._hist_conv: dict[int, torch.Tensor] = {}
         self._hist_rec: dict[int, torch.Tensor] = {}
@@ -268,8 +268,8 @@ class MegakernelRunner:
         self._bound = key
 
     def _reserve_history(self, n_tokens: int) -> None:
-        entries = n_tokens + 1 if n_tokens else 0
-        if not self.config.linear_attention_layers or not entries:
+        entries = n_tokens - 1  # the state after the last token is the live state
+        if not self.config.linear_attention_layers or entries <= 0:
             return
         have = next(iter(self._hist_rec.values())).shape[0] if self._hist_rec else 0
         if have >= entries:
@@ -458,8 +458,10 @@ class MegakernelRunner:
         """One launch of the main model: T = len(input_ids) tokens (1..8) at positions `state.length …`;
         advances `state` like `forward_step` does.
 
-        keep_states: record each DeltaNet layer's state before and after every token and hand the state a
-        `DeltaNetHistory` of them (so `state.rollback` to any of those positions is a copy). accept: greedy
+        keep_states: record each DeltaNet layer's state after every token but the last and hand the state a
+        `DeltaNetHistory` of them, so that `state.rollback(n)` for n < T is a copy. The state before the first token
+        is not kept: a verify pass always keeps its first input (the pending token), and those writes (one fp32
+        state per layer, 151 MB on the 27B shapes) cost time in every launch. accept: greedy
         verification of inputs 1.. as drafts (`StepResult.accepted`). check=False: no read-back (no
         synchronisation; `tokens` is empty; an error surfaces at the next checked launch or `check()`).
         Ids already on the GPU go to the kernel by a device copy (no host round trip before the launch)."""
@@ -486,11 +488,13 @@ class MegakernelRunner:
         state.history = self._record_history(state, pos, n) if keep_states else None
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], tokens, accepted, inputs)
 
-    def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory:
+    def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory | None:
+        if n_tokens < 2 and self.config.linear_attention_layers:
+            return None  # nothing to roll back to: the only position after the first token is the live one
         history = DeltaNetHistory(
-            start,
-            {i: t[: n_tokens + 1] for i, t in self._hist_conv.items()},
-            {i: t[: n_tokens + 1] for i, t in self._hist_rec.items()},
+            start + 1,
+            {i: t[: n_tokens - 1] for i, t in self._hist_conv.items()},
+            {i: t[: n_tokens - 1] for i, t in self._hist_rec.items()},
         )
         self._hist_owner = weakref.ref(state)
         return history

@@ -22,6 +22,7 @@ if HAS_GPU:
     from onestream.kernels.build import Tuning
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+    from onestream.worker.errors import StateError
     from onestream.worker.testing import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,15 +99,21 @@ def test_keep_states_records_every_position_and_rollback_is_a_copy(setup):
         nxt = after[-1].clone()
         runner.step(tokens[j : j + 1], nxt)
         after.append(nxt)
-    for keep in range(t + 1):  # roll a verify pass back to every position it covered
+    # The record holds the positions after tokens 1..T-1 (the live state is the one after token T); the state
+    # before the first token is not kept, so rolling all T tokens back fails with a clear error.
+    state = base.clone()
+    runner.step(tokens, state, keep_states=True)
+    with pytest.raises(StateError, match=f"cannot roll back to position {base.length}"):
+        state.rollback(t)
+    for keep in range(1, t + 1):  # roll a verify pass back to every position it covered
         state = base.clone()
         runner.step(tokens, state, keep_states=True)
         hist = state.history
-        assert hist is not None and hist.start == base.length and hist.end == base.length + t
-        for j in range(t + 1):
+        assert hist is not None and hist.start == base.length + 1 and hist.end == base.length + t - 1
+        for j in range(t - 1):
             for i in c.linear_attention_layers:
-                assert torch.equal(hist.recurrent[i][j], after[j].recurrent[i]), f"entry {j}, layer {i}"
-                assert torch.equal(hist.conv[i][j], after[j].conv[i]), f"entry {j}, layer {i}"
+                assert torch.equal(hist.recurrent[i][j], after[j + 1].recurrent[i]), f"entry {j}, layer {i}"
+                assert torch.equal(hist.conv[i][j], after[j + 1].conv[i]), f"entry {j}, layer {i}"
         state.rollback(t - keep)
         assert_same_state(state, after[keep], c)
         # Decoding on from the rolled-back state continues exactly as the single-step path does.

@@ -54,8 +54,9 @@ class Backend(Protocol):
         ...
 
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
-        """Run a few tokens (1 for plain decode, k+1 to verify drafts); keep_states makes each of the
-        positions reachable by `rollback`."""
+        """Run a few tokens (1 for plain decode, k+1 to verify drafts); keep_states makes each position
+        after the first token reachable by `rollback` (n < T: a verify pass always keeps its first input, so
+        a back end need not record the state before it)."""
         ...
 
     def verify_greedy(
