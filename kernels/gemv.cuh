@@ -16,8 +16,9 @@
 //
 // MK_MMA (an option, off by default: slower on the H200, see Tuning.mma) multiplies on the tensor cores instead:
 // an item is 8 rows by a K range (mma.sync m16n8k16, the
-// weights as the B operand, the tokens as the A operand's rows), lane (g, t) = (lane / 4, lane % 4) streams row g at
-// vectors 4 * j + t (both operands take the same permutation of K inside a vector, so no shuffles are needed), and
+// weights as the B operand, the tokens as the A operand's rows), lane (g, t) = (lane / 4, lane % 4) multiplies row g at
+// vectors 4 * j + t (both operands take the same permutation of K inside a vector, so no shuffles are needed; the
+// shared-memory ring is filled row by row and each lane reads its vectors back, see gemv_issue_async), and
 // the tensor core sums over K: per 16-byte weight vector a lane issues one shared-memory read of its token's input
 // and two mma instructions whatever MK_NT is, where the scalar path reads MK_NT input vectors and issues 8 * MK_NT
 // FMAs. A chunk is MK_MMA_SUB consecutive items of the same rows (summed in the accumulator), so rows keep few
