@@ -62,8 +62,10 @@ fi
 if [ "$MODE" = spec ]; then  # issue 7: speculative decoding on the kernel (carry .data/default_model/spec_prompts)
   # SPEC_RUNS: several `bench spec` runs in one call, their options separated by "|" (e.g. the tensor-core GEMV
   # against "--gemv scalar --skip-embedded"); each gets BENCH_TIMEOUT and writes bench_spec_<i>.json.
+  # SPEC_RUNS=none: no bench run (e.g. only the KLD check); unset or empty: one run with SPEC_ARGS.
   IFS='|' read -r -a RUNS <<<"${SPEC_RUNS:-${SPEC_ARGS:-}}"
   [ ${#RUNS[@]} -eq 0 ] && RUNS=("")
+  [ "${SPEC_RUNS:-}" = none ] && RUNS=()
   for i in "${!RUNS[@]}"; do
     echo "== bench spec ${RUNS[$i]}" | tee -a "$OUT/env.log"
     # shellcheck disable=SC2086
