@@ -82,3 +82,76 @@ def format_breakdown(rows: list[PhaseRow], ms_per_token: float | None = None) ->
             f"{r.span_us:8.2f} {r.critical_us:8.2f} {r.busy_us:8.2f} {r.spread_us:7.2f} {r.barrier_us:8.2f}"
         )
     return "\n".join(lines)
+
+
+# ---- per item: the phases where few blocks work ------------------------------------------------------
+def attention_items(
+    config: ModelConfig, tokens: int, context: int, grid: int, att_pairs: int, chunk: int
+) -> list[str]:
+    """A label per attention work item, in item order (block b runs item b while items fit the grid): mirrors
+    phases.cuh `att_pass_pairs` / `phase_attention` at `context` positions before a launch of `tokens`."""
+    kvh, gq = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    pairs = gq * tokens
+    chunks = -(-(context + tokens) // chunk)
+    fit = max(1, grid // (kvh * chunks))
+    per_item = min(att_pairs, -(-pairs // fit))
+    passes = -(-pairs // per_item)
+    labels = []
+    for head in range(kvh):
+        for c in range(chunks):
+            for p in range(passes):
+                first, last = p * per_item, min(pairs, (p + 1) * per_item) - 1
+                # Pair pp is query head pp // tokens of this key/value head, token pp % tokens.
+                who = ",".join(f"q{pp // tokens}t{pp % tokens}" for pp in range(first, last + 1))
+                labels.append(f"kv{head} c{c} {who}")
+    return labels
+
+
+def deltanet_items(config: ModelConfig, split: int) -> list[str]:
+    """A label per DeltaNet recurrence item (value head, column slice), in item order (phases.cuh)."""
+    return [f"hv{i // split} slice{i % split}" for i in range(config.linear_num_value_heads * split)]
+
+
+@dataclass
+class ItemTimes:
+    label: str
+    start_us: float  # mean over instances: when the block left the barrier, after the phase's first block
+    busy_us: float  # mean: end - start
+    end_us: float  # mean: end, after the phase's first start
+
+
+def item_times(stamps: list[np.ndarray], names: list[str], kind: str, labels: list[str]) -> list[ItemTimes]:
+    """Mean start, busy and end per block of every phase of `kind` over launches (stamps: one [steps, blocks, 2]
+    array in ns per launch); blocks past `labels` (no item) are pooled into one row labelled "idle"."""
+    idx = [s for s, n in enumerate(names) if n == kind]
+    if not idx:
+        raise ValueError(f"no phase {kind!r} in the step")
+    t = np.stack([s[idx] for s in stamps]).astype(np.float64) / 1e3  # [launches, instances, blocks, 2]
+    if len(labels) > t.shape[2]:
+        raise ValueError(
+            f"{len(labels)} items on {t.shape[2]} blocks: blocks run several, so a block is not an item"
+        )
+    first = t[..., 0].min(axis=2, keepdims=True)
+    start = (t[..., 0] - first).reshape(-1, t.shape[2]).mean(axis=0)
+    busy = (t[..., 1] - t[..., 0]).reshape(-1, t.shape[2]).mean(axis=0)
+    end = (t[..., 1] - first).reshape(-1, t.shape[2]).mean(axis=0)
+    n = min(len(labels), t.shape[2])
+    rows = [ItemTimes(labels[b], float(start[b]), float(busy[b]), float(end[b])) for b in range(n)]
+    if n < t.shape[2]:
+        rows.append(ItemTimes("idle", float(start[n:].mean()), float(busy[n:].mean()), float(end[n:].mean())))
+    return rows
+
+
+def format_item_times(rows: list[ItemTimes], kind: str, slowest: int = 12) -> str:
+    """The items that end last, and the spread of starts and busy times over the items."""
+    items = [r for r in rows if r.label != "idle"]
+    starts = np.array([r.start_us for r in items])
+    busies = np.array([r.busy_us for r in items])
+    lines = [
+        f"   {kind}: {len(items)} items; start after the first block: median {np.median(starts):.2f} us, max "
+        f"{starts.max():.2f}; busy: median {np.median(busies):.2f} us, max {busies.max():.2f}",
+        f"   {'item':28s} {'start us':>9s} {'busy us':>8s} {'end us':>8s}",
+    ]
+    for r in sorted(rows, key=lambda r: -r.end_us)[:slowest]:
+        lines.append(f"   {r.label:28s} {r.start_us:9.2f} {r.busy_us:8.2f} {r.end_us:8.2f}")
+    return "\n".join(lines)

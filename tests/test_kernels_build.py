@@ -23,7 +23,15 @@ from onestream.kernels.build import (
     ptxas_report,
 )
 from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH, G, L, Phase, ctrl_slots, preamble_defines
-from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
+from onestream.kernels.phase_timing import (
+    attention_items,
+    deltanet_items,
+    format_breakdown,
+    format_item_times,
+    item_times,
+    step_phases,
+    summarise,
+)
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
 from onestream.worker.config import ModelConfig
@@ -345,6 +353,42 @@ def test_phase_breakdown_from_stamps() -> None:
     assert "dn_rec" not in text and "\n   b " in text
     with pytest.raises(ValueError, match="do not match"):
         summarise(stamps[:3], names)
+
+
+def test_attention_item_labels_follow_the_kernels_split() -> None:
+    """phases.cuh gives a 4-token launch at context 64 one (query head, token) pair per item (96 items fit the 132
+    blocks), a single token 24; at long context the chunks fill the grid and items take 3 pairs."""
+    config = config_27b(4)
+    pairs = KernelSpec(config, 132, 4).att_pairs
+    four = attention_items(config, 4, 64, 132, pairs, 128)
+    assert len(four) == 96 and four[:2] == ["kv0 c0 q0t0", "kv0 c0 q0t1"] and four[-1] == "kv3 c0 q5t3"
+    assert len(attention_items(config, 1, 64, 132, KernelSpec(config, 132, 1).att_pairs, 128)) == 24
+    long = attention_items(config, 1, 4000, 132, KernelSpec(config, 132, 1).att_pairs, 128)
+    assert len(long) == 4 * 32 * 2 and long[0] == "kv0 c0 q0t0,q1t0,q2t0"
+    assert deltanet_items(config, 2)[:3] == ["hv0 slice0", "hv0 slice1", "hv1 slice0"]
+
+
+def test_item_times_average_over_launches_and_pool_the_idle_blocks() -> None:
+    names = ["dn_in", "attention", "att_out", "attention"]
+    launches = []
+    for launch in range(2):
+        s = np.zeros((4, 4, 2), dtype=np.int64)
+        for step in range(4):
+            base = 100_000 * step + 1000 * launch
+            s[step, :, 0] = base + np.array([0, 2000, 0, 1000])  # block 1 leaves the barrier 2 us late
+            s[step, :, 1] = s[step, :, 0] + np.array([5000, 3000, 1000, 1000]) * (launch + 1)
+        launches.append(s)
+    rows = item_times(launches, names, "attention", ["first", "second"])
+    assert [r.label for r in rows] == ["first", "second", "idle"]
+    assert rows[1].start_us == pytest.approx(2.0) and rows[1].busy_us == pytest.approx(4.5)
+    assert rows[1].end_us == pytest.approx(6.5) and rows[0].end_us == pytest.approx(7.5)
+    assert rows[2].start_us == pytest.approx(0.5) and rows[2].busy_us == pytest.approx(1.5)
+    text = format_item_times(rows, "attention")
+    assert text.index("first") < text.index("second")  # the item that ends last comes first
+    with pytest.raises(ValueError, match="items on 4 blocks"):
+        item_times(launches, names, "attention", ["x"] * 5)
+    with pytest.raises(ValueError, match="no phase"):
+        item_times(launches, names, "dn_rec", ["x"])
 
 
 def test_gemv_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,55 @@
+"""Which work items of the attention and DeltaNet recurrence phases end last, and do they start late or run long?
+
+run (GPU machine, from the link tree of check_kernels.sh):
+    PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/mixer_items.py LAYERS scalar|mma T LAUNCHES
+Run 13 left the attention phase at 53-58 us per layer for a 4-token launch against 16-19 us for one token,
+though each of its 96 items (one query head and token each) does the work of a single-token item. Block b runs
+item b, so a timing build's per-block stamps give each item's start (after the phase's first block), busy time
+and end, averaged over the phase's layers and LAUNCHES launches; blocks without an item are one "idle" row.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from onestream.kernels.benchmark import prefilled
+from onestream.kernels.build import KernelSpec, Tuning
+from onestream.kernels.phase_timing import (
+    attention_items,
+    deltanet_items,
+    format_item_times,
+    item_times,
+    step_phases,
+)
+from onestream.kernels.random_model import config_27b, random_model
+from onestream.kernels.runtime import MegakernelRunner
+
+CONTEXT = 64
+
+
+def main() -> None:
+    layers, gemv, tokens, launches = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    config = config_27b(layers)
+    model = random_model(config, seed=7)
+    runner = MegakernelRunner(model, tuning=Tuning(mma=gemv == "mma", phase_timing=True))
+    runner.prepare(tokens)
+    spec = runner.describe(tokens)
+    base, _, _ = prefilled(model, CONTEXT, CONTEXT + tokens + 8, seed=11)
+    names = step_phases(config)
+    stamps = []
+    for i in range(launches + 2):
+        ids = torch.randint(0, config.vocab_size, (tokens,), device="cuda")
+        runner.step(ids, base.clone(), check=False)
+        if i >= 2:  # the first launches load the module and warm the caches
+            stamps.append(runner.phase_stamps().copy())
+    att_pairs = KernelSpec(config, runner.grid, tokens, runner.tuning).att_pairs  # per item at most
+    print(f"T={tokens}, {gemv} GEMV, {layers} layers, context {CONTEXT}, {launches} launches; build {spec}")
+    labels = attention_items(config, tokens, CONTEXT, runner.grid, att_pairs, runner.tuning.att_chunk)
+    print(format_item_times(item_times(stamps, names, "attention", labels), "attention"))
+    dn = deltanet_items(config, spec["dn_split"])
+    print(format_item_times(item_times(stamps, names, "dn_rec", dn), "dn_rec"))
+
+
+if __name__ == "__main__":
+    main()
