@@ -343,8 +343,8 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
     const bool ok = lane < p.u * GEMV_KL && v < p.nvec;
     // Lane i finds row i's address once; the copies take it by shuffle (gemv_row reads the descriptor, which
     // lives in local memory: eight lookups per unit in a row cost the stream 45 %, run 13).
-    const int mine = it.rg * GEMV_IR + (lane & (GEMV_IR - 1));
-    const unsigned long long row_addr = (unsigned long long)gemv_row(d, rs + min(mine, nr - 1));
+    const int own_row = it.rg * GEMV_IR + (lane & (GEMV_IR - 1));
+    const unsigned long long row_addr = (unsigned long long)gemv_row(d, rs + min(own_row, nr - 1));
 #pragma unroll
     for (int i = 0; i < GEMV_IR; ++i) {
         const int r = it.rg * GEMV_IR + i;

@@ -691,11 +691,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
         // New positions of this chunk: normed, rotated key and raw value. Every pass's item of the chunk computes
-        // them into shared memory and attends to them there, so that none waits for another block; the pass-0
-        // item also writes them to the cache (for later launches). When every item wrote them and read them back
-        // from L2, the 24 blocks of a key/value head at T = 4 contended for the same lines and the phase took 3x
-        // its single-token time. The last warps take a token each (the first np warps normalise the queries
-        // meanwhile).
+        // them into shared memory and attends to them there, so that none waits for another block; only the pass-0
+        // item writes them to the cache (for later launches), where every item used to store the same bits and read
+        // them back. The last warps take a token each (the first np warps normalise the queries meanwhile). Neither
+        // change moved the phase's time at T = 4 (run 13: still about 3x its single-token time, cause not found).
         const int kv_warps = max(1, MK_NWARPS - np), kw = MK_NWARPS - 1 - warp;
         if (kw < kv_warps) {
             for (int t = kw; t < MK_NT; t += kv_warps) {

@@ -489,7 +489,7 @@ class MegakernelRunner:
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], tokens, accepted, inputs)
 
     def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory | None:
-        if n_tokens < 2 and self.config.linear_attention_layers:
+        if n_tokens < 2:
             return None  # nothing to roll back to: the only position after the first token is the live one
         history = DeltaNetHistory(
             start + 1,
