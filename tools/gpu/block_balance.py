@@ -16,12 +16,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-from onestream.kernels.benchmark import prefilled
-from onestream.kernels.build import Tuning
 from onestream.kernels.phase_timing import step_phases
-from onestream.kernels.random_model import config_27b, random_model
-from onestream.kernels.runtime import MegakernelRunner
+from timing_launches import timed_launches  # this folder (the script's directory is on sys.path)
 
 GEMV_KINDS = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head")
 
@@ -48,22 +44,11 @@ def weighted_critical(busy: np.ndarray, speed: np.ndarray) -> tuple[float, float
 def main() -> None:
     layers, gemv, tokens, launches = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     out = Path(sys.argv[5]) if len(sys.argv) > 5 else None
-    config = config_27b(layers)
-    model = random_model(config, seed=7)
-    runner = MegakernelRunner(model, tuning=Tuning(mma=gemv == "mma", phase_timing=True))
-    runner.prepare(tokens)
-    state, _, _ = prefilled(model, 64, 64 + tokens + 8, seed=11)
-    names = step_phases(config)
-    busy, sms = [], []
-    for i in range(launches + 2):
-        ids = torch.randint(0, config.vocab_size, (tokens,), device="cuda")
-        runner.step(ids, state.clone(), check=False)
-        stamps = runner.phase_stamps().astype(np.float64) / 1e3
-        if i >= 2:  # the first launches load the module and warm the caches
-            busy.append(stamps[:, :, 1] - stamps[:, :, 0])
-            sms.append(runner.block_sms().copy())
-    busy_a = np.stack(busy)  # [launches, steps, blocks] us
-    sm_a = np.stack(sms)  # [launches, blocks]
+    run = timed_launches(layers, gemv, tokens, launches)
+    names = step_phases(run.config)
+    stamps = np.stack(run.stamps).astype(np.float64) / 1e3  # [launches, steps, blocks, (start, end)] us
+    busy_a = stamps[..., 1] - stamps[..., 0]  # [launches, steps, blocks]
+    sm_a = np.stack(run.sms)  # [launches, blocks]
     grid = busy_a.shape[2]
     stable = bool((sm_a == sm_a[0]).all())
     print(

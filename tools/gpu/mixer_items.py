@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from onestream.kernels.benchmark import prefilled
-from onestream.kernels.build import KernelSpec, Tuning
+from onestream.kernels.build import KernelSpec
 from onestream.kernels.phase_timing import (
     attention_items,
     deltanet_items,
@@ -22,33 +20,21 @@ from onestream.kernels.phase_timing import (
     item_times,
     step_phases,
 )
-from onestream.kernels.random_model import config_27b, random_model
-from onestream.kernels.runtime import MegakernelRunner
-
-CONTEXT = 64
+from timing_launches import CONTEXT, timed_launches  # this folder (the script's directory is on sys.path)
 
 
 def main() -> None:
     layers, gemv, tokens, launches = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    config = config_27b(layers)
-    model = random_model(config, seed=7)
-    runner = MegakernelRunner(model, tuning=Tuning(mma=gemv == "mma", phase_timing=True))
-    runner.prepare(tokens)
-    spec = runner.describe(tokens)
-    base, _, _ = prefilled(model, CONTEXT, CONTEXT + tokens + 8, seed=11)
+    run = timed_launches(layers, gemv, tokens, launches)
+    config, runner = run.config, run.runner
     names = step_phases(config)
-    stamps = []
-    for i in range(launches + 2):
-        ids = torch.randint(0, config.vocab_size, (tokens,), device="cuda")
-        runner.step(ids, base.clone(), check=False)
-        if i >= 2:  # the first launches load the module and warm the caches
-            stamps.append(runner.phase_stamps().copy())
+    spec = runner.describe(tokens)
     att_pairs = KernelSpec(config, runner.grid, tokens, runner.tuning).att_pairs  # per item at most
     print(f"T={tokens}, {gemv} GEMV, {layers} layers, context {CONTEXT}, {launches} launches; build {spec}")
     labels = attention_items(config, tokens, CONTEXT, runner.grid, att_pairs, runner.tuning.att_chunk)
-    print(format_item_times(item_times(stamps, names, "attention", labels), "attention"))
+    print(format_item_times(item_times(run.stamps, names, "attention", labels), "attention"))
     dn = deltanet_items(config, spec["dn_split"])
-    print(format_item_times(item_times(stamps, names, "dn_rec", dn), "dn_rec"))
+    print(format_item_times(item_times(run.stamps, names, "dn_rec", dn), "dn_rec"))
 
 
 if __name__ == "__main__":
