@@ -6,6 +6,8 @@ Three parts, each timed on the GPU of this run:
   ratio to one plain T = 1 step. Every weight is read once per launch, so the ratio shows what the extra tokens
   cost on top of the weight stream.
 - draft: one MTP head step (T = 1) against one main-model step (T = 1), same model, same context.
+Every timed launch of the verify and draft parts runs at the same positions (the host position is put back after
+each), so that every T sees the same context.
 - embedded: the engine's greedy generation on held-out code with the embedded model, k = 1..4 drafts per cycle,
   megakernel against plain megakernel decode and against the reference back end; whether greedy speculative
   output equals plain greedy output, prompt by prompt.
@@ -141,6 +143,16 @@ def _launch_ms(launch: Callable[[], Any], launches: int, repeats: int) -> float:
     return events_time(lambda: [launch() for _ in range(launches)], repeats) / launches * 1e3
 
 
+def _rewind_position(state: Any, length: int) -> None:
+    """Put the state's host position (and token ids) back to `length` after a timed launch, so that every launch
+    of a series runs at the same positions: a series of T-token launches that advanced would end at T times the
+    context growth of a T = 1 series, and past a chunk boundary its attention phase does more work (run 13 compared
+    T = 4 at positions 64..264 with T = 1 at 64..116). The device tensors keep what the launch wrote; their values
+    do not change a launch's work."""
+    state.length = length
+    state._truncate_tokens(length)
+
+
 def _random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randint(0, vocab, (n,), device="cuda", generator=g)
@@ -154,8 +166,8 @@ def bench_verify(
     from .runtime import MegakernelError
 
     rows = []
-    room = context + max(tokens) * (launches * repeats + 2) + 8
-    # One prefill; each timed series starts from a copy of it (same context, same positions, for every T).
+    room = context + max(tokens) + 8
+    # One prefill; each timed series starts from a copy of it, and every launch runs at positions context.. .
     base, _, _ = prefilled(model, context, room, seed=11)
     for t in tokens:
         row = VerifyRow(t)
@@ -179,6 +191,7 @@ def bench_verify(
                     ids: torch.Tensor = ids, state: Any = state, keep: bool = verify, acc: bool = accept
                 ) -> None:
                     runner.step(ids, state, keep_states=keep, accept=acc, check=False)
+                    _rewind_position(state, context)
 
                 launch()  # warm-up: module load, the state's tables
                 runner.check()
@@ -209,15 +222,18 @@ def bench_draft(runner: Any, model: Any, *, context: int, launches: int, repeats
         result.error = "the model has no MTP head"
         return result
     try:
-        room = context + 2 * (launches * repeats + 2) + 8
+        room = context + 8
         state, first, hidden = prefilled(model, context, room, seed=12, mtp=True)
         ids = torch.tensor([first], device="cuda")
+        mtp_at = state.mtp_length
 
         def main_step() -> None:
             runner.step(ids, state, check=False)
+            _rewind_position(state, context)
 
         def mtp_step() -> None:
             runner.mtp_step(ids, hidden, state)
+            state.mtp_length = mtp_at  # host bookkeeping only, like _rewind_position
 
         for step in (main_step, mtp_step):
             step()
@@ -395,8 +411,8 @@ def _build_text(build: dict[str, Any]) -> str:
 
 def format_verify(v: VerifyResult, ceilings: Ceilings | None) -> str:
     lines = [
-        f"(a) verify launch cost: {v.name} with {v.layers} layers, random bf16 weights, context {v.context}; "
-        f"median of {v.repeats} chains of {v.launches} back-to-back launches",
+        f"(a) verify launch cost: {v.name} with {v.layers} layers, random bf16 weights, context {v.context} "
+        f"(every launch at positions {v.context}..{v.context}+T-1); median of {v.repeats} chains of {v.launches} back-to-back launches",
         f"    one launch streams {v.weight_bytes / 1e9:.2f} GB of weights"
         + (
             f" ({v.weight_bytes / (ceilings.read_gbs * 1e9) * 1e3:.3f} ms at the measured read ceiling)"

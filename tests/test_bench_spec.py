@@ -100,6 +100,19 @@ def test_mtp_weight_bytes_counts_fc_layer_and_lm_head() -> None:
     assert bs.mtp_weight_bytes(without_mtp) == 0
 
 
+def test_rewind_puts_every_timed_launch_at_the_same_positions() -> None:
+    config = tiny_config()
+    model = random_model(config, seed=random.randrange(1 << 16), device="cpu")
+    state = model.new_state(32)
+    prompt = torch.randint(0, config.vocab_size, (6,))
+    model.forward_step(prompt, state)
+    for _ in range(3):  # what a timed series does: a launch of T tokens, then the rewind
+        model.forward_step(torch.randint(0, config.vocab_size, (4,)), state)
+        bs._rewind_position(state, 6)
+        assert state.length == 6
+        assert state.token_ids == prompt.tolist()
+
+
 # ---- report and JSON from measured results ------------------------------------------------------------
 def spec_run(k: int, tok_s: float, rng: random.Random, prompts: int = 4, tokens: int = 64) -> SpecRun:
     drafts = 0 if k == 0 else rng.randint(20, 40)
