@@ -229,6 +229,11 @@ class KernelSpec:
             if fits:
                 _, window, rows = min(fits)
                 return -rows, stages, -window
+        if not self._scratch_fits(top):
+            raise UnsupportedModelError(
+                f"megakernel: part_rows={top} leaves the attention / DeltaNet phases' scratch (the partial-sum "
+                "buffers) too small for these shapes"
+            )
         return top, options[-1], windows[-1]  # does not fit: the runner reports the shortfall
 
     def _breaks(self, part_rows: int, window: int) -> int:
@@ -371,6 +376,12 @@ class KernelSpec:
         red = max(64, -(-nt * (self.tuning.threads // 32) // 4) * 4)  # phases.cuh RED_FLOATS
         align = 128  # phases.cuh SMEM_ALIGN: the carve starts at a 128-byte boundary
         return align + xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages) + self.tuning.smem_pad
+
+    @property
+    def att_merge_chunks(self) -> int:
+        """Flash-decoding chunks of one (query head, token) pair that the attention merge holds (its factors and
+        denominator live in the partial-sum buffers: phases.cuh MK_ATT_MERGE_CHUNKS); longer contexts are refused."""
+        return 2 * self.tokens_per_launch * self.part_rows - 1
 
     def att_chunks(self, capacity: int) -> int:
         """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""

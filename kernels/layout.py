@@ -108,6 +108,7 @@ class KernelErrorCode(IntEnum):
     SMEM = 5
     BARRIER_BROKEN = 6
     BAD_MODE = 7
+    ATTENTION_CHUNKS = 8
 
 
 ERROR_TEXT = {
@@ -118,6 +119,7 @@ ERROR_TEXT = {
     KernelErrorCode.SMEM: "the launch gave less dynamic shared memory than the kernel needs",
     KernelErrorCode.BARRIER_BROKEN: "a block left a grid barrier before every block arrived",
     KernelErrorCode.BAD_MODE: "an unknown step mode, or an MTP step on a model without an MTP head",
+    KernelErrorCode.ATTENTION_CHUNKS: "the context has more attention chunks than this build's merge holds",
 }
 
 

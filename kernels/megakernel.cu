@@ -80,6 +80,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         }
         const long long room = bs.si.mode == MODE_MTP ? tb.li((int)tb.gi(G_NUM_LAYERS), L_KV_CAP) : tb.gi(G_KV_CAP);
         if (bs.si.pos < 0 || (long long)bs.si.pos + MK_NT > room) err = MK_ERR_CONTEXT;
+        else if (att_chunks(bs.si) > MK_ATT_MERGE_CHUNKS) err = MK_ERR_ATTENTION_CHUNKS;  // the host checks first
         if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
         bs.err = err;
         bs.head = 0;
@@ -156,7 +157,7 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
         const int slot = phase == PH_LM_HEAD ? 5 * (nl + 1)
                          : phase == PH_MTP_FC ? 5 * (nl + 1) + 1
                                               : 5 * l + (phase == PH_MLP_IN ? 3 : phase == PH_MLP_DOWN ? 4 : 0);
-        bs.desc.dyn = tb.sync + 1 + MK_KVH + slot;
+        bs.desc.dyn = tb.sync + 1 + MK_KVH * MK_GQ_PAIRS + slot;  // after the attention arrival counters
     }
 #endif
 }

@@ -580,6 +580,9 @@ static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(xin_t), "the new keys and va
 static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
 
+// Chunks of a pair that the merge holds: its factors and its denominator in the scratch (att_merge).
+#define MK_ATT_MERGE_CHUNKS (2 * PART_FLOATS - 1)
+
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
 // out[0..HD) (fp32 holding bf16 values).
 __device__ void norm_rope_head(const bf16_t* src, const float* w1, const float* inv_freq, int p, float* out) {
@@ -648,6 +651,81 @@ __device__ __forceinline__ int att_passes(int np) { return (MK_GQ_PAIRS + np - 1
 // [items, grid) have none. Must match the loop of phase_attention.
 __device__ __forceinline__ int att_items(const StepInfo& si) {
     return MK_KVH * att_chunks(si) * att_passes(att_pass_pairs(si));
+}
+
+// Merge of the chunk partials of one pass's pairs (by the last of its items to arrive), in chunk order: a warp per
+// pair loads the chunks' maxima 32 at a time, takes their maximum M, keeps each chunk's factor exp(m - M) in
+// shared memory (-1: a chunk with no key for the pair) and chains the denominators through shuffles; then every
+// thread chains the numerators of its values, 8 chunks' loads in flight at once. The sums are those of a chunk
+// loop per value, so whichever pass merges a pair, its output has the same bits. (Until run 14 one block per
+// key/value head merged all its pairs, element by element with one load in flight; at T = 4 past the first chunk
+// the phase took 57 us, against 20 us within it.)
+__device__ void att_merge(const Tables& tb, int kvh, int pass, int np, int nch, int maxch, float* scratch) {
+    const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
+    const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
+    const float* part = tb.gp<const float>(G_ATT_PART);
+    bf16_t* att_out = tb.gp<bf16_t>(G_ATT_OUT);
+    const long long cstride = (long long)MK_GQ_PAIRS * (MK_HD + 2);  // floats between chunks of one pair
+    // Pairs [j0, j0 + ng) at a time: as many as their factors [ng][nch] and denominators [ng] fit the scratch
+    // (all np but at very long context).
+    const int ng = max(1, min(np, 2 * PART_FLOATS / (nch + 1)));
+    float* fac = scratch;
+    float* den = scratch + ng * nch;
+    for (int j0 = 0; j0 < np; j0 += ng) {
+        if (j0 > 0) __syncthreads();  // the previous group's factors are read
+        const int j = j0 + warp, pp = pass * np + j;
+        if (warp < ng && j < np && pp < MK_GQ_PAIRS) {
+            const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2);
+            float* f = fac + warp * nch;
+            float M = -MK_INF;
+            for (int c = lane; c < nch; c += 32) {
+                const float mc = ld_cg_f(pb + c * cstride + MK_HD);
+                f[c] = mc;
+                M = fmaxf(M, mc);
+            }
+            M = warp_max(M);
+            float dsum = 0.0f;
+            for (int c0 = 0; c0 < nch; c0 += 32) {
+                const int c = c0 + lane;
+                float fc = -1.0f, dc = 0.0f;
+                if (c < nch) {
+                    const float mc = f[c];
+                    dc = ld_cg_f(pb + c * cstride + MK_HD + 1);
+                    if (mc != -MK_INF) fc = expf(mc - M);
+                    f[c] = fc;
+                }
+                const int n = min(32, nch - c0);
+                for (int i = 0; i < n; ++i) {  // in chunk order, every lane the same chain
+                    const float fi = __shfl_sync(0xffffffffu, fc, i), di = __shfl_sync(0xffffffffu, dc, i);
+                    if (fi >= 0.0f) dsum = fmaf(di, fi, dsum);
+                }
+            }
+            if (lane == 0) den[warp] = dsum;
+        }
+        __syncthreads();
+        const int nj = min(ng, np - j0);
+        for (int e = tid; e < nj * MK_HD; e += MK_THREADS) {
+            const int jj = e / MK_HD, d = e - jj * MK_HD, pp = pass * np + j0 + jj;
+            if (pp >= MK_GQ_PAIRS) continue;
+            const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d;
+            const float* f = fac + jj * nch;
+            float num = 0.0f;
+            int c = 0;
+            for (; c + 8 <= nch; c += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) v[u] = ld_cg_f(pb + (c + u) * cstride);
+#pragma unroll
+                for (int u = 0; u < 8; ++u)
+                    if (f[c + u] >= 0.0f) num = fmaf(v[u], f[c + u], num);
+            }
+            for (; c < nch; ++c)
+                if (f[c] >= 0.0f) num = fmaf(ld_cg_f(pb + c * cstride), f[c], num);
+            const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+            const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
+            att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, den[jj], gate);
+        }
+    }
 }
 
 // The phase with items of np <= NP pairs (NP sizes the per-lane accumulators; shared memory keeps the
@@ -839,35 +917,19 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             }
             __syncthreads();
         }
-        // Arrival: the last item of this key/value head merges all chunks of every pair.
+        // Arrival: the last of the nch items of this (key/value head, pass) merges its pairs over all chunks.
         __threadfence();
         __syncthreads();
+        u64* arrivals = tb.sync + 1 + kvh * MK_GQ_PAIRS + pass;
         if (tid == 0) {
-            const u64 prev = atomicAdd(tb.sync + 1 + kvh, 1ull);
-            *s_last = (prev == (u64)(nch * passes - 1));
+            const u64 prev = atomicAdd(arrivals, 1ull);
+            *s_last = (prev == (u64)(nch - 1));
         }
         __syncthreads();
         if (*s_last) {
             __threadfence();
-            for (int e = tid; e < MK_GQ_PAIRS * MK_HD; e += MK_THREADS) {
-                const int pp = e / MK_HD, d = e - pp * MK_HD;
-                const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2);
-                const long long cstride = (long long)MK_GQ_PAIRS * (MK_HD + 2);
-                float M = -MK_INF;
-                for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, ld_cg_f(pb + cc * cstride + MK_HD));
-                float num = 0.0f, den = 0.0f;
-                for (int cc = 0; cc < nch; ++cc) {
-                    const float mc = ld_cg_f(pb + cc * cstride + MK_HD);
-                    if (mc == -MK_INF) continue;
-                    const float f = expf(mc - M);
-                    num = fmaf(ld_cg_f(pb + cc * cstride + d), f, num);
-                    den = fmaf(ld_cg_f(pb + cc * cstride + MK_HD + 1), f, den);
-                }
-                const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
-                const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
-                att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, den, gate);
-            }
-            if (tid == 0) atomicExch(tb.sync + 1 + kvh, 0ull);
+            att_merge(tb, kvh, pass, np, nch, maxch, scratch);
+            if (tid == 0) atomicExch(arrivals, 0ull);
         }
         __syncthreads();
     }

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from onestream.worker.errors import OnestreamError, UnsupportedModelError
+from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
 from onestream.worker.state import DeltaNetHistory
 
 from .build import BuiltModule, KernelSpec, Tuning, compile_module
@@ -146,9 +146,12 @@ class MegakernelRunner:
         with torch.cuda.device(self.device):
             built = compile_module(spec)
         self._check_resident(built, spec)
-        # Barrier counter, attention arrival counters, one ticket counter per phase slot (Tuning.dynamic): five
-        # per layer (the MTP layer's too), lm_head, the MTP fc.
-        n_sync = 1 + self.config.num_key_value_heads + 5 * (self.config.num_hidden_layers + 1) + 2
+        # Barrier counter, attention arrival counters (one per key/value head and pass: at most its query heads x
+        # tokens passes), one ticket counter per phase slot (Tuning.dynamic): five per layer (the MTP layer's too),
+        # lm_head, the MTP fc.
+        c = self.config
+        arrivals = c.num_key_value_heads * (c.num_attention_heads // c.num_key_value_heads) * n_tokens
+        n_sync = 1 + arrivals + 5 * (c.num_hidden_layers + 1) + 2
         sync = torch.zeros(n_sync, dtype=torch.int64, device=self.device)
         build = self._builds[n_tokens] = _Build(spec, built, sync)
         return build
@@ -233,10 +236,20 @@ class MegakernelRunner:
             caches.append(state.mtp_kv)
         return caches
 
-    def bind(self, state: Any, needed: int, keep_tokens: int = 0, *, mtp: bool = False) -> None:
+    def bind(
+        self, state: Any, needed: int, keep_tokens: int = 0, *, tokens: int = 1, mtp: bool = False
+    ) -> None:
         """Point the tables at `state`'s caches, growing its main-model KV caches (the MTP head's, for an MTP
         launch) to hold `needed` positions, and make room to record `keep_tokens` tokens' DeltaNet states.
-        Every cache keeps its own capacity (its per-head stride in the layer table)."""
+        Every cache keeps its own capacity (its per-head stride in the layer table). `tokens`: the launch's
+        tokens, whose build must hold the attention chunks of `needed` positions."""
+        spec = self._build(tokens).spec
+        if spec.att_chunks(needed) > spec.att_merge_chunks:
+            raise ContextLengthError(
+                f"megakernel: {needed} positions need {spec.att_chunks(needed)} attention chunks; the "
+                f"{tokens}-token build merges at most {spec.att_merge_chunks} "
+                f"({spec.att_merge_chunks * spec.tuning.att_chunk} positions)"
+            )
         caches = self._caches(state)
         main = [state.kv[i] for i in self.config.full_attention_layers]
         for cache in [state.mtp_kv] if mtp else main:
@@ -470,7 +483,7 @@ class MegakernelRunner:
         if accept and n < 2:
             raise MegakernelError("greedy verification needs the pending token and at least one draft")
         pos = state.check_room(n)
-        self.bind(state, pos + n, n if keep_states else 0)
+        self.bind(state, pos + n, n if keep_states else 0, tokens=n)
         flags = (CTRL_FLAG_KEEP_STATES if keep_states else 0) | (CTRL_FLAG_ACCEPT if accept else 0)
         if keep_states:
             self._drop_history_owner()
@@ -511,7 +524,7 @@ class MegakernelRunner:
                 f"hidden must have shape ({n}, {self.config.hidden_size}), got {tuple(hidden.shape)}"
             )
         pos = state.check_room(n, mtp=True)
-        self.bind(state, pos + n, mtp=True)
+        self.bind(state, pos + n, tokens=n, mtp=True)
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), 0, MODE_MTP)
         self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
         self._launch("mk_decode", n)
@@ -545,7 +558,7 @@ class MegakernelRunner:
 
     def run_phase(self, phase: int, layer: int, state: Any, pos: int, tokens: list[int]) -> None:
         """Launch one phase alone (the per-phase tests); raises on a kernel-reported error."""
-        self.bind(state, pos + self.tokens_per_launch)
+        self.bind(state, pos + self.tokens_per_launch, tokens=self.tokens_per_launch)
         self._set_ctrl(pos, tokens)
         self._launch("mk_phase", self.tokens_per_launch, (np.int32(phase), np.int32(layer)))
         self._check(self.ctrl.cpu())

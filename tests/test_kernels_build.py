@@ -318,6 +318,19 @@ def test_too_few_partial_rows_for_a_tensor_core_item_is_an_error() -> None:
         KernelSpec(config_27b(), num_sms=132, tuning=Tuning(mma=True, part_rows=256)).defines()
 
 
+def test_too_few_partial_rows_for_the_mixer_scratch_is_an_error_not_a_compile_failure() -> None:
+    with pytest.raises(UnsupportedModelError, match="part_rows=256 leaves the attention / DeltaNet"):
+        KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(part_rows=256)).defines()
+
+
+def test_the_attention_merge_holds_the_chunks_its_scratch_has_room_for() -> None:
+    spec = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(part_rows=512), tokens_per_launch=1)
+    assert spec.att_merge_chunks == 2 * 512 - 1  # one pair's factors and its denominator in 2 x 512 floats
+    for tokens in range(1, 9):
+        default = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=tokens)
+        assert default.att_merge_chunks * default.tuning.att_chunk >= 262144  # Qwen3.5's whole context
+
+
 def test_step_phases_follow_the_layer_kinds() -> None:
     config = config_27b(4)
     names = step_phases(config)

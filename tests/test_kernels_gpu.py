@@ -27,6 +27,7 @@ if HAS_GPU:
     from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+    from onestream.worker.errors import ContextLengthError
     from onestream.worker.layers.deltanet import prepare_qk, recurrent_delta_step
     from onestream.worker.testing import tiny_config
 
@@ -418,6 +419,31 @@ def test_bad_token_is_an_error_not_a_crash(setup):
     assert state.length == 0
     out = runner.step([1], state)  # the runner recovers
     assert state.length == 1 and torch.isfinite(out.logits).all()
+
+
+@torch.no_grad()
+def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
+    """The merge keeps a pair's chunk factors in the partial-sum buffers: with 512 partial rows the tiny model holds
+    1023 chunks, merged one pair at a time there. The step whose context fills the last chunk matches the reference;
+    the next is refused before it launches, and the state is unchanged."""
+    model = random_model(tiny_config(), seed=21)
+    runner = MegakernelRunner(model, tuning=Tuning(part_rows=512, fp32_act=False))  # bf16, like the reference
+    spec = runner._build(1).spec
+    limit = spec.att_merge_chunks * spec.tuning.att_chunk
+    assert spec.att_merge_chunks == 1023
+    state = model.new_state(limit + 8)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (limit - 1,), device="cuda", generator=g)
+    for start in range(0, limit - 1, 2048):  # chunked prefill on the reference
+        model.forward_step(prompt[start : start + 2048], state, logits="last")
+    ref_state = state.clone()
+    token = torch.tensor([7], device="cuda")
+    out = runner.step(token, state)
+    ref = model.forward_step(token, ref_state)
+    assert rel_err(out.logits, ref.logits) < 3e-2
+    with pytest.raises(ContextLengthError, match=r"1024 attention chunks.*merges at most 1023"):
+        runner.step(token, state)
+    assert state.length == limit
 
 
 # ---- the embedded model ------------------------------------------------------------------------------
