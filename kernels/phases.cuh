@@ -772,7 +772,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         // them into shared memory and attends to them there, so that none waits for another block; only the pass-0
         // item writes them to the cache (for later launches), where every item used to store the same bits and read
         // them back. The last warps take a token each (the first np warps normalise the queries meanwhile). Neither
-        // change moved the phase's time at T = 4 (run 13: still about 3x its single-token time, cause not found).
+        // change moved the phase's time (run 13); its 3x at T = 4 there came from the benchmark's longer context.
         const int kv_warps = max(1, MK_NWARPS - np), kw = MK_NWARPS - 1 - warp;
         if (kw < kv_warps) {
             for (int t = kw; t < MK_NT; t += kv_warps) {
