@@ -183,13 +183,13 @@ class KernelSpec:
     @property
     def stages(self) -> int:
         """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
-        return self._fit()[1]
+        return self._fitted[1]
 
     @property
     def window(self) -> int:
         """Input values per token staged in shared memory (MK_XW): the widest GEMV input where it fits, else
         a narrower window that the wide phases cross in passes (results do not change)."""
-        return self._fit()[2]
+        return self._fitted[2]
 
     def _ring_bytes(self, stages: int) -> int:
         return stages * self.tuning.umax * self.tuning.threads * 16
@@ -198,10 +198,7 @@ class KernelSpec:
     def part_rows(self) -> int:
         """GEMV partial-sum rows per round: the tuning's (fp32-input builds at most FP32_IN_PART_ROWS), halved
         while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
-        return self._fit()[0]
-
-    def _fit(self) -> tuple[int, int, int]:
-        return self._fitted
+        return self._fitted[0]
 
     @cached_property  # every launch reads smem_bytes: the search below costs about 0.4 ms of Python
     def _fitted(self) -> tuple[int, int, int]:
@@ -370,7 +367,7 @@ class KernelSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block (the kernel checks it gets at least this: MK_SMEM_BYTES)."""
-        rows, stages, window = self._fit()
+        rows, stages, window = self._fitted
         return self._smem(rows, stages, window)
 
     def _smem(self, part_rows: int, stages: int, window: int) -> int:

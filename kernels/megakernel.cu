@@ -17,7 +17,7 @@
 // MK_STAGES > 0 streams GEMV weights through a shared-memory ring (cp.async, several items per warp in
 // flight, no registers held) and issues each phase's first items before the barrier that precedes it.
 // MK_DYN (ring builds) splits most rows of the big GEMV phases statically and hands out the rest as tiles from
-// a ticket counter per phase of the step (sync[1 + KVH + slot]), so blocks that stream faster take more.
+// a ticket counter per phase of the step (sync[1 + KVH * GQ_PAIRS + slot]), so blocks that stream faster take more.
 // MK_FP32_ACT (default 1) keeps the residual stream and the logits in fp32 and rounds every other intermediate
 // to bf16 once, where it is stored, instead of at every step the bf16 reference rounds (0: the bf16 numerics);
 // MK_FP32_IN also stages the GEMV inputs in shared memory as fp32 (needs smaller partial-sum buffers).

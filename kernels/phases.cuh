@@ -567,9 +567,9 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 
 // ---- gated full attention -----------------------------------------------------------------------
 // Work item = (key/value head, chunk of MK_ATT_CHUNK positions, pass of np <= MK_ATT_PAIRS (query head, token)
-// pairs): flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a key/value head to
-// finish (arrival counter) merges the chunks in chunk order, applies the sigmoid gate and writes the attention
-// output (with one chunk, each item writes its pairs' output itself). Chunk bounds do not depend
+// pairs): flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a (key/value head,
+// pass) to finish (arrival counter) merges its pairs' chunks in chunk order, applies the sigmoid gate and writes the
+// attention output (with one chunk, each item writes its pairs' output itself). Chunk bounds do not depend
 // on the context length or the tokens of the launch, and a query skips the keys after its own position, so a
 // token's attention is bit-identical whether it runs alone or in a verify pass (and whichever block runs its pass).
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
