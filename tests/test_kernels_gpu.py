@@ -424,7 +424,8 @@ def test_bad_token_is_an_error_not_a_crash(setup):
 @torch.no_grad()
 def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
     """The merge keeps a pair's chunk factors in the partial-sum buffers: with 512 partial rows the tiny model holds
-    1023 chunks, merged one pair at a time there. The step whose context fills the last chunk matches the reference;
+    1023 chunks, merged one pair at a time there. The step whose context fills the last chunk matches the reference,
+    and bit for bit a build with room for both pairs' factors at once (partial rows never change a sum's order);
     the next is refused before it launches, and the state is unchanged."""
     model = random_model(tiny_config(), seed=21)
     runner = MegakernelRunner(model, tuning=Tuning(part_rows=512, fp32_act=False))  # bf16, like the reference
@@ -436,11 +437,13 @@ def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
     prompt = torch.randint(0, model.config.vocab_size, (limit - 1,), device="cuda", generator=g)
     for start in range(0, limit - 1, 2048):  # chunked prefill on the reference
         model.forward_step(prompt[start : start + 2048], state, logits="last")
-    ref_state = state.clone()
+    ref_state, wide_state = state.clone(), state.clone()
     token = torch.tensor([7], device="cuda")
     out = runner.step(token, state)
     ref = model.forward_step(token, ref_state)
     assert rel_err(out.logits, ref.logits) < 3e-2
+    wide = MegakernelRunner(model, tuning=Tuning(part_rows=4096, fp32_act=False))
+    assert torch.equal(wide.step(token, wide_state).logits, out.logits)
     with pytest.raises(ContextLengthError, match=r"1024 attention chunks.*merges at most 1023"):
         runner.step(token, state)
     assert state.length == limit
