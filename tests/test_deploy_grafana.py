@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
+from deploy_scripts import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 DASHBOARD_FILES = sorted((GRAFANA_DIR / "dashboards").glob("*.json"))
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-
-
-def load_module(path: Path) -> ModuleType:
-    """A script of deploy/ (not a package) as a module."""
-    name = f"onestream_deploy_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def documented_metrics() -> set[str]:

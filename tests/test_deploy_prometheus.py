@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
+from deploy_scripts import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -21,17 +19,6 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None,
     reason="promtool not installed (Debian package `prometheus`; tools/bootstrap.sh installs it)",
 )
-
-
-def load_module(path: Path) -> ModuleType:
-    """A script of deploy/ (not a package) as a module."""
-    name = f"onestream_deploy_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 render_config = load_module(PROMETHEUS_DIR / "render_config.py")
