@@ -146,12 +146,11 @@ class MegakernelRunner:
         with torch.cuda.device(self.device):
             built = compile_module(spec)
         self._check_resident(built, spec)
-        # Barrier counter, attention arrival counters (one per key/value head and pass: at most its query heads x
-        # tokens passes), one ticket counter per phase slot (Tuning.dynamic): five per layer (the MTP layer's too),
-        # lm_head, the MTP fc.
+        # Barrier counter, attention arrival counters (one per key/value head and pass, at most its query heads x
+        # tokens passes: heads x tokens in all), one ticket counter per phase slot (Tuning.dynamic): five per layer
+        # (the MTP layer's too), lm_head, the MTP fc.
         c = self.config
-        arrivals = c.num_key_value_heads * (c.num_attention_heads // c.num_key_value_heads) * n_tokens
-        n_sync = 1 + arrivals + 5 * (c.num_hidden_layers + 1) + 2
+        n_sync = 1 + c.num_attention_heads * n_tokens + 5 * (c.num_hidden_layers + 1) + 2
         sync = torch.zeros(n_sync, dtype=torch.int64, device=self.device)
         build = self._builds[n_tokens] = _Build(spec, built, sync)
         return build
