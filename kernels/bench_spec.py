@@ -202,7 +202,9 @@ def bench_verify(
                 else:
                     row.plain_ms = ms
                 if runner.spec.tuning.phase_timing:  # the last launch's stamps
-                    text = format_breakdown(summarise(runner.phase_stamps(), step_phases(model.config)), ms)
+                    text = format_breakdown(
+                        summarise(runner.phase_stamps(), step_phases(model.config), runner.gemv_stamps()), ms
+                    )
                     if verify:
                         row.verify_breakdown = text
                     else:

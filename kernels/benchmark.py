@@ -345,7 +345,7 @@ def bench_model(
                     f"  [{name}] {r.method}: {r.tok_s:.1f} tok/s, {r.ms_per_token:.3f} ms/token", flush=True
                 )
             if tuning.phase_timing:  # the stamps of the last launch above
-                rows = summarise(runner.phase_stamps(), step_phases(config))
+                rows = summarise(runner.phase_stamps(), step_phases(config), runner.gemv_stamps())
                 result.breakdowns[label] = [dataclasses.asdict(r) for r in rows]
                 result.breakdown_text[label] = format_breakdown(rows, timed[0].ms_per_token)
         except Exception as e:

@@ -85,6 +85,13 @@ static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the
 // prefetch that skips these bytes is less exact there).
 #define GEMV_HEAD_BYTES (MK_STAGES > 1 ? (MK_STAGES - 1) * MK_NWARPS * MK_UMAX * 32 * 16 : 0)
 
+#ifdef MK_PHASE_TIMING
+// Timing builds: when this block's GEMV of the current phase began streaming (its prologue staged the input) and
+// when the last round's weights were all multiplied (before that round's reduction and epilogue); 0 where the
+// phase ran no GEMV. Written and read by thread 0 only (megakernel.cu resets them per phase).
+__shared__ u64 mk_gemv_t[2];
+#endif
+
 struct GemvDesc {
     const bf16_t* seg[GEMV_MAX_SEGS];  // row segments (segment s holds rows [end[s-1], end[s]))
     int end[GEMV_MAX_SEGS];
@@ -416,6 +423,9 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
+#ifdef MK_PHASE_TIMING
+    if (tid_x() == 0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();
+#endif
     const int cpp = gemv_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     int r0, r1;
@@ -545,6 +555,9 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
         }
         staged = npass == 1;  // a multi-pass range leaves the last window staged: the next range restages window 0
         __syncthreads();
+#ifdef MK_PHASE_TIMING
+        if (tid_x() == 0) mk_gemv_t[1] = global_timer_ns();  // every warp is done with this round's weights
+#endif
 #if MK_DYN && MK_STAGES > 0
         bool took_tile = false;
         if (dyn && next_nr <= 0) {

@@ -377,9 +377,17 @@ __device__ __noinline__ void stamp_phase(const Tables& tb, BlockState& bs, int s
     if (tid_x() != 0) return;
     u64* tm = tb.gp<u64>(G_TIMING);
     if (tm == nullptr) return;
-    u64* slot = tm + 2 * ((long long)step * nblocks() + bid_x());
+    u64* slot = tm + MK_TIMING_FIELDS * ((long long)step * nblocks() + bid_x());
     slot[0] = bs.t_start;
     slot[1] = global_timer_ns();
+    slot[2] = mk_gemv_t[0];
+    slot[3] = mk_gemv_t[1];
+}
+// A new phase: its start, and no GEMV stamps yet.
+__device__ __forceinline__ void timing_phase_start(BlockState& bs) {
+    if (tid_x() != 0) return;
+    bs.t_start = global_timer_ns();
+    mk_gemv_t[0] = mk_gemv_t[1] = 0;
 }
 #endif
 
@@ -391,11 +399,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     if (!read_step(tb, bs)) return;
     const int nsteps = num_steps(bs.si, (int)tb.gi(G_NUM_LAYERS));
 #ifdef MK_PHASE_TIMING
+    timing_phase_start(bs);
     if (tid_x() == 0) {
-        bs.t_start = global_timer_ns();
         // The row after a decode step's phases: the SM each block runs on (is a block's speed its SM's?).
         u64* tm = tb.gp<u64>(G_TIMING);
-        if (tm != nullptr) tm[2 * ((long long)(5 * (int)tb.gi(G_NUM_LAYERS) + 2) * nblocks() + bid_x())] = sm_id();
+        if (tm != nullptr)
+            tm[MK_TIMING_FIELDS * ((long long)(5 * (int)tb.gi(G_NUM_LAYERS) + 2) * nblocks() + bid_x())] = sm_id();
     }
 #endif
     for (int step = 0; step < nsteps; ++step) {
@@ -412,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
             return;
         }
 #ifdef MK_PHASE_TIMING
-        if (tid_x() == 0) bs.t_start = global_timer_ns();
+        timing_phase_start(bs);
 #endif
     }
 }

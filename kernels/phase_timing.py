@@ -38,12 +38,22 @@ class PhaseRow:
     busy_us: float  # per phase: mean over blocks of (end - start)
     spread_us: float  # per phase: last block's end minus first block's end
     barrier_us: float  # per phase: last end to the next phase's first start
+    # Weight-streaming phases, given the GEMV stamps (means over the blocks that ran a GEMV): start to the stream's
+    # start (the prologue: staging the input), the stream (to the end of the last round's multiplies), and from
+    # there to the end (the last round's reduction and epilogue). None for the other phases.
+    prologue_us: float | None = None
+    stream_us: float | None = None
+    epilogue_us: float | None = None
 
 
-def summarise(stamps: np.ndarray, names: list[str]) -> list[PhaseRow]:
-    """Per-kind figures from stamps [steps, blocks, (start, end)] in ns; kinds in order of first appearance."""
+def summarise(stamps: np.ndarray, names: list[str], gemv: np.ndarray | None = None) -> list[PhaseRow]:
+    """Per-kind figures from stamps [steps, blocks, (start, end)] in ns; kinds in order of first appearance.
+    `gemv` (same shape: stream start, last round's stream end; 0 where a block ran no GEMV) adds the split of
+    the weight-streaming phases into prologue, stream and epilogue."""
     if stamps.ndim != 3 or stamps.shape[2] != 2 or stamps.shape[0] != len(names):
         raise ValueError(f"stamps of shape {stamps.shape} do not match {len(names)} phases x blocks x 2")
+    if gemv is not None and gemv.shape != stamps.shape:
+        raise ValueError(f"GEMV stamps of shape {gemv.shape} do not match the phase stamps' {stamps.shape}")
     t = stamps.astype(np.float64) / 1e3
     start_min = t[:, :, 0].min(axis=1)
     end_max = t[:, :, 1].max(axis=1)
@@ -63,7 +73,22 @@ def summarise(stamps: np.ndarray, names: list[str]) -> list[PhaseRow]:
         row.span_us = row.total_us / row.count
         for attr in ("critical_us", "busy_us", "spread_us", "barrier_us"):
             setattr(row, attr, getattr(row, attr) / row.count)
+    if gemv is not None:
+        _split_gemv(rows, t, gemv.astype(np.float64) / 1e3, names)
     return list(rows.values())
+
+
+def _split_gemv(rows: dict[str, PhaseRow], t: np.ndarray, g: np.ndarray, names: list[str]) -> None:
+    """Prologue, stream and epilogue means of every kind whose blocks ran a GEMV (stream start stamped)."""
+    for name, row in rows.items():
+        idx = [s for s, n in enumerate(names) if n == name]
+        ran = g[idx, :, 0] > 0
+        if not ran.any():
+            continue
+        ts, tg = t[idx], g[idx]
+        row.prologue_us = float((tg[..., 0] - ts[..., 0])[ran].mean())
+        row.stream_us = float((tg[..., 1] - tg[..., 0])[ran].mean())
+        row.epilogue_us = float((ts[..., 1] - tg[..., 1])[ran].mean())
 
 
 def format_breakdown(rows: list[PhaseRow], ms_per_token: float | None = None) -> str:
@@ -71,16 +96,21 @@ def format_breakdown(rows: list[PhaseRow], ms_per_token: float | None = None) ->
     head = f"   per-phase breakdown of one step (globaltimer stamps): phases sum to {total / 1e3:.3f} ms"
     if ms_per_token:
         head += f" of {ms_per_token:.3f} ms/token measured (timing build)"
+    split = any(r.stream_us is not None for r in rows)
     lines = [
         head,
         f"   {'phase':10s} {'n':>4s} {'total ms':>9s} {'share':>6s} {'span us':>8s} {'crit us':>8s} "
-        f"{'busy us':>8s} {'spread':>7s} {'barrier':>8s}",
+        f"{'busy us':>8s} {'spread':>7s} {'barrier':>8s}"
+        + (f" {'prolog':>7s} {'stream':>7s} {'epilog':>7s}" if split else ""),
     ]
     for r in rows:
-        lines.append(
+        line = (
             f"   {r.name:10s} {r.count:4d} {r.total_us / 1e3:9.3f} {100 * r.total_us / max(total, 1e-9):5.1f}% "
             f"{r.span_us:8.2f} {r.critical_us:8.2f} {r.busy_us:8.2f} {r.spread_us:7.2f} {r.barrier_us:8.2f}"
         )
+        if r.stream_us is not None:
+            line += f" {r.prologue_us:7.2f} {r.stream_us:7.2f} {r.epilogue_us:7.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 

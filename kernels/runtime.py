@@ -29,6 +29,7 @@ from .layout import (
     MAX_TOKENS_PER_LAUNCH,
     MODE_MAIN,
     MODE_MTP,
+    TIMING_FIELDS,
     G,
     KernelErrorCode,
     L,
@@ -122,11 +123,13 @@ class MegakernelRunner:
         self._hist_conv: dict[int, torch.Tensor] = {}
         self._hist_rec: dict[int, torch.Tensor] = {}
         self._hist_owner: Any = None  # weak reference to the state last given a history in these buffers
-        # Debug builds (Tuning.phase_timing): per (phase of the step, block) start and end stamps, ns.
+        # Debug builds (Tuning.phase_timing): per (phase of the step, block) stamps, ns (layout.TIMING_FIELDS).
         self._timing: torch.Tensor | None = None
         if self.spec.tuning.phase_timing:
             steps = 5 * self.config.num_hidden_layers + 2  # and one more row: each block's SM
-            self._timing = torch.zeros((steps + 1, self.grid, 2), dtype=torch.int64, device=self.device)
+            self._timing = torch.zeros(
+                (steps + 1, self.grid, TIMING_FIELDS), dtype=torch.int64, device=self.device
+            )
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -586,6 +589,14 @@ class MegakernelRunner:
 
     def phase_stamps(self) -> np.ndarray:
         """The last launch's per-phase stamps, [phases of a step, grid, (start, end)] in ns (timing builds)."""
+        return self._stamps()[:, :, :2].copy()
+
+    def gemv_stamps(self) -> np.ndarray:
+        """The last launch's GEMV stamps, [phases of a step, grid, (stream start, last round's stream end)] in ns;
+        0 where the block ran no GEMV in the phase (timing builds)."""
+        return self._stamps()[:, :, 2:].copy()
+
+    def _stamps(self) -> np.ndarray:
         if self._timing is None:
             raise MegakernelError("phase stamps need a runner built with Tuning(phase_timing=True)")
         torch.cuda.synchronize(self.device)

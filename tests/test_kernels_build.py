@@ -368,6 +368,43 @@ def test_phase_breakdown_from_stamps() -> None:
         summarise(stamps[:3], names)
 
 
+def test_phase_breakdown_splits_the_weight_streaming_phases() -> None:
+    """GEMV stamps (stream start, last round's stream end) split a phase into prologue, stream and epilogue,
+    averaged over the blocks that ran a GEMV; phases without one keep no split."""
+    rng = np.random.default_rng()
+    names = ["gemv", "mixer", "gemv"]
+    blocks = 6
+    stamps = np.zeros((3, blocks, 2), dtype=np.int64)
+    gemv = np.zeros_like(stamps)
+    t = 1000
+    for s in range(3):
+        stamps[s, :, 0] = t + rng.integers(0, 300, size=blocks)
+        stamps[s, :, 1] = stamps[s, :, 0] + rng.integers(5000, 9000, size=blocks)
+        if names[s] == "gemv":
+            gemv[s, :, 0] = stamps[s, :, 0] + rng.integers(100, 1000, size=blocks)
+            gemv[s, :, 1] = stamps[s, :, 1] - rng.integers(100, 1000, size=blocks)
+        t = int(stamps[s, :, 1].max()) + 500
+    gemv[2, 0] = 0  # a block without rows in that phase: left out of the means
+    rows = {r.name: r for r in summarise(stamps, names, gemv)}
+    idx = [0, 2]
+    ran = np.ones((2, blocks), dtype=bool)
+    ran[1, 0] = False
+    pro = (gemv[idx, :, 0] - stamps[idx, :, 0])[ran] / 1e3
+    stream = (gemv[idx, :, 1] - gemv[idx, :, 0])[ran] / 1e3
+    epi = (stamps[idx, :, 1] - gemv[idx, :, 1])[ran] / 1e3
+    g = rows["gemv"]
+    assert (g.prologue_us, g.stream_us, g.epilogue_us) == pytest.approx(
+        (pro.mean(), stream.mean(), epi.mean())
+    )
+    assert rows["mixer"].stream_us is None and rows["mixer"].prologue_us is None
+    text = format_breakdown(list(rows.values()))
+    assert "stream" in text.splitlines()[1] and len(text.splitlines()[2].split()) == 12
+    assert len(text.splitlines()[3].split()) == 9  # the mixer row: no split columns
+    assert "stream" not in format_breakdown(summarise(stamps, names)).splitlines()[1]
+    with pytest.raises(ValueError, match="GEMV stamps"):
+        summarise(stamps, names, gemv[:, :3])
+
+
 def test_attention_item_labels_follow_the_kernels_split() -> None:
     """phases.cuh gives a 4-token launch at context 64 one (query head, token) pair per item (96 items fit the 132
     blocks), a single token 24; at long context the chunks fill the grid and items take 3 pairs."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,8 @@ if HAS_GPU:
     from onestream.worker.testing import tiny_config
 
 BF16 = torch.bfloat16
+# The weight-streaming phases: the ones a timing build stamps GEMV stream times for.
+_STREAMING = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -381,7 +384,14 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
     assert (stamps[:, :, 0] > 0).all() and (stamps[:, :, 1] >= stamps[:, :, 0]).all()
     # No block left a barrier before the last one arrived (1 us of slack: the timer's granularity).
     assert (stamps[1:, :, 0].min(axis=1) >= stamps[:-1, :, 1].max(axis=1) - 1000).all()
-    rows = summarise(stamps, names)
+    gemv = others["timing"].gemv_stamps()
+    streams = np.isin(names, _STREAMING)
+    ran = gemv[:, :, 0] > 0
+    assert ran[streams].any() and not ran[~streams].any()  # only weight-streaming phases stamp a GEMV
+    assert (gemv[:, :, 0] >= stamps[:, :, 0])[ran].all() and (gemv[:, :, 1] >= gemv[:, :, 0])[ran].all()
+    assert (stamps[:, :, 1] >= gemv[:, :, 1])[ran].all()
+    rows = summarise(stamps, names, gemv)
+    assert all((r.stream_us is not None) == (r.name in _STREAMING) for r in rows)
     print(f"\n[{name}] runner stages {runner.spec.stages}; one step:\n{format_breakdown(rows)}")
     assert sum(r.count for r in rows) == len(names)
 
