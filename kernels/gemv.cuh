@@ -423,9 +423,6 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
-#ifdef MK_PHASE_TIMING
-    if (tid_x() == 0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();
-#endif
     const int cpp = gemv_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     int r0, r1;
@@ -466,6 +463,9 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
             if (tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
         }
     }
+#endif
+#ifdef MK_PHASE_TIMING
+    if (tid_x() == 0 && nr > 0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();  // a block without rows: none
 #endif
     while (nr > 0) {
         // This block's next static round (a dynamic tile is drawn later and never streamed ahead).
