@@ -33,9 +33,7 @@ class G(IntEnum):
     TIMEOUT_NS = 18  # barrier watchdog
     NUM_LAYERS = 19
     TOKEN_HIST = 20  # int32 [max_len] or 0: greedy token written at its position
-    TIMING = (
-        21  # u64 [phases of a step + 1][grid][TIMING_FIELDS] or 0: per-block stamps (MK_PHASE_TIMING builds)
-    )
+    TIMING = 21  # u64 [steps + 1][grid][TIMING_FIELDS] or 0: per-block stamps (MK_PHASE_TIMING builds)
     ATT_CHUNKS = 22  # flash-decoding chunks per key/value head that ATT_PART has room for
     MTP_FC = 23  # bf16 [H, 2H] MTP fc (0 without an MTP head)
     MTP_PRE_E = 24  # fp32 (1 + w) of pre_fc_norm_embedding
