@@ -53,6 +53,7 @@ struct BlockState {
     int flag;  // barrier result
     u64 target;  // the grid barrier's count after this block's latest arrival (before the first: the launch base)
     int head;  // the weight ring's first items of this phase were issued before the barrier (MK_STAGES > 0)
+    int planned;  // the step whose GEMV desc/epi between_phases filled (-1: none), so run_phase need not again
 #ifdef MK_PHASE_TIMING
     u64 t_start;  // globaltimer when this block began the current phase
 #endif
@@ -84,6 +85,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         if (err != 0 && bid_x() == 0) raise_error(tb.ctrl, err, bs.si.pos);
         bs.err = err;
         bs.head = 0;
+        bs.planned = -1;
         grid_barrier_init(tb.sync, &bs.target);
     }
     __syncthreads();
@@ -237,11 +239,13 @@ __device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, i
 
 // Runs `phase` of layer `l`; returns whether this block had work in it (the DeltaNet and attention
 // phases leave some blocks idle, and those prefetch more while they wait).
-__device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int phase, int l,
+__device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int phase, int l, int step,
                                           unsigned char* smem_raw) {
     const Smem sm = carve_smem(smem_raw);
     const StepInfo& si = bs.si;
-    if (tid_x() == 0) plan_gemv(tb, si, phase, l, bs);
+    // Planned before the barrier (between_phases) unless this is the launch's first phase. Planning again cost every
+    // phase a dependent trip to the tables in L2 (about 1.3 us inside the megakernel: run 16).
+    if (tid_x() == 0 && bs.planned != step) plan_gemv(tb, si, phase, l, bs);
     __syncthreads();
     switch (phase) {
         case PH_DN_REC:
@@ -318,6 +322,7 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
     const int nl = (int)tb.gi(G_NUM_LAYERS);
     int next_phase, next_layer;
     schedule(tb, bs.si, step + 1, nl, next_phase, next_layer);
+    int next_step = step + 1;
     const u64 target = grid_arrive(tb.sync, &bs.target);
     // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights: its
     // inputs start towards L2 first, then the loads of the output projection after it.
@@ -325,9 +330,13 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
 #if MK_VARIANT != 0 && MK_MIXER_PREFETCH
         prefetch_mixer_inputs(tb, bs.si, next_phase, next_layer);
 #endif
-        schedule(tb, bs.si, step + 2, nl, next_phase, next_layer);
+        next_step = step + 2;
+        schedule(tb, bs.si, next_step, nl, next_phase, next_layer);
     }
-    if (tid_x() == 0) plan_gemv(tb, bs.si, next_phase, next_layer, bs);
+    if (tid_x() == 0) {
+        plan_gemv(tb, bs.si, next_phase, next_layer, bs);
+        bs.planned = next_step;
+    }
     __syncthreads();
 #if MK_VARIANT == 0
     int budget = MK_PF_BYTES;
@@ -410,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     for (int step = 0; step < nsteps; ++step) {
         int phase, layer;
         schedule(tb, bs.si, step, (int)tb.gi(G_NUM_LAYERS), phase, layer);
-        const bool had = run_phase(tb, bs, phase, layer, smem_raw);
+        const bool had = run_phase(tb, bs, phase, layer, step, smem_raw);
 #ifdef MK_PHASE_TIMING
         stamp_phase(tb, bs, step);
 #endif
@@ -433,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     __shared__ BlockState bs;
     const Tables tb{g, lt, ctrl, sync};
     if (!read_step(tb, bs)) return;
-    run_phase(tb, bs, phase, layer, smem_raw);
+    run_phase(tb, bs, phase, layer, -2, smem_raw);
 }
 
 // The grid barrier alone: `rounds` barriers, each checking that every block arrived before any left;

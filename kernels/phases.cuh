@@ -49,14 +49,53 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 // is input vectors [off, off + H / 8) of the GEMV (off: H / 8 for the MTP fc's hidden half); of those, the ones
 // in the staged window [v0, v1) go to xs (the norm always sums the whole row, so every window sees the same
 // values).
-__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
-                              float* red, int off, int v0, int v1) {
+//
+// Inside the megakernel a dependent trip to L2 costs about 1.3 us (the weight stream fills the queues: run 16's
+// stamps), so the norm makes one: every token's rows and the weight (once for all tokens) are loaded together; the
+// rows go on to shared memory as they are summed, and the normalising pass after the block reduction reads them
+// from there. Reloading them from L2 token by token, with the weight reloaded per token, took 5.8 us at T = 4
+// (1.9 us at T = 1, where the row stays in registers). The raw rows sit at the end of the span xs..rowval (free
+// in the prologue), placed so that token t's output reaches no raw row of a token >= t; a block barrier between
+// tokens keeps the earlier tokens' rows until they are read. Where they do not fit (T = 8 on the 27B shapes), and
+// for the MTP fc's halves, the pass reloads from L2.
+#define RMS_SPAN_BYTES (XS_BYTES + 2 * PART_FLOATS * 4)
+__host__ __device__ constexpr bool rms_staged_fits(int e) {  // e: bytes per raw value
+    const long long row = (long long)MK_H * e, base = (RMS_SPAN_BYTES - MK_NT * row) / 16 * 16;
+    if (base < 0) return false;
+    for (int t = 0; t < MK_NT; ++t)
+        if ((long long)t * MK_XLD * sizeof(xin_t) + (long long)MK_H * sizeof(xin_t) > base + t * row) return false;
+    return true;
+}
+template <bool BF>
+__device__ __forceinline__ void ld_act8(const void* base, int i8, float (&f)[8]) {
+    if (!MK_FP32_ACT || BF) unpack8(ld_cg16((const bf16_t*)base + i8 * 8), f);
+    else ld_cg_f8((const float*)base + i8 * 8, f);
+}
+template <bool BF>
+__device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], const float* w1, xin_t* xs, float* red,
+                                             int off, int v0, int v1) {
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
-    vec16* xv = (vec16*)xs;
-    // Every token's loads first, then one block reduction for all of them (one pair of block barriers per call
-    // instead of one per token; the sums are the same as token by token). A single token keeps its values in
-    // registers; several reload them (from L2, all loads independent) rather than spill.
+    constexpr bool RAW_BF = !MK_FP32_ACT || BF;
+    constexpr int E = RAW_BF ? 2 : 4, ROW = MK_H * E;
+    constexpr bool FITS = MK_NT > 1 && rms_staged_fits(E);
+    const bool staged = FITS && off == 0 && v0 == 0 && v1 >= NVEC;
+    unsigned char* raw = (unsigned char*)xs + (RMS_SPAN_BYTES - MK_NT * ROW) / 16 * 16;
+    // The weight (fp32, its own allocation: 16-byte aligned), in flight with the rows' loads.
+    float wv[VPT][8];
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int vi = tid_x() + j * MK_THREADS;
+        if (vi < NVEC && off + vi >= v0 && off + vi < v1) {
+            const float4 a = __ldg((const float4*)(w1 + vi * 8)), b = __ldg((const float4*)(w1 + vi * 8 + 4));
+            wv[j][0] = a.x, wv[j][1] = a.y, wv[j][2] = a.z, wv[j][3] = a.w;
+            wv[j][4] = b.x, wv[j][5] = b.y, wv[j][6] = b.z, wv[j][7] = b.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) wv[j][e] = 0.0f;
+        }
+    }
+    // Every token's loads, then one block reduction for all of them (the same sums as token by token).
     float vt[VPT][8];
     float ss[MK_NT];
 #pragma unroll
@@ -66,44 +105,67 @@ __device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, cons
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
             if (vi < NVEC) {
-                ld_cg_act8(src[t], vi, src_bf, vt[j]);
+                unsigned char* dst = raw + t * ROW + vi * 8 * E;
+                if (RAW_BF) {
+                    const vec16 v = ld_cg16((const bf16_t*)src[t] + vi * 8);
+                    if (staged) *(vec16*)dst = v;
+                    unpack8(v, vt[j]);
+                } else {
+                    ld_cg_f8((const float*)src[t] + vi * 8, vt[j]);
+                    if (staged) {
+                        *(float4*)dst = make_float4(vt[j][0], vt[j][1], vt[j][2], vt[j][3]);
+                        *(float4*)(dst + 16) = make_float4(vt[j][4], vt[j][5], vt[j][6], vt[j][7]);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 8; ++e) ss[t] = fmaf(vt[j][e], vt[j][e], ss[t]);
             }
         }
     }
-    block_sum_n(ss, red);
+    block_sum_n(ss, red);  // its barriers also order the raw rows' stores before their reads
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
+        if (FITS && staged && t > 0) __syncthreads();  // token t - 1's raw row is read: t's output may overwrite it
         const float r = rsqrtf(ss[t] / (float)MK_H + MK_EPS);
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
-            const bool in_window = vi < NVEC && off + vi >= v0 && off + vi < v1;
-            if (MK_NT > 1 && vi < NVEC) ld_cg_act8(src[t], vi, src_bf, vt[j]);  // one token: still in vt
-#if MK_FP32_IN
-            if (in_window) {
-                float* xf = xs + (t * MK_XLDV + off + vi - v0) * 8;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) xf[e] = (vt[j][e] * r) * __ldg(w1 + vi * 8 + e);
-            }
-#else
-            if (in_window) {
-                u32 o[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float w0 = __ldg(w1 + vi * 8 + 2 * e), wq = __ldg(w1 + vi * 8 + 2 * e + 1);
-                    const u32 lo = f2bf((vt[j][2 * e] * r) * w0), hi = f2bf((vt[j][2 * e + 1] * r) * wq);
-                    o[e] = lo | (hi << 16);
+            if (!(vi < NVEC && off + vi >= v0 && off + vi < v1)) continue;
+            if (MK_NT > 1) {  // one token: still in vt
+                const unsigned char* at = raw + t * ROW + vi * 8 * E;
+                if (FITS && staged) {
+                    if (RAW_BF) {
+                        unpack8(*(const vec16*)at, vt[j]);
+                    } else {
+                        const float4 a = *(const float4*)at, b = *(const float4*)(at + 16);
+                        vt[j][0] = a.x, vt[j][1] = a.y, vt[j][2] = a.z, vt[j][3] = a.w;
+                        vt[j][4] = b.x, vt[j][5] = b.y, vt[j][6] = b.z, vt[j][7] = b.w;
+                    }
+                } else {
+                    ld_act8<BF>(src[t], vi, vt[j]);
                 }
-                vec16 out;
-                out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
-                xv[t * MK_XLDV + off + vi - v0] = out;
             }
+#if MK_FP32_IN
+            float* xf = xs + (t * MK_XLDV + off + vi - v0) * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xf[e] = (vt[j][e] * r) * wv[j][e];
+#else
+            u32 o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                o[e] = pack_bf2((vt[j][2 * e] * r) * wv[j][2 * e], (vt[j][2 * e + 1] * r) * wv[j][2 * e + 1]);
+            vec16 out;
+            out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
+            ((vec16*)xs)[t * MK_XLDV + off + vi - v0] = out;
 #endif
         }
     }
     __syncthreads();
+}
+__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
+                              float* red, int off, int v0, int v1) {
+    if (src_bf) rmsnorm_rows<true>(src, w1, xs, red, off, v0, v1);
+    else rmsnorm_rows<false>(src, w1, xs, red, off, v0, v1);
 }
 
 // Copy of input vectors [v0, v1) of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32:
@@ -136,13 +198,17 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
 // DeltaNet output norm per value head, gated: bf16(bf16(w * bf16(norm(o))) * silu(z)); input elements [k0, k1)
 // (the staged window) go to xs.
 #define GN_VH (MK_DV / 8)  // 16-byte vectors per value head
+// Iterations of a thread whose loads are issued together (8 registers each; 8 made ptxas spill): as issue-and-use,
+// each iteration cost a dependent L2 trip, about 1.3 us in the megakernel (10.4 us of prologue at T = 4).
+#define GN_ITERS ((MK_NT * MK_HV * GN_VH + MK_THREADS - 1) / MK_THREADS)
+#define GN_B (MK_NT == 1 ? 1 : GN_ITERS < 4 ? GN_ITERS : 4)  // T = 1: 2 made ptxas spill 100 bytes
 #if MK_DV % 8 == 0 && GN_VH <= 32 && (GN_VH & (GN_VH - 1)) == 0
 // One thread per 8 values, every token and head at once: the lanes of a head are GN_VH consecutive lanes of one
 // warp, which sum the squares by shuffles (the same order for every tokens-per-launch build). Reads the norm
 // weight 16 bytes at a time: like every weight the kernel streams, it must be 16-byte aligned.
 __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
     constexpr int N = MK_NT * MK_HV * GN_VH;
-    constexpr int B = 1;  // batches of a warp whose loads are in flight together (two loads each)
+    constexpr int B = GN_B;  // batches of a warp whose loads are in flight together (two loads each)
     const int lane = tid_x() & 31;
     for (int w0 = tid_x() & ~31; w0 < N; w0 += B * MK_THREADS) {  // whole warps: every lane joins the shuffles
         vec16 cv[B], zv[B];
@@ -176,16 +242,16 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
                 float wf[8], y[8];
                 unpack8(*(const vec16*)(w + j * 8), wf);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_f(zz[e]);
+                for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_fast(zz[e]);
 #if MK_FP32_IN
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xs[t * MK_XLD + e0 - k0 + e] = y[e];
 #else
                 vec16 out;
-                out.x = (u32)f2bf(y[0]) | ((u32)f2bf(y[1]) << 16);
-                out.y = (u32)f2bf(y[2]) | ((u32)f2bf(y[3]) << 16);
-                out.z = (u32)f2bf(y[4]) | ((u32)f2bf(y[5]) << 16);
-                out.w = (u32)f2bf(y[6]) | ((u32)f2bf(y[7]) << 16);
+                out.x = pack_bf2(y[0], y[1]);
+                out.y = pack_bf2(y[2], y[3]);
+                out.z = pack_bf2(y[4], y[5]);
+                out.w = pack_bf2(y[6], y[7]);
                 ((vec16*)xs)[t * MK_XLDV + (e0 - k0) / 8] = out;
 #endif
             }
@@ -212,7 +278,7 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
             if (e < k0 || e >= k1) continue;
             const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
             const float y = RBI(bf2f(__ldg(w + i)) * n);
-            xs[t * MK_XLD + e - k0] = to_xin(y * silu_f(bf2f(ld_cg_bf(z + base + i))));
+            xs[t * MK_XLD + e - k0] = to_xin(y * silu_fast(bf2f(ld_cg_bf(z + base + i))));
         }
     }
     __syncthreads();
