@@ -2,8 +2,8 @@
 
 On the kernel: decode and verify steps of 1..8 tokens (a verify records the DeltaNet states after each token
 but the last, so that rolling back to any of them is a copy), greedy verification with the acceptance decided
-on the device (`verify_greedy`: the host reads back the control block only), and MTP draft steps of 1..8 pairs. Prefill, longer steps and the state
-operations are the reference back end's (the base class). Both work on the same `SequenceState`, whose
+on the device (`verify_greedy`: the host reads back the control block only), and MTP draft steps of 1..8
+pairs. Prefill, longer steps and the state operations are the reference back end's (the base class). Both work on the same `SequenceState`, whose
 tensors the kernel reads and writes in place, so switching between them costs nothing.
 """
 

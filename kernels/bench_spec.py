@@ -414,7 +414,8 @@ def _build_text(build: dict[str, Any]) -> str:
 def format_verify(v: VerifyResult, ceilings: Ceilings | None) -> str:
     lines = [
         f"(a) verify launch cost: {v.name} with {v.layers} layers, random bf16 weights, context {v.context} "
-        f"(every launch at positions {v.context}..{v.context}+T-1); median of {v.repeats} chains of {v.launches} back-to-back launches",
+        f"(every launch at positions {v.context}..{v.context}+T-1); median of {v.repeats} chains of {v.launches} "
+        "back-to-back launches",
         f"    one launch streams {v.weight_bytes / 1e9:.2f} GB of weights"
         + (
             f" ({v.weight_bytes / (ceilings.read_gbs * 1e9) * 1e3:.3f} ms at the measured read ceiling)"

@@ -135,10 +135,10 @@ class Tuning:
     dyn_static_pct: int = 80
     dyn_tile_bytes: int = 96 * 1024
     # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
-    # launch) instead of the scalar FMA path. Off: on the H200 it is 6-8 % slower at T = 1 (run 16: 15.05 against 13.97
-    # ms) though faster from T = 2 on (T = 4 verify 16.88 against 20.48 ms: 1.12x its T = 1 step, the scalar path
-    # 1.47x); plain and speculative decoding must share one summation order, so a deployment picks one for both. Changes results (another summation order), the same way for
-    # every tokens-per-launch build. Default from $ONESTREAM_MK_GEMV ("tensor" selects True).
+    # launch) instead of the scalar FMA path. Off: on the H200 it is 6-8 % slower at T = 1 (run 16: 15.05 against
+    # 13.97 ms) though faster from T = 2 on (T = 4 verify 16.88 against 20.48 ms: 1.12x its T = 1 step, the scalar
+    # path 1.47x); plain and speculative decoding must share one summation order, so a deployment picks one for
+    # both. Changes results (another summation order), the same way for every tokens-per-launch build. Default from $ONESTREAM_MK_GEMV ("tensor" selects True).
     mma: bool = field(default_factory=mma_default)
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
 

@@ -371,8 +371,8 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
 }
 
 // The ring's head: this warp's first MK_STAGES - 1 units of the pass over chunks [c0, c0 + nkq) of rows
-// [rs, rs + nr) (ring0: the warp's base of slot 0), one commit group each (empty groups where the warp has fewer units, so that group counting
-// stays uniform).
+// [rs, rs + nr) (ring0: the warp's base of slot 0), one commit group each (empty groups where the warp has fewer
+// units, so that group counting stays uniform).
 __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan& p, int rs, int nr, int c0, int nkq,
                                                int lane, int warp, u32 ring0, u64 policy) {
     const int count = gemv_units(warp, gemv_items(nr, nkq));

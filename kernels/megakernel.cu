@@ -442,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     __shared__ BlockState bs;
     const Tables tb{g, lt, ctrl, sync};
     if (!read_step(tb, bs)) return;
-    run_phase(tb, bs, phase, layer, -2, smem_raw);
+    run_phase(tb, bs, phase, layer, /*step=*/0, smem_raw);  // nothing planned yet (bs.planned -1): plans
 }
 
 // The grid barrier alone: `rounds` barriers, each checking that every block arrived before any left;

@@ -67,11 +67,6 @@ __host__ __device__ constexpr bool rms_staged_fits(int e) {  // e: bytes per raw
     return true;
 }
 template <bool BF>
-__device__ __forceinline__ void ld_act8(const void* base, int i8, float (&f)[8]) {
-    if (!MK_FP32_ACT || BF) unpack8(ld_cg16((const bf16_t*)base + i8 * 8), f);
-    else ld_cg_f8((const float*)base + i8 * 8, f);
-}
-template <bool BF>
 __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], const float* w1, xin_t* xs, float* red,
                                              int off, int v0, int v1) {
     constexpr int NVEC = MK_H / 8;
@@ -81,12 +76,14 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
     constexpr bool FITS = MK_NT > 1 && rms_staged_fits(E);
     const bool staged = FITS && off == 0 && v0 == 0 && v1 >= NVEC;
     unsigned char* raw = (unsigned char*)xs + (RMS_SPAN_BYTES - MK_NT * ROW) / 16 * 16;
+    // Output vector vi of the GEMV input falls in the staged window.
+    auto in_window = [&](int vi) { return vi < NVEC && off + vi >= v0 && off + vi < v1; };
     // The weight (fp32, its own allocation: 16-byte aligned), in flight with the rows' loads.
     float wv[VPT][8];
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int vi = tid_x() + j * MK_THREADS;
-        if (vi < NVEC && off + vi >= v0 && off + vi < v1) {
+        if (in_window(vi)) {
             const float4 a = __ldg((const float4*)(w1 + vi * 8)), b = __ldg((const float4*)(w1 + vi * 8 + 4));
             wv[j][0] = a.x, wv[j][1] = a.y, wv[j][2] = a.z, wv[j][3] = a.w;
             wv[j][4] = b.x, wv[j][5] = b.y, wv[j][6] = b.z, wv[j][7] = b.w;
@@ -125,15 +122,15 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
     block_sum_n(ss, red);  // its barriers also order the raw rows' stores before their reads
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
-        if (FITS && staged && t > 0) __syncthreads();  // token t - 1's raw row is read: t's output may overwrite it
+        if (staged && t > 0) __syncthreads();  // token t - 1's raw row is read: t's output may overwrite it
         const float r = rsqrtf(ss[t] / (float)MK_H + MK_EPS);
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
             const int vi = tid_x() + j * MK_THREADS;
-            if (!(vi < NVEC && off + vi >= v0 && off + vi < v1)) continue;
+            if (!in_window(vi)) continue;
             if (MK_NT > 1) {  // one token: still in vt
                 const unsigned char* at = raw + t * ROW + vi * 8 * E;
-                if (FITS && staged) {
+                if (staged) {
                     if (RAW_BF) {
                         unpack8(*(const vec16*)at, vt[j]);
                     } else {
@@ -142,7 +139,7 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
                         vt[j][4] = b.x, vt[j][5] = b.y, vt[j][6] = b.z, vt[j][7] = b.w;
                     }
                 } else {
-                    ld_act8<BF>(src[t], vi, vt[j]);
+                    ld_cg_act8(src[t], vi, BF, vt[j]);
                 }
             }
 #if MK_FP32_IN
