@@ -71,6 +71,7 @@ def random_prompt(engine: Engine, n: int = 12) -> list[int]:
         ({"stop_token_ids": [-1]}, r"stop_token_ids\[0\]"),
         ({"session_id": ""}, "session_id"),
         ({"request_id": 7}, "request_id"),
+        ({"user": ""}, "user"),
         ({"sampling": SamplingParams(top_p=0)}, "top_p"),
         ({"sampling": SamplingParams(temperature=-1)}, "temperature"),
         ({"sampling": {"temperature": 0}}, "sampling"),

@@ -23,7 +23,8 @@ class GenerateRequest:
     """A full prompt (text, token ids or chat messages) and how to continue it.
 
     `session_id` names a conversation whose state the engine may keep between turns; `request_id` names
-    this turn (for cancellation and logs).
+    this turn (for cancellation and logs); `user` is the authenticated caller the router admitted it for
+    (None when the pool runs without API keys), never taken from the request body.
     """
 
     prompt: Prompt
@@ -34,6 +35,7 @@ class GenerateRequest:
     session_id: str | None = None
     request_id: str | None = None
     ignore_eos: bool = False
+    user: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -58,7 +60,7 @@ class GenerateRequest:
         _validate_token_ids(
             "stop_token_ids", self.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS, allow_empty=True
         )
-        for name in ("session_id", "request_id"):
+        for name in ("session_id", "request_id", "user"):
             value = getattr(self, name)
             if value is None:
                 continue
