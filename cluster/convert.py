@@ -35,6 +35,8 @@ def request_from_proto(
     values |= {
         name: getattr(message.sampling, name) for name in SAMPLING_FIELDS if message.sampling.HasField(name)
     }
+    if message.sampling.logit_bias:
+        values["logit_bias"] = tuple(sorted(message.sampling.logit_bias.items()))
     sampling = SamplingParams(**values)
     fields: dict[str, Any] = {}
     if message.HasField("max_tokens"):

@@ -49,12 +49,16 @@ def fresh_logits(rows: int = 1, seed: int | None = None) -> torch.Tensor:
         ("seed", -1),
         ("seed", 1.5),
         ("seed", 2**64),
+        ("logit_bias", ((3, 101.0),)),
+        ("logit_bias", ((3, float("nan")),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logit_bias", ((V, 1.0),)),
     ],
 )
 def test_every_invalid_parameter_is_named(field: str, value: object) -> None:
     params = SamplingParams(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match=field):
-        params.validate()
+        params.validate(vocab_size=V)
 
 
 def test_defaults_and_boundaries_are_valid() -> None:
@@ -167,6 +171,21 @@ def test_greedy_is_a_one_hot_on_the_penalised_argmax() -> None:
     assert probs.argmax(-1).tolist() == penalised.argmax(-1).tolist()
     if logits[0, top] > 0 and (logits[0] > logits[0, top] / 10).sum() > 1:
         assert probs[0].argmax().item() != top  # the penalty moved the argmax away
+
+
+def test_logit_bias_is_added_before_the_penalties() -> None:
+    logits = fresh_logits(3)
+    history = TokenHistory([4], V, "cpu")
+    params = SamplingParams(logit_bias=((4, 5.0), (7, -100.0)), repetition_penalty=2.0)
+    got = apply_penalties(logits, params, history)
+    biased = logits.clone()
+    biased[:, 4] += 5.0
+    biased[:, 7] -= 100.0
+    expected = torch.where(biased > 0, biased / 2.0, biased * 2.0)
+    expected[:, [i for i in range(V) if i != 4]] = biased[:, [i for i in range(V) if i != 4]]
+    torch.testing.assert_close(got, expected)
+    greedy = SamplingParams(temperature=0.0, logit_bias=((9, 100.0),))
+    assert probabilities(logits, greedy).argmax(-1).tolist() == [9, 9, 9]
 
 
 def test_sample_follows_the_distribution() -> None:

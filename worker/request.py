@@ -47,7 +47,7 @@ class GenerateRequest:
         _validate_prompt(self.prompt, vocab_size)
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
-        self.sampling.validate()
+        self.sampling.validate(vocab_size)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequestError(f"max_tokens must be an integer, got {type(self.max_tokens).__name__}")
         if self.max_tokens < 1:

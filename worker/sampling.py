@@ -1,6 +1,6 @@
 """Sampling parameters and the logits -> next-token pipeline of one request.
 
-Order of processing (vLLM's): penalties -> temperature -> min-p -> top-k -> top-p -> sample.
+Order of processing (vLLM's): logit bias -> penalties -> temperature -> min-p -> top-k -> top-p -> sample.
 Greedy (temperature 0) takes the argmax of the penalised logits.
 
 Penalties follow vLLM / Hugging Face:
@@ -42,11 +42,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
 
     MAX_TEMPERATURE = 100.0
     MAX_SEED = 2**63 - 1
+    MAX_LOGIT_BIAS = 100.0
+    MAX_LOGIT_BIAS_ENTRIES = 1024
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         _check_real("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise InvalidRequestError(f"top_k must be an integer, got {type(self.top_k).__name__}")
@@ -61,6 +64,23 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer or None, got {type(self.seed).__name__}")
         if self.seed is not None and not 0 <= self.seed <= self.MAX_SEED:
             raise InvalidRequestError(f"seed must be in [0, {self.MAX_SEED}], got {self.seed}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS_ENTRIES}"
+            )
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
+                )
+            if vocab_size is not None and token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token_id} is not in the vocabulary (ids 0..{vocab_size - 1})"
+                )
+            _check_real(f"logit_bias[{token_id}]", bias, -self.MAX_LOGIT_BIAS, self.MAX_LOGIT_BIAS)
 
     @property
     def greedy(self) -> bool:
@@ -136,7 +156,11 @@ def apply_penalties(
     before: TokenIds = (),
     per_row: TokenIds = (),
 ) -> torch.Tensor:
-    """Penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`)."""
+    """Biased and penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`)."""
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        logits = logits.float().clone()
+        logits[:, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
     if history is None or not params.has_penalties:
         return logits
     seen, counts = history.rows(logits.shape[0], before, per_row)
