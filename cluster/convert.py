@@ -62,7 +62,7 @@ def finished_to_proto(
 ) -> pb.Finished:
     usage, timings = finished.usage, finished.timings
     decode_tokens = max(usage.generated_tokens - 1, 0)  # decode_s runs from the first token on
-    return pb.Finished(
+    message = pb.Finished(
         finish_reason=finished.finish_reason,
         usage=pb.Usage(
             prompt_tokens=usage.prompt_tokens,
@@ -83,6 +83,11 @@ def finished_to_proto(
         ),
         card=card,
     )
+    if isinstance(finished.stop_reason, str):
+        message.stop_string = finished.stop_reason
+    elif isinstance(finished.stop_reason, int):
+        message.stop_token_id = finished.stop_reason
+    return message
 
 
 def card_to_proto(

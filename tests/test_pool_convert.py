@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from onestream.cluster.convert import request_from_proto
+from onestream.cluster.convert import finished_to_proto, request_from_proto
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.errors import InvalidRequestError
+from onestream.worker.output import Finished, Timings, Usage
 from onestream.worker.sampling import SamplingParams
 
 MODEL_DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.25}
@@ -30,3 +31,22 @@ def test_without_defaults_the_engine_defaults_apply_and_bad_input_is_named() -> 
     assert ignored.sampling == SamplingParams(top_k=4)  # keys that are not sampling fields are not applied
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         request_from_proto(pb.GenerateRequest(), "r6", MODEL_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason", "field", "value"),
+    [("stop", "\n\n", "stop_string", "\n\n"), ("stop", 2, "stop_token_id", 2), ("length", None, None, None)],
+)
+def test_finished_names_what_stopped_it(
+    finish_reason: str, stop_reason: str | int | None, field: str | None, value: object
+) -> None:
+    finished = Finished(finish_reason, Usage(prompt_tokens=3, generated_tokens=2), Timings(), stop_reason)
+    message = finished_to_proto(finished, pb.Card(), queue_wait_s=0, time_to_first_token_s=0, total_s=0)
+    assert message.WhichOneof("stopped_by") == field
+    if field is not None:
+        assert getattr(message, field) == value
+
+
+def test_logit_bias_reaches_the_sampling_params() -> None:
+    message = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={7: -100.0, 3: 2.5}))
+    assert request_from_proto(message, "r7").sampling.logit_bias == ((3, 2.5), (7, -100.0))
