@@ -11,16 +11,29 @@ INVALID_ARGUMENT = "invalid_argument"
 DEADLINE = "deadline"
 DRAINING = "draining"
 NO_CARDS = "no_cards"
+UNAUTHENTICATED = "unauthenticated"
+PERMISSION_DENIED = "permission_denied"
+USER_CONCURRENT = "user_concurrent"
+USER_QUEUED = "user_queued"
 
 
 class PoolError(Exception):
-    """A request the pool ends with `code`; `reason` is the rejection label when it never got a card."""
+    """A request the pool ends with `code`; `reason` is the rejection label when it never got a card;
+    `retry_after_s` is the hint a RESOURCE_EXHAUSTED status carries (trailing metadata `retry-after-s`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class CardFailure(Exception):

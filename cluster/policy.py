@@ -13,10 +13,11 @@ new. The policy, in order:
    goes home; after that it takes any free card and re-prefills there (miss reason `home_busy`), rather
    than leave the pool idle while it waits.
 4. When no suitable card is free, the turn waits in a bounded queue and is told its position. Service
-   order is FIFO, round-robin across sessions (see cluster/queue.py). When a card frees, queued turns
+   order is FIFO, round-robin across users, then across each user's sessions (see cluster/queue.py). When a card frees, queued turns
    whose home it is are served first (their cache is there), then the rest in service order. A request
    can be passed over this way only by turns already queued for that card, so nobody starves.
-5. A full queue rejects with RESOURCE_EXHAUSTED; a pool with no healthy card rejects with UNAVAILABLE.
+5. A full queue, or a user with `user_max_queued` turns already waiting, rejects with
+   RESOURCE_EXHAUSTED (with a retry hint); a pool with no healthy card rejects with UNAVAILABLE.
    Waiters leave the queue when cancelled, aborted or past their deadline.
 6. A card that dies or hangs goes DOWN: its sessions lose their home (their next turn is placed by
    rule 2), and it rejoins as FREE with no warm sessions once its actor has restarted.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from .errors import NO_CARDS, QUEUE_FULL, PoolError
+from .errors import NO_CARDS, QUEUE_FULL, USER_QUEUED, PoolError
 from .queue import Assignment, FairQueue, Waiter
 
 AFFINITY_HIT = "hit"
@@ -75,12 +76,16 @@ class Scheduler:
         queue_capacity: int = 256,
         home_wait_s: float = 2.0,
         session_ttl_s: float = 6 * 3600.0,
+        user_max_queued: int | None = None,
+        retry_after_s: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.queue = FairQueue(queue_capacity)
         self.home_wait_s = home_wait_s
         self.session_ttl_s = session_ttl_s
+        self.user_max_queued = user_max_queued
+        self.retry_after_s = retry_after_s
         self._clock = clock
         self._on_change = on_change or (lambda: None)
         self._cards: dict[str, _Card] = {}
@@ -136,10 +141,17 @@ class Scheduler:
         self._on_change()
 
     # ---- requests -------------------------------------------------------------------------------
-    def submit(self, request_id: str, session_id: str | None, *, retry_of: Waiter | None = None) -> Waiter:
+    def submit(
+        self,
+        request_id: str,
+        session_id: str | None,
+        *,
+        user: str | None = None,
+        retry_of: Waiter | None = None,
+    ) -> Waiter:
         """Queue a request (assigning it at once when a card fits). A retry (`retry_of`, the waiter of
-        the failed attempt) keeps its place in line. Raises PoolError when the pool has no healthy card
-        or the queue is full."""
+        the failed attempt) keeps its place in line. Raises PoolError when the pool has no healthy card,
+        the queue is full or `user` has `user_max_queued` requests waiting already."""
         if not self.has_healthy_card:
             down = sum(c.phase == CardPhase.DOWN for c in self._cards.values())
             raise PoolError(
@@ -152,6 +164,7 @@ class Scheduler:
         waiter = Waiter(
             request_id=request_id,
             session_id=session_id,
+            user=user,
             seq=next(self._seq) if retry_of is None else retry_of.seq,
             arrived=now,
             home_wait_until=now + self.home_wait_s,
@@ -159,15 +172,35 @@ class Scheduler:
         )
         self.queue.push(waiter)
         self.dispatch()
-        if waiter.assignment is None and self.queue.over_capacity:
-            self.queue.remove(waiter)
-            self.dispatch()
-            raise PoolError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the request queue is full ({self.queue.capacity} requests waiting for a card)",
-                QUEUE_FULL,
-            )
+        if waiter.assignment is None:
+            rejection = self._over_queue_limit(waiter, retry_of is not None)
+            if rejection is not None:
+                self.queue.remove(waiter)
+                self.dispatch()
+                raise rejection
         return waiter
+
+    def _over_queue_limit(self, waiter: Waiter, retry: bool) -> PoolError | None:
+        limit = self.user_max_queued
+        if limit is not None and waiter.user is not None and not retry:
+            queued = self.queue.queued_of(waiter.user)
+            if queued > limit:
+                return PoolError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"user {waiter.user} already has {queued - 1} requests waiting for a card, the most "
+                    f"a user may have queued (--user-max-queued {limit}); retry in {self.retry_after_s}s",
+                    USER_QUEUED,
+                    retry_after_s=self.retry_after_s,
+                )
+        if self.queue.over_capacity:
+            return PoolError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request queue is full ({self.queue.capacity} requests waiting for a card); "
+                f"retry in {self.retry_after_s}s",
+                QUEUE_FULL,
+                retry_after_s=self.retry_after_s,
+            )
+        return None
 
     def withdraw(self, waiter: Waiter) -> None:
         """The request left (cancelled, aborted, past its deadline) before using a card. A card it was

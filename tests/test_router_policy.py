@@ -222,3 +222,46 @@ def test_idle_bindings_expire() -> None:
     assert scheduler.home_of("agent") is not None
     clock.now += 31
     assert "agent" not in scheduler.bindings()
+
+
+def test_the_queue_is_fair_across_users_first_then_their_sessions() -> None:
+    scheduler, _ = make(1, queue_capacity=20)
+    running = scheduler.submit("running", None)
+    # alice queues one turn on each of four sessions, then a second turn on her first; bob queues one.
+    alice = [scheduler.submit(f"alice-{s}", f"alice-s{s}", user="alice") for s in range(4)]
+    alice.append(scheduler.submit("alice-0b", "alice-s0", user="alice"))
+    bob = scheduler.submit("bob-0", "bob-s0", user="bob")
+    order = [w.request_id for w in scheduler.queue.in_service_order()]
+    assert order[:3] == ["alice-0", "bob-0", "alice-1"], "bob waits for one of alice's turns, not four"
+    assert order[3:] == ["alice-2", "alice-3", "alice-0b"], "alice's sessions round-robin among themselves"
+    assert bob.position == 2
+    served = []
+    card = running.assignment.card_id
+    for _ in range(len(order)):
+        scheduler.release(card, None)
+        (winner,) = [w for w in [*alice, bob] if w.assignment is not None and w.request_id not in served]
+        served.append(winner.request_id)
+    assert served == order
+    # alice was served last: a newcomer (carol) goes before her next turns, and bob, served long ago,
+    # goes level with carol: idle time banks no credit.
+    more_alice = [scheduler.submit(f"alice-more{i}", f"alice-t{i}", user="alice") for i in range(2)]
+    bob_again = scheduler.submit("bob-1", "bob-s0", user="bob")
+    carol = scheduler.submit("carol-0", "carol-s0", user="carol")
+    order = [w.request_id for w in scheduler.queue.in_service_order()]
+    assert order == ["bob-1", "carol-0", "alice-more0", "alice-more1"]
+    assert (bob_again.position, carol.position) == (1, 2) and [w.position for w in more_alice] == [3, 4]
+
+
+def test_a_user_over_its_queue_limit_is_rejected_with_a_retry_hint() -> None:
+    scheduler, _ = make(1, queue_capacity=10, user_max_queued=2, retry_after_s=3)
+    scheduler.submit("running", None, user="alice")
+    scheduler.submit("a1", "s1", user="alice")
+    scheduler.submit("a2", "s2", user="alice")
+    with pytest.raises(PoolError) as rejected:
+        scheduler.submit("a3", "s3", user="alice")
+    error = rejected.value
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.reason == "user_queued"
+    assert error.retry_after_s == 3 and "--user-max-queued 2" in error.message and "alice" in error.message
+    scheduler.submit("b1", "s4", user="bob")  # another user still queues
+    # alice holds the card already: bob, who holds nothing, goes first.
+    assert [w.request_id for w in scheduler.queue.in_service_order()] == ["b1", "a1", "a2"]
