@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -53,21 +54,25 @@ FP32_IN_PART_ROWS = (
 )
 
 
-def fp32_act_default() -> bool:
-    """The activation precision of a default Tuning: fp32 unless $ONESTREAM_MK_FP32_ACT is "0" (or "false")."""
-    value = os.environ.get(FP32_ACT_ENV, "1").strip().lower()
-    if value not in ("0", "1", "true", "false", ""):
-        raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {value!r}")
-    return value not in ("0", "false")
-
-
-def mma_default() -> bool:
-    """The GEMV of a default Tuning: the scalar FMA path unless $ONESTREAM_MK_GEMV is "tensor" (the tensor cores, for
-    deployments that decode speculatively nearly always: plain and verify launches then share that order)."""
-    value = os.environ.get(GEMV_ENV, "scalar").strip().lower()
-    if value not in ("scalar", "tensor", ""):
-        raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {value!r}")
-    return value == "tensor"
+def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> Tuning:
+    """The Tuning an operator's $ONESTREAM_MK_* settings select, with `fields` set over them. Read at the edge (the
+    back-end creation, the CLI commands), never in a Tuning default: $ONESTREAM_MK_FP32_ACT "0" (or "false")
+    selects the bf16 numerics, $ONESTREAM_MK_FP32_IN "1" fp32 GEMV inputs, $ONESTREAM_MK_GEMV "tensor" the
+    tensor-core GEMV (for deployments that decode speculatively nearly always: plain and verify launches then share
+    that summation order). A value outside those raises ValueError naming the variable."""
+    env = os.environ if environ is None else environ
+    fp32_act = env.get(FP32_ACT_ENV, "1").strip().lower()
+    if fp32_act not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {fp32_act!r}")
+    gemv = env.get(GEMV_ENV, "scalar").strip().lower()
+    if gemv not in ("scalar", "tensor", ""):
+        raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {gemv!r}")
+    chosen: dict[str, Any] = {
+        "fp32_act": fp32_act not in ("0", "false"),
+        "fp32_gemv_in": env.get(FP32_IN_ENV, "0").strip() == "1",
+        "mma": gemv == "tensor",
+    }
+    return Tuning(**{**chosen, **fields})
 
 
 @dataclass(frozen=True)
@@ -123,12 +128,11 @@ class Tuning:
     phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
     # Numerics (changes results): True keeps the residual stream and the logits in fp32 and rounds the other
     # intermediates to bf16 once, where they are stored (closer to the fp32 reference); False rounds every
-    # value the bf16 reference keeps in bf16. Default from $ONESTREAM_MK_FP32_ACT ("0" selects False).
-    fp32_act: bool = field(default_factory=lambda: fp32_act_default())
+    # value the bf16 reference keeps in bf16.
+    fp32_act: bool = True
     # With fp32_act: also stage the GEMV inputs in shared memory as fp32 (twice the bytes; the partial-sum
-    # buffers shrink to FP32_IN_PART_ROWS rows so that the weight ring still fits). Default from
-    # $ONESTREAM_MK_FP32_IN ("1" selects it).
-    fp32_gemv_in: bool = field(default_factory=lambda: os.environ.get(FP32_IN_ENV, "0").strip() == "1")
+    # buffers shrink to FP32_IN_PART_ROWS rows so that the weight ring still fits).
+    fp32_gemv_in: bool = False
     # Dynamic row scheduling (ring builds): the big GEMV phases split dyn_static_pct % of their rows evenly and
     # hand out the rest as tiles of about dyn_tile_bytes from a ticket counter (faster blocks take more).
     dynamic: bool = False
@@ -138,8 +142,8 @@ class Tuning:
     # launch) instead of the scalar FMA path. Off: on the H200 it is 6-8 % slower at T = 1 (run 16: 15.05 against
     # 13.97 ms) though faster from T = 2 on (T = 4 verify 16.88 against 20.48 ms: 1.12x its T = 1 step, the scalar
     # path 1.47x); plain and speculative decoding must share one summation order, so a deployment picks one for
-    # both. Changes results (another summation order), the same way for every tokens-per-launch build. Default from $ONESTREAM_MK_GEMV ("tensor" selects True).
-    mma: bool = field(default_factory=mma_default)
+    # both. Changes results (another summation order), the same way for every tokens-per-launch build.
+    mma: bool = False
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
 
     def __post_init__(self) -> None:
@@ -148,7 +152,7 @@ class Tuning:
         if self.fp32_gemv_in and self.mma:
             raise ValueError(
                 "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs "
-                f"(${FP32_IN_ENV} and ${GEMV_ENV} set defaults for both)"
+                f"(${FP32_IN_ENV} and ${GEMV_ENV} select both)"
             )
         if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
             raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")

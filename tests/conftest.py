@@ -1,9 +1,9 @@
 """Shared test setup: every test sees the kernel's default numerics and GEMV, whatever the shell exports.
 
-The megakernel's environment switches ($ONESTREAM_MK_FP32_ACT, $ONESTREAM_MK_FP32_IN, $ONESTREAM_MK_GEMV) pick a
-default `Tuning`; tests name the builds they compare, so an operator's setting must not turn a scalar build
-into a tensor-core one (or make `Tuning(fp32_gemv_in=True)` invalid) behind their back. Tests of the switches
-set them again with monkeypatch.
+The megakernel's environment settings ($ONESTREAM_MK_FP32_ACT, $ONESTREAM_MK_FP32_IN, $ONESTREAM_MK_GEMV) choose
+the `Tuning` that the back-end creation and the CLI resolve (kernels/build.py `tuning_from_env`); tests that
+create a back end must not get a tensor-core build behind their back. Tests of the settings set them again with
+monkeypatch.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from onestream.kernels.build import (
     dn_split,
     gemv_chunks,
     ptxas_report,
+    tuning_from_env,
 )
 from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH, G, L, Phase, ctrl_slots, preamble_defines
 from onestream.kernels.phase_timing import (
@@ -228,22 +229,31 @@ def test_variant_and_timing_switches_reach_the_source() -> None:
     assert "fence.acq_rel.gpu" in assemble_source(KernelSpec(tiny_config(), num_sms=132))
 
 
-def test_activation_precision_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FP32_ACT_ENV, raising=False)
+def test_activation_precision_switch_reaches_the_source() -> None:
     assert Tuning().fp32_act and KernelSpec(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 1
-    monkeypatch.setenv(FP32_ACT_ENV, "0")
-    assert not Tuning().fp32_act
-    assert KernelSpec(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 0
-    assert Tuning(fp32_act=True).fp32_act  # an explicit choice wins over the environment
-    monkeypatch.setenv(FP32_ACT_ENV, "maybe")
-    with pytest.raises(ValueError, match=FP32_ACT_ENV):
-        Tuning()
+    bf16 = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=False))
+    assert bf16.defines()["MK_FP32_ACT"] == 0
     # The two precisions are different programs: the source text differs only in the switch.
-    monkeypatch.delenv(FP32_ACT_ENV)
     a = assemble_source(KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=True)))
-    b = assemble_source(KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=False)))
+    b = assemble_source(bf16)
     diff = [(x, y) for x, y in zip(a.splitlines(), b.splitlines(), strict=True) if x != y]
     assert diff == [("#define MK_FP32_ACT 1", "#define MK_FP32_ACT 0")]
+
+
+def test_environment_settings_are_read_at_the_edge_not_by_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$ONESTREAM_MK_FP32_ACT / $ONESTREAM_MK_GEMV reach a build only through tuning_from_env (the back-end
+    creation and the CLI call it); a Tuning built anywhere else has the defaults, whatever the shell exports."""
+    monkeypatch.setenv(FP32_ACT_ENV, "0")
+    monkeypatch.setenv(GEMV_ENV, "tensor")
+    assert Tuning() == Tuning(fp32_act=True, mma=False)
+    resolved = tuning_from_env()
+    assert not resolved.fp32_act and resolved.mma
+    assert tuning_from_env(mma=False).mma is False  # fields named at the edge win over the environment
+    assert tuning_from_env({}) == Tuning()
+    assert tuning_from_env({GEMV_ENV: "scalar", FP32_ACT_ENV: "true"}) == Tuning()
+    for env, name in (({FP32_ACT_ENV: "maybe"}, FP32_ACT_ENV), ({GEMV_ENV: "fast"}, GEMV_ENV)):
+        with pytest.raises(ValueError, match=name):
+            tuning_from_env(env)
 
 
 def test_dynamic_row_switch_reaches_the_source_and_checks_its_knobs() -> None:
@@ -439,18 +449,6 @@ def test_item_times_average_over_launches_and_pool_the_idle_blocks() -> None:
         item_times(launches, names, "attention", ["x"] * 5)
     with pytest.raises(ValueError, match="no phase"):
         item_times(launches, names, "dn_rec", ["x"])
-
-
-def test_gemv_switch_and_its_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """$ONESTREAM_MK_GEMV picks the default GEMV (scalar unless "tensor"); a bad value names the variable."""
-    monkeypatch.delenv(GEMV_ENV, raising=False)
-    assert not Tuning().mma
-    monkeypatch.setenv(GEMV_ENV, "tensor")
-    assert Tuning().mma and KernelSpec(tiny_config(), num_sms=4).defines()["MK_MMA"] == 1
-    assert not Tuning(mma=False).mma  # an explicit choice wins
-    monkeypatch.setenv(GEMV_ENV, "fast")
-    with pytest.raises(ValueError, match=GEMV_ENV):
-        Tuning()
 
 
 def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:

@@ -191,8 +191,9 @@ def create_backend(
         return ReferenceBackend(model)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
+        from onestream.kernels.build import tuning_from_env  # type: ignore[import-not-found]
 
-        return MegakernelBackend(model)
+        return MegakernelBackend(model, tuning=tuning_from_env())  # the operator's $ONESTREAM_MK_* settings
     except Exception as e:  # auto falls back on any build failure, and says why
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e

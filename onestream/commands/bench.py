@@ -73,20 +73,24 @@ def run_decode(args: argparse.Namespace) -> int:
         print("onestream bench decode: needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2
     from onestream.kernels.benchmark import as_json, bench_model, format_results, measure_ceilings
-    from onestream.kernels.build import Tuning
+    from onestream.kernels.build import tuning_from_env
     from onestream.kernels.random_model import config_27b
 
+    try:
+        default = tuning_from_env()  # the build a card would run here ($ONESTREAM_MK_*)
+    except ValueError as e:
+        print(f"onestream bench decode: {e}", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name(0)
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbs:.0f} GB/s, read {ceilings.read_gbs:.0f} GB/s", flush=True)
     results = []
     alternated: list = []
     if not args.skip_27b:
-        tunings = {"default": Tuning()}
+        tunings = {"default": default}
         if args.sweep:
-            # Run 9: the tensor-core GEMV against the default scalar one, and the per-phase timing build.
-            tunings["tensor-core GEMV"] = Tuning(mma=True)
-            tunings["phase timing"] = Tuning(phase_timing=True)
+            tunings["tensor-core GEMV"] = dataclasses.replace(default, mma=True)
+            tunings["phase timing"] = dataclasses.replace(default, phase_timing=True)
         tunings.update(dict(args.variant))
         name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
         results.append(
@@ -124,6 +128,7 @@ def run_decode(args: argparse.Namespace) -> int:
             ref_steps=args.ref_steps * 2,
             hf=not args.skip_hf,
             model=small_model,
+            tunings={"default": default},
         )
     )
     print()
@@ -330,12 +335,16 @@ def run_spec(args: argparse.Namespace) -> int:
     print(bs.format_report(result), flush=True)
     if not args.skip_27b:
         tokens = sorted({1, *args.tokens})
-        from onestream.kernels.build import Tuning
+        from onestream.kernels.build import tuning_from_env
 
         gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
         if args.phase_timing:
             gemv += ", phase-timing build"
-        tuning = Tuning(mma=args.gemv == "mma", phase_timing=args.phase_timing)
+        try:
+            tuning = tuning_from_env(mma=args.gemv == "mma", phase_timing=args.phase_timing)
+        except ValueError as e:
+            print(f"onestream bench spec: {e}", file=sys.stderr)
+            return 2
         if args.tuning:
             try:
                 tuning = dataclasses.replace(tuning, **args.tuning)
