@@ -13,18 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from onestream.worker import loading
+from onestream.worker.checkpoints.hf import INDEX_FILE, SINGLE_FILE, checkpoint_files, read_checkpoint_tensors
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import CheckpointError, UnsupportedModelError
-from onestream.worker.loading import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    checkpoint_files,
-    default_model_dir,
-    expected_tensor_shapes,
-    load_model,
-    load_weights_into,
-    read_checkpoint_tensors,
-)
+from onestream.worker.loading import default_model_dir, expected_tensor_shapes, load_model, load_weights_into
 from onestream.worker.model import Qwen35ForCausalLM
 from onestream.worker.testing import random_weights, tiny_config, write_tiny_checkpoint
 from safetensors.torch import load_file, save_file

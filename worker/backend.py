@@ -98,9 +98,8 @@ class ReferenceBackend:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.config: ModelConfig = model.config
-        first = next(model.parameters())
-        self.device: torch.device = first.device
-        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = model.device
+        self.dtype: torch.dtype = model.dtype
 
     @property
     def has_mtp(self) -> bool:
@@ -163,16 +162,18 @@ def default_device() -> torch.device:
 
 
 def create_backend(
-    model_dir: Any,
+    model: Any,
     *,
     kind: str = "auto",
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    progress: Any = None,
 ) -> Backend:
-    """Load the model in `model_dir` and wrap it in the chosen back end.
+    """Load `model` (a checkpoint path in any format, or an opened `Checkpoint`) and wrap it in the chosen
+    back end.
 
-    auto: the megakernel when the device is a CUDA GPU and `onestream.kernels` can build it, else the
-    reference. megakernel: that or a `BackendUnavailableError` saying why not.
+    auto: the megakernel when the device is a CUDA GPU and `onestream.kernels` can build it, else the reference. megakernel: that or a
+    `BackendUnavailableError` saying why not.
     """
     from .loading import load_model
 
@@ -186,16 +187,16 @@ def create_backend(
     if kind == "megakernel" and device.type != "cuda":
         raise BackendUnavailableError(f"backend 'megakernel' runs on a CUDA device, not {device}")
     dtype = dtype or default_dtype(device)
-    model = load_model(model_dir, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device, progress=progress)
     if kind == "reference" or device.type != "cuda":
-        return ReferenceBackend(model)
+        return ReferenceBackend(loaded)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
         from onestream.kernels.build import tuning_from_env  # type: ignore[import-not-found]
 
-        return MegakernelBackend(model, tuning=tuning_from_env())  # the operator's $ONESTREAM_MK_* settings
+        return MegakernelBackend(loaded, tuning=tuning_from_env())  # the operator's $ONESTREAM_MK_* settings
     except Exception as e:  # auto falls back on any build failure, and says why
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
         log.warning("megakernel back end unavailable (%s); using the reference back end", e)
-        return ReferenceBackend(model)
+        return ReferenceBackend(loaded)

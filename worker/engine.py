@@ -8,7 +8,6 @@ still yields `Finished("cancelled")`. Either way the session's state stays consi
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +17,11 @@ from typing import Any
 import torch
 
 from .backend import Backend, create_backend
-from .errors import CheckpointError, EngineBusyError, InvalidRequestError
+from .checkpoints import open_checkpoint
+from .checkpoints.hf import generation_defaults
+from .errors import EngineBusyError, InvalidRequestError
 from .output import Finished, StopChecker, Timings, TokenChunk, Usage
+from .progress import LoadProgress
 from .request import GenerateRequest
 from .sampling import RequestSampler, SamplingParams
 from .sequence import Sequence
@@ -36,6 +38,7 @@ __all__ = [
     "Timings",
     "TokenChunk",
     "Usage",
+    "generation_defaults",
 ]
 
 # Chosen by measurement: `onestream eval spec --k 1 2 3 4` on the embedded default model (held-out prompts,
@@ -53,44 +56,6 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-
-
-# generation_config.json keys that set a SamplingParams field of the same name when a request leaves it out.
-GENERATION_CONFIG_SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-def generation_defaults(model_dir: Path) -> dict[str, Any]:
-    """The sampling defaults of a checkpoint's generation_config.json, as SamplingParams fields.
-
-    As in transformers, `do_sample` false (or absent) means greedy: temperature 0, whatever the file's
-    temperature says; the other keys (penalties, top-k/p, min-p) apply either way. Only keys present in the
-    file are returned (transformers' implicit top_k=50 is not applied, as in vLLM). No file: no defaults.
-    """
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    defaults = {key: config[key] for key in GENERATION_CONFIG_SAMPLING_KEYS if config.get(key) is not None}
-    if not config.get("do_sample", False):
-        defaults["temperature"] = 0.0
-    try:
-        SamplingParams(**defaults).validate()
-    except InvalidRequestError as e:
-        raise CheckpointError(f"{path}: invalid sampling default: {e}") from e
-    return defaults
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -114,21 +79,29 @@ class Engine:
         max_context: int | None = None,
         max_checkpoints: int = 4,
         token_healing: bool = False,
+        quantize: str | None = None,
+        tokenizer_dir: str | Path | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
-        from .loading import default_model_dir
-        from .tokenizer import load_tokenizer
-
-        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
+        quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
+        the checkpoint's own."""
+        self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
+        self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
             self.backend: Backend = create_backend(
-                self.model_dir, kind=backend, device=device, dtype=parse_dtype(dtype)
+                self.checkpoint,
+                kind=backend,
+                device=device,
+                dtype=parse_dtype(dtype),
+                progress=progress or LoadProgress(self.checkpoint.stored_sizes()),
             )
         else:
             self.backend = backend
         self.config = self.backend.config
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = self.checkpoint.tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
-        self.generation_defaults = generation_defaults(self.model_dir)
+        self.generation_defaults = self.checkpoint.generation_defaults()
         limit = self.config.max_position_embeddings
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
@@ -172,8 +145,10 @@ class Engine:
         c = self.config
         return {
             "model_dir": str(self.model_dir),
-            "model_name": self.model_dir.name,
+            "model_name": self.checkpoint.name,
             "model_type": c.model_type,
+            "format": self.checkpoint.format.label,
+            "format_detail": self.checkpoint.format.describe(),
             "backend": self.backend.name,
             "device": str(self.backend.device),
             "dtype": str(self.backend.dtype).removeprefix("torch."),

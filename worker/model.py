@@ -76,11 +76,12 @@ class Qwen35ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The compute dtype (the final norm's: the embedding's weight may be block-quantized)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight).float()

@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .checkpoints.hf import INDEX_FILE, SINGLE_FILE
 from .config import ModelConfig
-from .loading import INDEX_FILE, SINGLE_FILE, expected_tensor_shapes
+from .loading import expected_tensor_shapes
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

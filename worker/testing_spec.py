@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .checkpoints.hf import SINGLE_FILE
 from .config import ModelConfig
-from .loading import SINGLE_FILE
 from .testing import random_weights, tiny_config, write_tiny_checkpoint
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
