@@ -27,7 +27,7 @@ from onestream.worker.output import Finished, TokenChunk
 from onestream.worker.request import GenerateRequest
 from ray.exceptions import RayError, RayTaskError
 
-from . import convert
+from . import convert, limits
 from .cards import CardRegistry
 from .config import PoolConfig
 from .errors import (
@@ -41,6 +41,7 @@ from .errors import (
 from .metrics import RouterMetrics
 from .policy import CardPhase, Scheduler
 from .queue import Assignment, Waiter
+from .wire import client_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,7 +57,9 @@ _CARD_STATES = {
 class _InFlight:
     request_id: str
     task: asyncio.Task[Any]
+    session_id: str | None = None
     aborted: bool = False
+    session_closed: bool = False  # CloseSession came during this turn: it must not bind the session again
 
 
 class Router(pb_grpc.OneStreamServicer):
@@ -88,6 +91,12 @@ class Router(pb_grpc.OneStreamServicer):
     # ---- Generate -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.monotonic()
+        try:
+            limits.check_generate(request, (self.registry.model_info or {}).get("max_context"))
+        except InvalidRequestError as e:
+            await self._refuse(
+                "Generate", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e), INVALID_ARGUMENT), context
+            )
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._inflight:
             await context.abort(
@@ -95,7 +104,7 @@ class Router(pb_grpc.OneStreamServicer):
             )
         task = asyncio.current_task()
         assert task is not None
-        entry = _InFlight(request_id, task)
+        entry = _InFlight(request_id, task, session_id=request.session_id or None)
         self._inflight[request_id] = entry
         self._idle.clear()
         error: PoolError | None = None
@@ -114,9 +123,15 @@ class Router(pb_grpc.OneStreamServicer):
             if not self._inflight:
                 self._idle.set()
         if error is not None:
-            if error.reason is not None:
-                self.metrics.rejected(error.reason)
-            await context.abort(error.code, error.message)
+            await self._refuse("Generate", error, context)
+
+    async def _refuse(self, rpc: str, error: PoolError, context: grpc.aio.ServicerContext) -> None:
+        """End the call with `error` (counted as a rejection when it has a reason)."""
+        if error.reason is not None:
+            self.metrics.rejected(error.reason)
+        if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+            client_error(rpc, error.code, error.message)
+        await context.abort(error.code, error.message)
 
     async def _generate(
         self, request: pb.GenerateRequest, entry: _InFlight, arrived: float, context: grpc.aio.ServicerContext
@@ -294,7 +309,9 @@ class Router(pb_grpc.OneStreamServicer):
             if generator is not None:
                 with contextlib.suppress(Exception):
                     ray.cancel(generator)  # no-op when it already ended
-            self.scheduler.release(card_id, session_id, bind=bind)
+            self.scheduler.release(card_id, session_id, bind=bind and not entry.session_closed)
+            if bind and entry.session_closed:  # closed during this turn: drop what the turn cached
+                self._in_background(actor.close_session.remote(session_id))
 
     async def _next_item(self, generator: Any, card_id: str, sent_tokens: int, deadline: float) -> object:
         """The next stream item, or CardFailure (dead, hung) / PoolError (deadline)."""
@@ -324,6 +341,10 @@ class Router(pb_grpc.OneStreamServicer):
 
     # ---- Abort, sessions ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            limits.check_abort(request)
+        except InvalidRequestError as e:
+            await self._refuse("Abort", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), context)
         aborted = []
         for request_id in request.request_ids:
             entry = self._inflight.get(request_id)
@@ -337,15 +358,21 @@ class Router(pb_grpc.OneStreamServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
         session_id = request.session_id
-        if not session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
+        try:
+            limits.check_id("session_id", session_id, required=True)
+        except InvalidRequestError as e:
+            await self._refuse("CloseSession", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), context)
         card_id = self.scheduler.home_of(session_id)
-        if card_id is None:
+        turns = [e for e in self._inflight.values() if e.session_id == session_id and not e.session_closed]
+        if card_id is None and not turns:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: no card holds it"
             )
-        assert card_id is not None
+        for entry in turns:  # they finish, then drop the state they cached instead of binding it
+            entry.session_closed = True
         self.scheduler.forget_session(session_id)
+        if card_id is None:  # only its first turn is in flight, and drops its state when it ends
+            return pb.CloseSessionResponse()
         # The card finishes its current generation first (one engine call at a time).
         result = await self._call(
             self.registry.actor(card_id).close_session.remote(session_id),
@@ -364,9 +391,13 @@ class Router(pb_grpc.OneStreamServicer):
         for record in self.registry.records():
             if record.identity is None or record.card_id == home:
                 continue
-            task = asyncio.ensure_future(self._quietly(record.actor.close_session.remote(session_id)))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(record.actor.close_session.remote(session_id))
+
+    def _in_background(self, call: Awaitable[Any]) -> None:
+        """A card call nobody waits for (failures are ignored), kept alive until it ends."""
+        task = asyncio.ensure_future(self._quietly(call))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- listings -------------------------------------------------------------------------------
     async def ListCards(

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 
+from . import wire
 from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
@@ -77,7 +77,7 @@ class PoolServer:
             metrics_host, metrics_port, self.metrics.registry, {"/sd": self._service_discovery}
         )
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_OneStreamServicer_to_server(self.router, self.server)
+        wire.add_servicer(self.router, self.server, pb.DESCRIPTOR.services_by_name["OneStream"])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -19,7 +19,7 @@ import torch
 from .backend import Backend, create_backend
 from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
-from .errors import EngineBusyError, InvalidRequestError
+from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
 from .output import Finished, StopChecker, Timings, TokenChunk, Usage
 from .progress import LoadProgress
 from .request import GenerateRequest
@@ -190,13 +190,22 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------------
     def tokenize_prompt(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids; ContextLengthError, found with bounded work, when they cannot fit."""
         prompt = request.prompt
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if request.is_chat:
-            return self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        if isinstance(prompt, str) or request.is_chat:
+            text = (
+                prompt
+                if isinstance(prompt, str)
+                else self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             )
+            room = self.max_context - request.max_tokens
+            ids = self.tokenizer.encode_at_most(text, room)
+            if ids is None:
+                raise ContextLengthError(
+                    f"prompt of more than {room} tokens + max_tokens={request.max_tokens} "
+                    f"exceeds the context of {self.max_context} tokens"
+                )
+            return ids
         return list(prompt)  # type: ignore[arg-type]
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | Finished]:

@@ -41,3 +41,13 @@ class EngineBusyError(OnestreamError, RuntimeError):
 
 class BackendUnavailableError(OnestreamError, RuntimeError):
     """The requested back end cannot run here (no GPU, kernels failed to build)."""
+
+
+QUOTED_CHARS = 40  # how much of a client's value an error message quotes
+
+
+def quoted(value: object) -> str:
+    """A client's value as an error message quotes it: its repr, cut short so that a huge value is never
+    echoed back (a reply's status message travels in a header that clients limit to a few KiB)."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_CHARS else f"{text[: QUOTED_CHARS - 5]}...({len(text)} chars)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ContextLengthError, InvalidRequestError
+from .errors import ContextLengthError, InvalidRequestError, quoted
 from .sampling import SamplingParams
 
 Message = dict[str, Any]
@@ -16,6 +16,20 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_ID_CHARS = 256
+# A text or chat prompt of more UTF-8 bytes than this per context token is refused before it is tokenized:
+# source code and prose average 3-4 bytes per token, so only padding runs could fit and still be refused.
+PROMPT_BYTES_PER_TOKEN = 8
+
+
+def max_prompt_bytes(max_context: int) -> int:
+    """The most UTF-8 bytes a text prompt (or a chat prompt's contents) may have for this context."""
+    return max_context * PROMPT_BYTES_PER_TOKEN
+
+
+def utf8_length(text: str, limit: int) -> int:
+    """The UTF-8 length of `text`, or just its character count when that already exceeds `limit` (a
+    character is at least a byte: a huge string is measured without being encoded)."""
+    return len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
 
 
 @dataclass
@@ -45,6 +59,8 @@ class GenerateRequest:
         """Raise InvalidRequestError naming the first bad field. Needs no model; the prompt's length in
         tokens is checked separately by `check_context` once it is tokenised."""
         _validate_prompt(self.prompt, vocab_size)
+        if max_context is not None:
+            _check_prompt_bytes(self.prompt, max_context)
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
         self.sampling.validate(vocab_size)
@@ -97,13 +113,33 @@ def _validate_prompt(prompt: object, vocab_size: int | None) -> None:
                 raise InvalidRequestError(f"prompt[{i}] must be a message dict with role and content")
             role, content = message.get("role"), message.get("content")
             if role not in MESSAGE_ROLES:
-                raise InvalidRequestError(f"prompt[{i}].role must be one of {MESSAGE_ROLES}, got {role!r}")
+                raise InvalidRequestError(
+                    f"prompt[{i}].role must be one of {MESSAGE_ROLES}, got {quoted(role)}"
+                )
             if not isinstance(content, str):
                 raise InvalidRequestError(
                     f"prompt[{i}].content must be a string, got {type(content).__name__}"
                 )
         return
     _validate_token_ids("prompt", prompt, vocab_size, None, allow_empty=False)
+
+
+def _check_prompt_bytes(prompt: Prompt, max_context: int) -> None:
+    """Text is bounded before it is tokenized: see PROMPT_BYTES_PER_TOKEN."""
+    limit = max_prompt_bytes(max_context)
+    if isinstance(prompt, str):
+        what, size = "text prompt is", utf8_length(prompt, limit)
+    elif prompt and isinstance(prompt[0], dict):
+        what, size = "messages' contents are", 0
+        for message in prompt:
+            size += utf8_length(message["content"], limit - size)  # type: ignore[index]
+    else:
+        return
+    if size > limit:
+        raise ContextLengthError(
+            f"{what} over {limit} bytes: at most {PROMPT_BYTES_PER_TOKEN} bytes per token of the "
+            f"context of {max_context} tokens are allowed"
+        )
 
 
 def _validate_token_ids(

@@ -18,13 +18,15 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from .errors import CheckpointError, InvalidRequestError
+from .errors import CheckpointError, InvalidRequestError, quoted
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_TEMPLATE_NAME = "default"
 MAX_PARTIAL_TOKENS = 3
 MAX_HELD_TOKENS = 8
 PREFIX_CACHE_SIZE = 4096
+CHARS_PER_TOKEN_GUESS = 4  # first prefix `encode_at_most` tries, per token of the limit
+PREFIX_CUT_SLACK_TOKENS = 64
 
 
 class Tokenizer:
@@ -79,6 +81,20 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_at_most(self, text: str, limit: int) -> list[int] | None:
+        """`encode(text)`, or None as soon as it is clear that `text` has more than `limit` tokens: the
+        work is bounded by the limit, not by the text (a 20 MB prompt for a 2k context costs a few KiB).
+
+        Growing prefixes are encoded; a prefix cut mid-word may tokenize into a few more tokens than the
+        same span of the whole text, hence the slack before a prefix's count proves the text too long."""
+        chars = max(CHARS_PER_TOKEN_GUESS * (limit + 1), 1024)
+        while chars < len(text):
+            if len(self.encode(text[:chars])) > limit + PREFIX_CUT_SLACK_TOKENS:
+                return None
+            chars *= 2
+        ids = self.encode(text)
+        return ids if len(ids) <= limit else None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -169,7 +185,9 @@ def validate_messages(messages: object) -> None:
             )
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {quoted(role)}"
+            )
         content = message.get("content")
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string, got {type(content).__name__}")
