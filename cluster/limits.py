@@ -16,6 +16,7 @@ from onestream.worker.request import (
     MAX_STOP_TOKEN_IDS,
     MESSAGE_ROLES,
 )
+from onestream.worker.sampling import SamplingParams
 
 MAX_ABORT_IDS = 1024
 MAX_ROLE_CHARS = max(len(role) for role in MESSAGE_ROLES)
@@ -42,6 +43,11 @@ def check_generate(message: pb.GenerateRequest, max_context: int | None) -> None
     if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError(
             f"stop_token_ids has {len(message.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed"
+        )
+    bias = len(message.sampling.logit_bias)
+    if bias > SamplingParams.MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"sampling.logit_bias has {bias} entries; at most {SamplingParams.MAX_LOGIT_BIAS_ENTRIES}"
         )
     if message.HasField("deadline"):
         seconds, nanos = message.deadline.seconds, message.deadline.nanos

@@ -127,6 +127,11 @@ def assert_client_error(error: grpc.RpcError | None, *fragments: str) -> None:
 
 
 # ---- bounds -------------------------------------------------------------------------------------
+def with_logit_bias(request: pb.GenerateRequest, bias: dict[int, float]) -> pb.GenerateRequest:
+    request.sampling.logit_bias.update(bias)
+    return request
+
+
 HUGE = "x" * (1 << 20)
 OVERSIZED: list[tuple[str, Any, tuple[str, ...]]] = [
     ("20 MB text prompt", lambda: make_request("y" * (20 << 20), max_tokens=4), ("text prompt", "bytes")),
@@ -154,6 +159,11 @@ OVERSIZED: list[tuple[str, Any, tuple[str, ...]]] = [
     ("100k stop strings", lambda: make_request("hi", stop=["s"] * 100_000, max_tokens=4), ("stop has",)),
     ("1 MB stop string", lambda: make_request("hi", stop=[HUGE], max_tokens=4), ("stop[0]",)),
     ("100k stop token ids", lambda: make_request("hi", stop_token_ids=[1] * 100_000), ("stop_token_ids",)),
+    (
+        "100k logit biases",
+        lambda: with_logit_bias(make_request("hi", max_tokens=4), {i: 1.0 for i in range(100_000)}),
+        ("logit_bias",),
+    ),
     ("1M prompt tokens", lambda: make_request([1] * 1_000_000, max_tokens=4), ("exceeds the context",)),
 ]
 
