@@ -11,6 +11,8 @@ class PoolConfig:
     model_dir: str
     grpc_address: str = "127.0.0.1:50051"  # port 0 picks a free port
     metrics_address: str = "127.0.0.1:9400"  # the router's /metrics and /sd; port 0 picks a free port
+    http_address: str | None = None  # the HTTP front door (OpenAI / Anthropic APIs); None: off
+    http_max_body_bytes: int = 64 << 20  # larger request bodies get 413
     # Cards: one per GPU of every node; or, with `cpu_cards`, CPU engines where nodes advertise the
     # `onestream_cpu_card` resource (a locally started Ray node advertises `cpu_cards` of them).
     cpu_cards: int | None = None

@@ -23,6 +23,7 @@ from . import wire
 from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
+from .frontdoor.app import FrontDoor
 from .http_server import MetricsHTTPServer
 from .metrics import RouterMetrics
 from .policy import Scheduler
@@ -56,11 +57,12 @@ class PoolServer:
         self.config = config
         self.grpc_port: int | None = None
         self.metrics_server: MetricsHTTPServer | None = None
+        self.frontdoor: FrontDoor | None = None
 
     async def start(self, *, wait_for_cards: int = 1, ready_timeout_s: float | None = None) -> None:
         """Open the gRPC and metrics ports, start the cards, and wait until `wait_for_cards` serve."""
-        model = self.config.model_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.metrics = RouterMetrics(model)
+        self.model = self.config.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.metrics = RouterMetrics(self.model)
         self.scheduler = Scheduler(
             queue_capacity=self.config.queue_capacity,
             home_wait_s=self.config.home_wait_s,
@@ -98,7 +100,27 @@ class PoolServer:
             wait_for_cards,
             ready_timeout_s if ready_timeout_s is not None else self.config.card_start_timeout_s,
         )
+        if self.config.http_address is not None:
+            await self._start_frontdoor(self.config.http_address)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _start_frontdoor(self, address: str) -> None:
+        host, port = split_address(address)
+        grpc_host = split_address(self.config.grpc_address)[0]
+        wildcard = grpc_host in ("0.0.0.0", "::", "localhost")  # reach it over loopback
+        self.frontdoor = FrontDoor(
+            model=self.model,
+            model_dir=self.config.model_dir,
+            router_address=f"{'127.0.0.1' if wildcard else grpc_host}:{self.grpc_port}",
+            host=host,
+            port=port,
+            max_body_bytes=self.config.http_max_body_bytes,
+        )
+        await self.frontdoor.start()
+
+    @property
+    def http_address(self) -> str | None:
+        return self.frontdoor.endpoint if self.frontdoor is not None else None
 
     @property
     def grpc_address(self) -> str:
@@ -120,6 +142,9 @@ class PoolServer:
 
     async def stop(self) -> None:
         """Close the ports and stop the cards (also after a start that did not finish)."""
+        if self.frontdoor is not None:
+            await self.frontdoor.stop()
+            self.frontdoor = None
         if getattr(self, "server", None) is not None:
             await self.server.stop(self.config.stop_grace_s)
         if getattr(self, "registry", None) is not None:
@@ -186,6 +211,10 @@ class PoolThread:
     @property
     def metrics_address(self) -> str:
         return self.pool.metrics_address
+
+    @property
+    def http_address(self) -> str | None:
+        return self.pool.http_address
 
     def stop(self) -> None:
         try:

@@ -30,7 +30,8 @@ class Serve:
     def __init__(self, *args: str) -> None:
         command = [
             sys.executable, "-m", "onestream", "serve", *args,
-            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--card-threads", "1",
+            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0",
+            "--card-threads", "1",
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
         self.process = subprocess.Popen(

@@ -137,6 +137,20 @@ class Tokenizer:
     ) -> str:
         """Render chat messages (a list of {role, content}) into the model's prompt text."""
         validate_messages(messages)
+        return self.render_chat(
+            messages, add_generation_prompt, template_name=template_name, **template_kwargs
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        template_name: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """`apply_chat_template` for messages the caller checked: they may carry what templates read
+        beyond role and content (`tool_calls`, `tool_call_id`, `reasoning_content`; content None)."""
         template = self._template(template_name)
         context = {
             "bos_token": self.bos_token or "",
@@ -150,7 +164,7 @@ class Tokenizer:
         }
         try:
             return template.render(**context)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # a template's own checks, or bad types
             raise InvalidRequestError(f"messages: the chat template rejected them: {e}") from e
 
     def _template(self, name: str | None) -> jinja2.Template:

@@ -27,6 +27,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (HOST:PORT; 0.0.0.0 for all)")
     p.add_argument("--metrics", default="127.0.0.1:9400", help="router /metrics and /sd address")
+    p.add_argument(
+        "--http",
+        default="127.0.0.1:8000",
+        metavar="ADDR",
+        help="HTTP front door: OpenAI and Anthropic APIs (HOST:PORT; 'off' for none)",
+    )
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. HEAD:6379); default: start one")
     p.add_argument(
         "--cpu-cards",
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model_dir,
         grpc_address=args.listen,
         metrics_address=args.metrics,
+        http_address=None if args.http == "off" else args.http,
         cpu_cards=args.cpu_cards,
         backend=args.backend,
         dtype=args.dtype,
@@ -187,6 +194,8 @@ async def _serve(config: Any, ray_address: str) -> int:
 def _print_addresses(pool: Any) -> None:
     metrics = pool.metrics_address
     print(f"  gRPC        {pool.grpc_address}  (onestream.v1.OneStream, grpc.health.v1, reflection)")
+    if pool.http_address is not None:
+        print(f"  HTTP        http://{pool.http_address}/v1  (OpenAI and Anthropic APIs)")
     print(f"  metrics     http://{metrics}/metrics")
     print(f"  discovery   http://{metrics}/sd  (Prometheus http_sd_configs)")
     for record in pool.registry.records():

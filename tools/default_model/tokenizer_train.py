@@ -25,14 +25,10 @@ SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# A minimal ChatML template (what Qwen models use); the model was trained on code only, so chat turns are
+# ChatML turns (what Qwen models use), with tools, tool calls and tool results in the Qwen3.5 XML form so
+# that the HTTP front door's whole path runs on this model; it was trained on code only, so chat turns are
 # plain text to it, but every prompt format the engine accepts has to render.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8").rstrip("\n")
 
 
 def build_tokenizer() -> Tokenizer:

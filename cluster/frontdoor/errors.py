@@ -1,0 +1,86 @@
+"""Errors of the HTTP APIs: one exception, the HTTP status of each gRPC code, and each API's error body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+DEFAULT_RETRY_AFTER_S = 1
+RETRY_AFTER_METADATA = "retry-after"  # a router's hint, in seconds, on RESOURCE_EXHAUSTED / UNAVAILABLE
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# OpenAI's error types by HTTP status; Anthropic's differ in a few names.
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+ANTHROPIC_TYPES = OPENAI_TYPES | {413: "request_too_large", 503: "overloaded_error", 504: "api_error"}
+
+
+class ApiError(Exception):
+    """An answer other than success: its HTTP status, a message naming what was wrong, the field (`param`)."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+    def openai_body(self) -> dict[str, Any]:
+        kind = OPENAI_TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def bad_field(field: str, message: str) -> ApiError:
+    """400 for one request field: the message starts with the field's path."""
+    return ApiError(400, f"{field}: {message}", param=field)
+
+
+def from_grpc(error: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP answer to a failed router call: its status, the router's message, Retry-After on 429/503."""
+    code = error.code()
+    status = HTTP_STATUS.get(code, 500)
+    retry_after = None
+    if status in (429, 503):
+        retry_after = DEFAULT_RETRY_AFTER_S
+        for key, value in error.trailing_metadata() or ():
+            if key == RETRY_AFTER_METADATA and str(value).isdigit():
+                retry_after = int(value)
+    message = error.details() or code.name.lower()
+    return ApiError(status, message, retry_after_s=retry_after)

@@ -1,0 +1,395 @@
+"""OpenAI's Chat Completions, Completions and Models APIs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from . import params, sse
+from .errors import ApiError, bad_field
+from .events import Collected, Event, Reasoning, Text, ToolCallArguments, ToolCallBegin
+from .service import Generation, Service, TurnSpec, new_id
+from .template import REQUIRED, Tool
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+# ---- request parsing, shared with the Responses API ---------------------------------------------------
+def text_content(value: Any, field: str, *, allow_none: bool = False) -> str:
+    """Content as a string or a list of text parts, as one string."""
+    if value is None and allow_none:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_field(field, f"must be a string or a list of text parts, got {type(value).__name__}")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_field(f"{field}[{j}]", f"only text parts are supported, got {kind!r}")
+        texts.append(params.get(part, "text", str, path=f"{field}[{j}].", required=True))
+    return "".join(texts)
+
+
+def arguments_object(value: Any, field: str) -> dict[str, Any]:
+    """A call's arguments (a JSON string, as OpenAI sends them, or an object) as the object templates read."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as e:
+            raise bad_field(field, f"is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise bad_field(field, "must be a JSON object")
+    return value
+
+
+def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def chat_messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_field("messages", "must be a non-empty array of messages")
+    messages = []
+    for i, message in enumerate(raw):
+        path = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_field(path, f"must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_field(f"{path}.role", f"must be one of {list(CHAT_ROLES)}, got {role!r}")
+        out: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": text_content(
+                message.get("content"), f"{path}.content", allow_none=role == "assistant"
+            ),
+        }
+        if role == "assistant":
+            calls = params.get(message, "tool_calls", list, path=f"{path}.") or []
+            out["tool_calls"] = [
+                _history_call(call, f"{path}.tool_calls[{j}]") for j, call in enumerate(calls)
+            ]
+            thought = message.get("reasoning_content") or message.get("reasoning")
+            if isinstance(thought, str) and thought:
+                out["reasoning_content"] = thought
+        if role == "tool":
+            out["tool_call_id"] = params.get(message, "tool_call_id", str, path=f"{path}.") or ""
+        messages.append(out)
+    return messages
+
+
+def _history_call(call: Any, path: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise bad_field(path, "must be an object")
+    function = params.get(call, "function", dict, path=f"{path}.", required=True)
+    name = params.get(function, "name", str, path=f"{path}.function.", required=True)
+    arguments = arguments_object(function.get("arguments", "{}"), f"{path}.function.arguments")
+    return template_call(str(call.get("id") or ""), name, arguments)
+
+
+def function_tools(raw: Any, *, nested: bool = True) -> list[Tool]:
+    """OpenAI function tools: {"type": "function", "function": {name, description, parameters}} (Chat
+    Completions) or, `nested=False`, the Responses API's flat {"type": "function", name, ...}."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_field("tools", "must be an array of tools")
+    tools: dict[str, Tool] = {}
+    for i, tool in enumerate(raw):
+        path = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise bad_field(f"{path}.type", f"only function tools are supported, got {kind!r}")
+        spec = params.get(tool, "function", dict, path=f"{path}.", required=True) if nested else tool
+        where = f"{path}.function." if nested else f"{path}."
+        name = params.get(spec, "name", str, path=where, required=True)
+        if name in tools:
+            raise bad_field(f"{where}name", f"tool {name!r} is declared twice")
+        schema = params.get(spec, "parameters", dict, path=where) or {"type": "object", "properties": {}}
+        tools[name] = Tool(name, params.get(spec, "description", str, path=where) or "", schema)
+    return list(tools.values())
+
+
+def tool_choice(
+    raw: Any, tools: list[Tool], *, nested: bool = True
+) -> tuple[list[Tool], str | object | None]:
+    """(tools to render, forced call): "none" renders none, "required" / a named function force a call."""
+    if raw is None or raw == "auto":
+        return tools, None
+    if raw == "none":
+        return [], None
+    if not tools:
+        raise bad_field("tool_choice", f"{raw!r} needs tools")
+    if raw == "required":
+        return tools, REQUIRED
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        spec = raw.get("function") if nested else raw
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if name not in {tool.name for tool in tools}:
+            raise bad_field("tool_choice", f"names no declared tool: {name!r}")
+        return tools, name
+    raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, got {raw!r}")
+
+
+def max_tokens(body: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = params.positive_int(body, name)
+        if value is not None:
+            return value
+    return None
+
+
+def usage(generation: Generation) -> dict[str, Any]:
+    used = generation.usage
+    return {
+        "prompt_tokens": used.prompt_tokens,
+        "completion_tokens": used.generated_tokens,
+        "total_tokens": used.prompt_tokens + used.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": used.cached_prompt_tokens},
+    }
+
+
+def finish_reason(generation: Generation) -> str:
+    if generation.stopped_by_length:
+        return "length"
+    return "tool_calls" if generation.tool_calls else "stop"
+
+
+def _common_fields(body: dict[str, Any]) -> None:
+    params.get(body, "model", str, required=True)
+    n = params.positive_int(body, "n")
+    if n not in (None, 1):
+        raise bad_field("n", f"only n = 1 is supported, got {n}")
+    params.unsupported(body, "logprobs", (False,), "no log probabilities")
+    params.unsupported(body, "best_of", (1,), "one candidate per request")
+    params.get(body, "user", str)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = params.get(body, "stream_options", dict) or {}
+    return bool(params.get(options, "include_usage", bool, path="stream_options."))
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------------
+async def chat_completions(
+    service: Service, request: web.Request, body: dict[str, Any]
+) -> web.StreamResponse:
+    _common_fields(body)
+    params.unsupported(body, "top_logprobs", (0,), "no log probabilities")
+    response_format = params.get(body, "response_format", dict) or {"type": "text"}
+    if response_format.get("type") != "text":
+        raise bad_field(
+            "response_format",
+            f"type {response_format.get('type')!r} is not supported (no constrained decoding); use 'text'",
+        )
+    messages = chat_messages(body.get("messages"))
+    tools, forced = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
+    parallel = params.get(body, "parallel_tool_calls", bool)
+    kwargs = params.get(body, "chat_template_kwargs", dict) or {}
+    prompt = await service.template.render(messages, tools, kwargs, forced)
+    sampling = params.sampling(body)
+    params.logit_bias(body, sampling)
+    spec = TurnSpec(
+        prompt.token_ids,
+        max_tokens(body, "max_completion_tokens", "max_tokens"),
+        params.stop_strings(body, "stop"),
+        sampling,
+    )
+    generation = Generation(service, request, spec, service.template.parser(prompt, parse_tools=bool(tools)))
+    stream = params.get(body, "stream", bool)
+    try:
+        first = await generation.start(prompt.prefill)
+        if stream:
+            return await _stream_chat(
+                request, generation, first, body["model"], _include_usage(body), parallel is not False
+            )
+        collected = Collected()
+        collected.add(first)
+        async for events in generation.events():
+            collected.add(events)
+    finally:
+        generation.close()
+    calls = collected.tool_calls if parallel is not False else collected.tool_calls[:1]
+    message: dict[str, Any] = {"role": "assistant", "content": collected.text or (None if calls else "")}
+    if collected.reasoning:
+        message["reasoning_content"] = message["reasoning"] = collected.reasoning
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": new_id("call_"),
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+            }
+            for c in calls
+        ]
+    return web.json_response(
+        {
+            "id": new_id("chatcmpl-"),
+            "object": "chat.completion",
+            "created": generation.created,
+            "model": body["model"],
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(generation)}
+            ],
+            "usage": usage(generation),
+        }
+    )
+
+
+async def _stream_chat(
+    request: web.Request,
+    generation: Generation,
+    first: list[Event],
+    model: str,
+    include_usage: bool,
+    parallel: bool,
+) -> web.StreamResponse:
+    response = await sse.open_stream(request)
+    completion_id = new_id("chatcmpl-")
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": generation.created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return data
+
+    async def send_events(events: list[Event]) -> None:
+        for event in events:
+            delta = _chat_delta(event, parallel)
+            if delta is not None:
+                await sse.send(response, chunk(delta))
+
+    await sse.send(response, chunk({"role": "assistant", "content": ""}))
+    try:
+        await send_events(first)
+        async for events in generation.events():
+            await send_events(events)
+    except ApiError as error:  # after the headers: the error goes in the stream, as OpenAI sends it
+        await sse.send(response, error.openai_body())
+        await sse.send(response, "[DONE]")
+        return response
+    await sse.send(response, chunk({}, finish_reason(generation)))
+    if include_usage:
+        data = chunk({})
+        data["choices"], data["usage"] = [], usage(generation)
+        await sse.send(response, data)
+    await sse.send(response, "[DONE]")
+    return response
+
+
+def _chat_delta(event: Event, parallel: bool) -> dict[str, Any] | None:
+    if isinstance(event, Text):
+        return {"content": event.text}
+    if isinstance(event, Reasoning):
+        return {"reasoning_content": event.text, "reasoning": event.text}
+    if isinstance(event, (ToolCallBegin, ToolCallArguments)) and (parallel or event.index == 0):
+        if isinstance(event, ToolCallBegin):
+            call = {
+                "index": event.index,
+                "id": new_id("call_"),
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+        else:
+            call = {"index": event.index, "function": {"arguments": event.fragment}}
+        return {"tool_calls": [call]}
+    return None
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------------
+async def completions(service: Service, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    _common_fields(body)
+    params.unsupported(body, "echo", (False,), "the prompt is not echoed")
+    params.unsupported(body, "suffix", ("",), "no fill-in-the-middle")
+    prompt_ids = await _completion_prompt(service, body.get("prompt"))
+    sampling = params.sampling(body)
+    params.logit_bias(body, sampling)
+    spec = TurnSpec(
+        prompt_ids, max_tokens(body, "max_tokens") or 16, params.stop_strings(body, "stop"), sampling
+    )
+    generation = Generation(service, request, spec, None)
+    completion_id = new_id("cmpl-")
+
+    def choice(text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": body["model"],
+            "choices": choices,
+        }
+
+    try:
+        await generation.start()
+        if params.get(body, "stream", bool):
+            response = await sse.open_stream(request)
+            try:
+                async for events in generation.events():
+                    for event in events:
+                        assert isinstance(event, Text)
+                        await sse.send(response, envelope([choice(event.text, None)]))
+            except ApiError as error:
+                await sse.send(response, error.openai_body())
+                await sse.send(response, "[DONE]")
+                return response
+            await sse.send(response, envelope([choice("", finish_reason(generation))]))
+            if _include_usage(body):
+                await sse.send(response, envelope([]) | {"usage": usage(generation)})
+            await sse.send(response, "[DONE]")
+            return response
+        text = ""
+        async for events in generation.events():
+            text += "".join(e.text for e in events if isinstance(e, Text))
+    finally:
+        generation.close()
+    return web.json_response(
+        envelope([choice(text, finish_reason(generation))]) | {"usage": usage(generation)}
+    )
+
+
+async def _completion_prompt(service: Service, prompt: Any) -> list[int]:
+    """A text prompt or token ids; a list of one prompt is that prompt (several: one request each)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_field("prompt", f"one prompt per request is supported, got {len(prompt)}")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return service.template.tokenizer.encode(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    raise bad_field("prompt", "must be a non-empty string or a non-empty array of token ids")
+
+
+# ---- /v1/models ---------------------------------------------------------------------------------------
+def model_card(service: Service) -> dict[str, Any]:
+    return {"id": service.model, "object": "model", "created": 0, "owned_by": "onestream"}
+
+
+async def list_models(service: Service, request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [model_card(service)]})
+
+
+async def get_model(service: Service, request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != service.model:
+        raise ApiError(
+            404, f"model {name!r} does not exist; this pool serves {service.model!r}", param="model"
+        )
+    return web.json_response(model_card(service))

@@ -1,0 +1,117 @@
+"""Reading request bodies: every wrong type or value is a 400 that names the field's path."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import bad_field
+
+_KINDS: dict[type, str] = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    dict: "an object",
+    list: "an array",
+}
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def get(
+    body: Mapping[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    *,
+    path: str = "",
+    required: bool = False,
+) -> Any:
+    """`body[name]` when it has one of the types `kind` (None when absent or null, unless required)."""
+    field = f"{path}{name}"
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise bad_field(field, "is required")
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not any(_is(value, k) for k in kinds):
+        wanted = " or ".join(_KINDS.get(k, k.__name__) for k in kinds)
+        raise bad_field(field, f"must be {wanted}, got {type(value).__name__}")
+    return value
+
+
+def positive_int(body: Mapping[str, Any], name: str, *, path: str = "", required: bool = False) -> int | None:
+    value = get(body, name, int, path=path, required=required)
+    if value is not None and value < 1:
+        raise bad_field(f"{path}{name}", f"must be >= 1, got {value}")
+    return value
+
+
+def stop_strings(body: Mapping[str, Any], name: str) -> list[str]:
+    """A stop field: a string or a list of strings."""
+    value = get(body, name, (str, list))
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    for i, stop in enumerate(values):
+        if not isinstance(stop, str):
+            raise bad_field(f"{name}[{i}]", f"must be a string, got {type(stop).__name__}")
+    return [stop for stop in values if stop]
+
+
+def object_body(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise bad_field("body", f"must be a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def unsupported(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
+    """A field whose other values this server does not implement: a 400 saying so, never a silent ignore."""
+    value = body.get(name)
+    if value is not None and value not in allowed:
+        raise bad_field(name, f"{value!r} is not supported ({why})")
+
+
+_FLOAT_SAMPLING = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def sampling(body: Mapping[str, Any], names: tuple[str, ...] = (*_FLOAT_SAMPLING, "top_k", "seed")) -> Any:
+    """The router's SamplingParams from the body's sampling fields among `names` (ranges: the router
+    checks them and names the field)."""
+    from onestream.protos.onestream.v1 import onestream_pb2 as pb
+
+    params = pb.SamplingParams()
+    for name in names:
+        value = get(body, name, int if name in ("top_k", "seed") else float)
+        if value is None:
+            continue
+        try:
+            setattr(params, name, value)
+        except (ValueError, TypeError):
+            raise bad_field(name, f"{value!r} is out of range") from None
+    return params
+
+
+def logit_bias(body: Mapping[str, Any], into: Any) -> None:
+    """OpenAI's logit_bias ({"token id": bias}) into SamplingParams.logit_bias."""
+    value = get(body, "logit_bias", dict)
+    for key, bias in (value or {}).items():
+        if not str(key).isdigit():
+            raise bad_field("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad_field(f"logit_bias.{key}", f"must be a number, got {type(bias).__name__}")
+        into.logit_bias[int(key)] = float(bias)

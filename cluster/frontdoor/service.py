@@ -1,0 +1,97 @@
+"""What every API module shares: the router, the chat template, the model's name, and running one turn."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+
+from .events import Event, Text
+from .reasoning import OutputParser
+from .template import ChatTemplate
+from .upstream import RouterClient, Turn, credentials
+
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass
+class Service:
+    router: RouterClient
+    template: ChatTemplate
+    model: str  # the served model's name (/v1/models); requests may name any model
+
+
+@dataclass
+class TurnSpec:
+    """A turn as the APIs describe it, in the router's terms."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
+
+    def request(self, session_id: str) -> pb.GenerateRequest:
+        message = pb.GenerateRequest(session_id=session_id, stop=self.stop, sampling=self.sampling)
+        message.token_ids.ids.extend(self.prompt_ids)
+        if self.max_tokens is not None:
+            message.max_tokens = self.max_tokens
+        return message
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+class Generation:
+    """One turn through the router, its text run through the output parser.
+
+    `start()` returns once a card has the turn (errors surface as ApiError, before any response is
+    sent); `events()` yields the parsed events of each chunk; `finished` holds the final message. `close()`
+    cancels the gRPC call (a client that went away frees its card at once)."""
+
+    def __init__(
+        self, service: Service, request: web.Request, spec: TurnSpec, parser: OutputParser | None
+    ) -> None:
+        self.created = int(time.time())
+        self._service = service
+        self._metadata = credentials(request.headers)
+        self._request = spec.request(request.headers.get(SESSION_HEADER, ""))
+        self._parser = parser
+        self._turn: Turn | None = None
+        self.finished: pb.Finished | None = None
+
+    async def start(self, prefill: str = "") -> list[Event]:
+        self._turn = self._service.router.generate(self._request, self._metadata)
+        await self._turn.assigned()
+        return self._parser.feed(prefill) if prefill and self._parser is not None else []
+
+    async def events(self) -> AsyncIterator[list[Event]]:
+        assert self._turn is not None
+        async for item in self._turn.events():
+            if isinstance(item, pb.Finished):
+                self.finished = item
+                break
+            if item.text:
+                yield self._parser.feed(item.text) if self._parser is not None else [Text(item.text)]
+        if self._parser is not None:
+            yield self._parser.finish()
+
+    @property
+    def tool_calls(self) -> int:
+        return self._parser.tool_calls if self._parser is not None else 0
+
+    @property
+    def usage(self) -> pb.Usage:
+        return self.finished.usage if self.finished is not None else pb.Usage()
+
+    @property
+    def stopped_by_length(self) -> bool:
+        return self.finished is not None and self.finished.finish_reason == "length"
+
+    def close(self) -> None:
+        if self._turn is not None:
+            self._turn.cancel()

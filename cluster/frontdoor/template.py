@@ -1,0 +1,124 @@
+"""Prompts rendered by the checkpoint's own chat template (with tools and template kwargs, as vLLM does),
+tokenised here so that the router can route and cache by tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from onestream.worker.errors import InvalidRequestError
+from onestream.worker.tokenizer import Tokenizer
+
+from .errors import bad_field
+from .reasoning import THINK_CLOSE, OutputParser, prompt_opens_reasoning
+from .toolcalls import JSON, OPEN, XML, ToolCallParser
+
+REQUIRED = object()  # tool_choice "required": some call, the model names it
+_PROBE = "onestream_probe_tool"
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def for_template(self) -> dict[str, Any]:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass
+class Prompt:
+    text: str
+    token_ids: list[int]
+    reasoning: bool  # the template opened a reasoning block: the output starts inside it
+    prefill: str  # the start of the answer written into the prompt (a forced tool call); parsed first
+    tools: Sequence[Tool]
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tool_format = self._tool_format()
+
+    def _tool_format(self) -> str | None:
+        """The tool-call form the template writes for an assistant's call: XML, JSON, or None (no tools)."""
+        call = {"type": "function", "function": {"name": _PROBE, "arguments": {"x": "1"}}}
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        tool = Tool(_PROBE, "probe", {"type": "object", "properties": {"x": {"type": "string"}}})
+        try:
+            text = self.tokenizer.render_chat(
+                messages, add_generation_prompt=False, tools=[tool.for_template()]
+            )
+        except InvalidRequestError:
+            return None
+        if f"<function={_PROBE}>" in text:
+            return XML
+        if OPEN in text and f'"{_PROBE}"' in text:
+            return JSON
+        return None
+
+    async def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[Tool],
+        template_kwargs: Mapping[str, Any],
+        forced: str | object | None = None,
+    ) -> Prompt:
+        """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call."""
+        if tools and self.tool_format is None:
+            raise bad_field("tools", "this model's chat template does not render tools")
+        return await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[Tool],
+        template_kwargs: dict[str, Any],
+        forced: str | object | None,
+    ) -> Prompt:
+        kwargs = dict(template_kwargs)
+        if tools:
+            kwargs["tools"] = [tool.for_template() for tool in tools]
+        try:
+            text = self.tokenizer.render_chat(messages, **kwargs)
+        except InvalidRequestError as e:
+            late_system = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+            if not late_system:
+                raise bad_field("messages", str(e).removeprefix("messages: ")) from e
+            # Stock Qwen templates refuse a system message after the first (Claude Code sends one): such
+            # messages go in as user turns rather than the request failing.
+            moved = [dict(m, role="user") if i in late_system else m for i, m in enumerate(messages)]
+            try:
+                text = self.tokenizer.render_chat(moved, **kwargs)
+            except InvalidRequestError as again:
+                raise bad_field("messages", str(again).removeprefix("messages: ")) from again
+        reasoning = prompt_opens_reasoning(text)
+        prefill = self._prefill(forced, reasoning)
+        text += prefill
+        return Prompt(text, self.tokenizer.encode(text), reasoning, prefill, tools)
+
+    def _prefill(self, forced: str | object | None, reasoning: bool) -> str:
+        if forced is None:
+            return ""
+        close = f"{THINK_CLOSE}\n\n" if reasoning else ""
+        named = isinstance(forced, str)
+        if self.tool_format == XML:
+            return close + f"{OPEN}\n<function=" + (f"{forced}>\n" if named else "")
+        return close + f'{OPEN}\n{{"name": "' + (f'{forced}", "arguments": ' if named else "")
+
+    def parser(self, prompt: Prompt, *, parse_tools: bool) -> OutputParser:
+        """The parser of this turn's output, already fed the prefill (call `prefill_events` once)."""
+        formats = (self.tool_format,) if self.tool_format else (XML, JSON)
+        tools = {tool.name: tool.parameters for tool in prompt.tools}
+        calls = ToolCallParser(tools, formats) if parse_tools and tools else None
+        return OutputParser(reasoning=prompt.reasoning, tools=calls)
+
+    async def count(self, text: str) -> int:
+        return len(await asyncio.to_thread(self.tokenizer.encode, text))
