@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from onestream.worker.tokenizer import load_tokenizer
+from onestream.worker.checkpoints import open_checkpoint
+from onestream.worker.tokenizer import Tokenizer
 
 from . import openai_api
 from .errors import ApiError
@@ -102,7 +103,7 @@ class FrontDoor:
         self._router: RouterClient | None = None
 
     async def start(self) -> None:
-        tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        tokenizer = await asyncio.to_thread(self._tokenizer)
         template = await asyncio.to_thread(ChatTemplate, tokenizer)
         self._router = RouterClient(self.router_address)
         service = Service(self._router, template, self.model)
@@ -117,6 +118,9 @@ class FrontDoor:
         server = site._server
         if self.port == 0 and server is not None and server.sockets:  # type: ignore[union-attr]
             self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def _tokenizer(self) -> Tokenizer:
+        return open_checkpoint(self.model_dir).tokenizer()  # the same loader the cards use
 
     @property
     def endpoint(self) -> str:
