@@ -32,24 +32,34 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"onestream status: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        try:
+            model = client.model_info()
+        except grpc.RpcError:  # no card has come up yet
+            model = None
     if args.json:
         report = {
             "health": health,
+            "model": MessageToDict(model, always_print_fields_with_no_presence=True) if model else None,
             "pool": MessageToDict(status, always_print_fields_with_no_presence=True),
             "cards": [MessageToDict(c, always_print_fields_with_no_presence=True) for c in cards],
             "sessions": [MessageToDict(s, always_print_fields_with_no_presence=True) for s in sessions],
         }
         print(json.dumps(report, indent=1))
         return 0
-    print(format_status(args.server, health, status, cards, sessions))
+    print(format_status(args.server, health, status, cards, sessions, model))
     return 0
 
 
-def format_status(server: str, health: str, status: Any, cards: list[Any], sessions: list[Any]) -> str:
+def format_status(
+    server: str, health: str, status: Any, cards: list[Any], sessions: list[Any], model: Any = None
+) -> str:
     from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
     lines = [
         f"pool at {server}: {health}{' (draining)' if status.draining else ''}",
+        f"  model {model.name} [{model.format or 'unknown format'}] on {model.backend} {model.dtype}"
+        if model is not None
+        else "  model: no card is up yet",
         f"  queue {status.queue_depth}/{status.queue_capacity}   in flight {status.in_flight}   "
         f"cards free {status.cards_free} busy {status.cards_busy} down {status.cards_down} "
         f"starting {status.cards_starting}   sessions {status.sessions}",
@@ -58,6 +68,8 @@ def format_status(server: str, health: str, status: Any, cards: list[Any], sessi
     rows = [("CARD", "STATE", "DEVICE", "BACKEND", "SESSIONS", "CACHE MiB", "RESTARTS", "METRICS")]
     for c in cards:
         state = pb.CardState.Name(c.state).removeprefix("CARD_STATE_").lower()
+        if c.state == pb.CARD_STATE_LOADING:
+            state += f" {c.loading_fraction * 100:.0f}%"
         rows.append(
             (
                 c.card_id,

@@ -17,11 +17,13 @@ class CardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CARD_STATE_FREE: _ClassVar[CardState]
     CARD_STATE_BUSY: _ClassVar[CardState]
     CARD_STATE_DOWN: _ClassVar[CardState]
+    CARD_STATE_LOADING: _ClassVar[CardState]
 CARD_STATE_UNSPECIFIED: CardState
 CARD_STATE_STARTING: CardState
 CARD_STATE_FREE: CardState
 CARD_STATE_BUSY: CardState
 CARD_STATE_DOWN: CardState
+CARD_STATE_LOADING: CardState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -211,7 +213,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, card_id: _Optional[str] = ...) -> None: ...
 
 class Card(_message.Message):
-    __slots__ = ("card_id", "node_id", "gpu_index", "gpu_uuid", "device_name", "backend", "state", "metrics_endpoint", "cached_sessions", "cached_session_bytes", "restarts", "node_ip")
+    __slots__ = ("card_id", "node_id", "gpu_index", "gpu_uuid", "device_name", "backend", "state", "metrics_endpoint", "cached_sessions", "cached_session_bytes", "restarts", "node_ip", "loading_fraction")
     CARD_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,7 @@ class Card(_message.Message):
     CACHED_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FRACTION_FIELD_NUMBER: _ClassVar[int]
     card_id: str
     node_id: str
     gpu_index: int
@@ -236,7 +239,8 @@ class Card(_message.Message):
     cached_session_bytes: int
     restarts: int
     node_ip: str
-    def __init__(self, card_id: _Optional[str] = ..., node_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[_Union[CardState, str]] = ..., metrics_endpoint: _Optional[str] = ..., cached_sessions: _Optional[int] = ..., cached_session_bytes: _Optional[int] = ..., restarts: _Optional[int] = ..., node_ip: _Optional[str] = ...) -> None: ...
+    loading_fraction: float
+    def __init__(self, card_id: _Optional[str] = ..., node_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., device_name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[_Union[CardState, str]] = ..., metrics_endpoint: _Optional[str] = ..., cached_sessions: _Optional[int] = ..., cached_session_bytes: _Optional[int] = ..., restarts: _Optional[int] = ..., node_ip: _Optional[str] = ..., loading_fraction: _Optional[float] = ...) -> None: ...
 
 class ListCardsRequest(_message.Message):
     __slots__ = ()
@@ -279,7 +283,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "max_context", "vocab_size", "num_parameters", "has_mtp", "spec_k", "backend", "dtype", "extra")
+    __slots__ = ("name", "model_type", "max_context", "vocab_size", "num_parameters", "has_mtp", "spec_k", "backend", "dtype", "extra", "format")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +301,7 @@ class ModelInfo(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     max_context: int
@@ -307,7 +312,8 @@ class ModelInfo(_message.Message):
     backend: str
     dtype: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., has_mtp: _Optional[bool] = ..., spec_k: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    format: str
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., has_mtp: _Optional[bool] = ..., spec_k: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ..., format: _Optional[str] = ...) -> None: ...
 
 class GetPoolStatusRequest(_message.Message):
     __slots__ = ()
