@@ -3,9 +3,13 @@
 - Discovery: every `discovery_interval_s` it reads `ray.nodes()`; a node offering card slots (GPUs, or
   the `onestream_cpu_card` resource for CPU cards) gets one actor per slot, pinned to that node. A node
   that joins while serving has its cards added; a node that leaves has its cards removed.
-- Health: free cards are pinged every `health_interval_s` with a timeout. The router reports cards that
-  die or hang mid-stream. A failed card goes DOWN in the scheduler (its sessions lose their home); a
-  hung one is killed so that Ray restarts it; once the restarted actor answers `ready`, the card rejoins.
+- Liveness from progress: every card, busy or free, is pinged every `health_interval_s`; its answer
+  carries the engine's progress counter (model calls: prefill chunks, decode steps). A card that does
+  not answer within `stall_timeout_s`, or that is busy and made no progress for that long, is down; a
+  long prefill progresses chunk by chunk, so it is not. The router reports cards that die mid-stream,
+  and streams on a card that went down end at once. A failed card goes DOWN in the scheduler (its
+  sessions lose their home); a hung one is killed so that Ray restarts it; once the restarted actor
+  answers `ready`, the card rejoins.
   An actor out of restarts is dropped and its slot refilled by discovery.
 - Every call to an actor has a timeout.
 """
@@ -21,12 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from onestream.worker.card import CPU_CARD_RESOURCE, NODE_ID_CHARS, CardActor, CardIdentity, CardSettings
+from onestream.worker.card import (
+    CPU_CARD_RESOURCE,
+    NODE_ID_CHARS,
+    CardActor,
+    CardIdentity,
+    CardLiveness,
+    CardSettings,
+)
 from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .config import PoolConfig
-from .policy import CardPhase, Scheduler
+from .policy import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,9 @@ class CardRecord:
     state: str = STARTING
     identity: CardIdentity | None = None
     restarts: int = 0
+    failure: str | None = None  # why it went down (streams on it end with this)
+    progress: int = -1  # the engine's progress counter at the last ping
+    progress_at: float = 0.0  # monotonic time the counter last moved (or the card was last idle)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -209,6 +223,8 @@ class CardRegistry:
             self.scheduler.remove_card(record.identity.card_id)
         record.identity = identity
         record.state = UP
+        record.failure = None
+        record.progress, record.progress_at = -1, time.monotonic()
         self._by_card[identity.card_id] = record
         self.scheduler.add_card(identity.card_id)
         if self._on_card_up is not None:
@@ -242,6 +258,7 @@ class CardRegistry:
             return
         log.warning("card %s %s; restarting it", card_id, what)
         record.state = RECOVERING
+        record.failure = what
         record.restarts += 1
         self.scheduler.card_down(card_id)
         replacing = None
@@ -258,27 +275,41 @@ class CardRegistry:
         self._changed()
 
     async def check_health(self) -> None:
-        """Ping every free card; a changed incarnation means the actor restarted and lost its cache."""
-        free = [
-            r
-            for r in self._records.values()
-            if r.state == UP and self.scheduler.phase(r.card_id) == CardPhase.FREE
-        ]
-        results = await asyncio.gather(*(self._ping(r) for r in free))
-        for record, (ok, what, hung) in zip(free, results, strict=True):
+        """Ping every serving card: a silent, stalled or restarted one is down."""
+        serving = [r for r in self._records.values() if r.state == UP]
+        results = await asyncio.gather(*(self._ping(r) for r in serving))
+        for record, (ok, what, hung) in zip(serving, results, strict=True):
             if not ok and record.state == UP:
                 self.report_failure(record.card_id, what, hung=hung)
 
     async def _ping(self, record: CardRecord) -> tuple[bool, str, bool]:
+        """(alive, what is wrong, hung)."""
+        timeout_s = self.config.stall_timeout_s
         try:
-            incarnation = await asyncio.wait_for(record.actor.ping.remote(), self.config.call_timeout_s)
+            liveness: CardLiveness = await asyncio.wait_for(record.actor.ping.remote(), timeout_s)
         except asyncio.TimeoutError:
-            return False, f"did not answer a ping within {self.config.call_timeout_s:.0f}s", True
+            return False, f"did not answer a ping within {timeout_s:.0f}s (hung)", True
         except RayError as e:
             return False, f"is unreachable: {_first_line(e)}", False
-        if record.identity is not None and incarnation != record.identity.incarnation:
+        if record.identity is not None and liveness.incarnation != record.identity.incarnation:
             return False, "restarted (its cache is gone)", False
+        now = time.monotonic()
+        if not liveness.busy or liveness.progress != record.progress:
+            record.progress, record.progress_at = liveness.progress, now
+        elif now - record.progress_at > timeout_s:
+            return (
+                False,
+                f"made no progress for {now - record.progress_at:.0f}s while generating (hung)",
+                True,
+            )
         return True, "", False
+
+    def failure(self, card_id: str) -> str | None:
+        """Why a card a stream runs on stopped serving; None while it serves."""
+        record = self._by_card.get(card_id)
+        if record is None:
+            return "left the pool"
+        return record.failure if record.state != UP else None
 
     # ---- lookups --------------------------------------------------------------------------------
     def actor(self, card_id: str) -> Any:

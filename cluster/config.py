@@ -34,8 +34,12 @@ class PoolConfig:
     card_start_timeout_s: float = 900.0  # actor start and model load
     first_token_timeout_s: float = 600.0  # a long prompt's prefill on a slow card
     token_timeout_s: float = 60.0  # between two items of a stream; longer is a hung card
+    # Liveness: every card is pinged every `health_interval_s`; one that does not answer within
+    # `stall_timeout_s`, or whose busy engine makes no progress (prefill chunks, decode steps) for that
+    # long, is down (a hung card is then killed so that Ray restarts it).
+    health_interval_s: float = 1.0
+    stall_timeout_s: float = 4.0
     # Background loops.
-    health_interval_s: float = 5.0
     discovery_interval_s: float = 5.0
     # Shutdown.
     drain_timeout_s: float = 300.0

@@ -28,7 +28,7 @@ from onestream.worker.request import GenerateRequest
 from ray.exceptions import RayError, RayTaskError
 
 from . import convert, limits
-from .cards import CardRegistry
+from .cards import CardRecord, CardRegistry
 from .config import PoolConfig
 from .errors import (
     DEADLINE,
@@ -45,6 +45,7 @@ from .wire import client_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LIVENESS_POLL_S = 0.2  # how often a waiting stream looks at its card's liveness
 
 _CARD_STATES = {
     CardPhase.FREE: pb.CARD_STATE_FREE,
@@ -314,30 +315,47 @@ class Router(pb_grpc.OneStreamServicer):
                 self._in_background(actor.close_session.remote(session_id))
 
     async def _next_item(self, generator: Any, card_id: str, sent_tokens: int, deadline: float) -> object:
-        """The next stream item, or CardFailure (dead, hung) / PoolError (deadline)."""
+        """The next stream item, or CardFailure (dead, down, silent too long) / PoolError (deadline).
+
+        While it waits it watches the card's liveness (cluster/cards.py): a stream on a card that went
+        down ends within LIVENESS_POLL_S. The silence limits are a backstop for a stream that stalls while
+        its card still progresses."""
         limit = self.config.token_timeout_s if sent_tokens else self.config.first_token_timeout_s
         remaining = deadline - time.monotonic()
+        give_up = time.monotonic() + min(limit, max(remaining, 0.0))
+        pending = asyncio.ensure_future(_next_object(generator))
         try:
-            return await asyncio.wait_for(_next_object(generator), min(limit, max(remaining, 0.0)))
+            while not pending.done():
+                failure = self.registry.failure(card_id)
+                if failure is not None:
+                    raise CardFailure(card_id, failure)
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    break
+                await asyncio.wait({pending}, timeout=min(left, LIVENESS_POLL_S))
+            if not pending.done():
+                if remaining <= limit:
+                    raise PoolError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline passed while generating on card {card_id} ({sent_tokens} tokens sent)",
+                        DEADLINE,
+                    )
+                what = f"sent nothing for {limit:.0f}s (hung)"
+                self.registry.report_failure(card_id, what, hung=True)
+                raise CardFailure(card_id, what)
+            return pending.result()
         except StopAsyncIteration:
             raise PoolError(
                 grpc.StatusCode.INTERNAL, f"card {card_id} ended the stream without a final message"
             ) from None
-        except asyncio.TimeoutError:
-            if remaining <= limit:
-                raise PoolError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"deadline passed while generating on card {card_id} ({sent_tokens} tokens sent)",
-                    DEADLINE,
-                ) from None
-            what = f"sent nothing for {limit:.0f}s (hung)"
-            self.registry.report_failure(card_id, what, hung=True)
-            raise CardFailure(card_id, what) from None
         except RayTaskError as e:  # an exception escaped the actor method: a bug on the card
             raise PoolError(grpc.StatusCode.INTERNAL, f"card {card_id} failed: {_first_line(e)}") from e
         except RayError as e:  # the actor died, or its node; its objects are lost
             self.registry.report_failure(card_id, "died mid-stream", hung=False)
             raise CardFailure(card_id, f"died mid-stream ({type(e).__name__})") from e
+        finally:
+            if not pending.done():
+                pending.cancel()
 
     # ---- Abort, sessions ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -404,9 +422,7 @@ class Router(pb_grpc.OneStreamServicer):
         self, request: pb.ListCardsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCardsResponse:
         records = self.registry.records()
-        statuses = await asyncio.gather(
-            *(self._quietly(r.actor.status.remote()) if r.identity else _none() for r in records)
-        )
+        statuses = await asyncio.gather(*(self._card_status(r) if r.identity else _none() for r in records))
         phases = self.scheduler.card_phases()
         cards = []
         for record, status in zip(records, statuses, strict=True):
@@ -476,6 +492,16 @@ class Router(pb_grpc.OneStreamServicer):
         )
 
     # ---- helpers --------------------------------------------------------------------------------
+    async def _card_status(self, record: CardRecord) -> dict[str, Any] | None:
+        """A card's status for a listing; a card found dead is taken down now, so the listing shows it."""
+        try:
+            return await asyncio.wait_for(record.actor.status.remote(), self.config.call_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        except RayError as e:
+            self.registry.report_failure(record.card_id, f"is unreachable: {_first_line(e)}", hung=False)
+            return None
+
     async def _card_sessions(self, card_id: str) -> list[SessionRecord]:
         try:
             actor = self.registry.actor(card_id)

@@ -457,6 +457,10 @@ def test_killing_a_card_mid_stream_fails_only_its_stream_and_the_card_returns(
     card_id = victim.card_id
     assert bystander.card_id != card_id
     ray.kill(pool.call(pool.pool.registry.actor, card_id), no_restart=False)
+    listed = {c.card_id: c.state for c in client.cards()}.get(card_id)
+    assert listed not in (pb.CARD_STATE_BUSY, pb.CARD_STATE_FREE), (
+        "a listing shows a killed card down at once"
+    )
 
     assert victim.done.wait(60)
     assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
@@ -519,7 +523,61 @@ def test_a_card_that_fails_before_the_first_token_is_retried_on_another_card(
     assert len(retried.assigned) == 2 and retried.assigned[0].card.card_id == home
     assert retried.finished.card.card_id == retried.assigned[1].card.card_id != home
     assert not retried.assigned[1].affinity_hit
-    assert retried.finished.timings.time_to_first_token_s >= FIRST_TOKEN_TIMEOUT_S
+    # Found by liveness (no answer to a ping), not by waiting out the first-token timeout.
+    assert retried.finished.timings.time_to_first_token_s < FIRST_TOKEN_TIMEOUT_S
+    wait_for(
+        lambda: {c.card_id: c.state for c in client.cards()}.get(home) == pb.CARD_STATE_FREE,
+        WAIT_S,
+        f"card {home} to be restarted",
+    )
+
+
+def test_a_card_that_stops_progressing_is_down_within_5s_and_a_slow_prefill_is_not(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    def slow_prefill(card: Any, delay_s: float) -> None:  # runs in the card's process (by value)
+        import time
+
+        backend = card._engine.backend
+        real = type(backend).prefill
+
+        def prefill(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay_s)
+            return real(backend, *args, **kwargs)
+
+        backend.prefill = prefill
+
+    def wedge_the_model(card: Any) -> None:  # every later model call blocks forever
+        import threading
+
+        backend = card._engine.backend
+        for name in ("decode", "draft", "verify_greedy"):
+            setattr(backend, name, lambda *args, **kwargs: threading.Event().wait())
+
+    config = pool.pool.config
+    session = new_session()
+    first = run_turn(client, make_request("def main():", session_id=session, max_tokens=2))
+    assert first.error is None
+    home = first.card_id
+    actor = pool.call(pool.pool.registry.actor, home)
+    ray.get(actor.__ray_call__.remote(slow_prefill, 1.5), timeout=WAIT_S)
+    prompt = [65 + i % 50 for i in range(3 * 512 + 100)]  # 4 prefill chunks of 1.5 s: over the stall limit
+    slow = run_turn(client, make_request(prompt, session_id=session, max_tokens=2))
+    assert slow.error is None and slow.card_id == home, slow.error
+    assert slow.finished.timings.prefill_s > config.stall_timeout_s + 1, "the prefill outlasted the limit"
+
+    victim = start_turn(client, long_request(session))
+    assert victim.first_chunk.wait(WAIT_S) and victim.error is None and victim.card_id == home
+    ray.get(actor.__ray_call__.remote(wedge_the_model), timeout=WAIT_S)
+    wedged = time.monotonic()
+    assert victim.done.wait(60)
+    found_s = time.monotonic() - wedged
+    print(f"a wedged card was found down after {found_s:.2f}s")
+    assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no progress" in victim.error.details() and home in victim.error.details()
+    assert found_s < config.stall_timeout_s + config.health_interval_s + 1.0
+    assert {c.card_id: c.state for c in client.cards()}[home] != pb.CARD_STATE_BUSY
+    assert client.pool_status().cards_down >= 1
     wait_for(
         lambda: {c.card_id: c.state for c in client.cards()}.get(home) == pb.CARD_STATE_FREE,
         WAIT_S,

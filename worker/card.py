@@ -75,6 +75,16 @@ class CardIdentity:
 
 
 @dataclass(frozen=True)
+class CardLiveness:
+    """A ping's answer: who answers (`incarnation`), whether a generation runs and the engine's progress
+    counter (cluster/cards.py declares a busy card whose counter stops moving hung)."""
+
+    incarnation: str
+    busy: bool
+    progress: int
+
+
+@dataclass(frozen=True)
 class CardError:
     """An error the engine raised for a request, sent to the router as a stream item. `kind` is the
     error's class name (worker/errors.py), which the router maps to a status code."""
@@ -150,8 +160,8 @@ class CardActor:
     async def ready(self) -> CardIdentity:
         return self.identity
 
-    async def ping(self) -> str:
-        return self.identity.incarnation
+    async def ping(self) -> CardLiveness:
+        return CardLiveness(self.identity.incarnation, self._busy, self._engine.progress)
 
     async def model_info(self) -> dict[str, Any]:
         return dict(self._model_info)
@@ -164,6 +174,7 @@ class CardActor:
             "busy": self._busy,
             "cached_sessions": len(self._sessions),
             "cached_session_bytes": sum(s.cached_bytes for s in self._sessions),
+            "rss_bytes": _resident_bytes(),
         }
 
     # ---- engine work -----------------------------------------------------------------------------
@@ -295,6 +306,15 @@ def _device_identity(settings: CardSettings) -> tuple[int, str, str]:
     raw_uuid = str(getattr(props, "uuid", "") or "")
     gpu_uuid = raw_uuid if raw_uuid.startswith("GPU-") else f"GPU-{raw_uuid}" if raw_uuid else f"gpu-{index}"
     return index, gpu_uuid, props.name
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _plain(value: Any) -> Any:

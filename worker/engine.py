@@ -114,6 +114,9 @@ class Engine:
         self._run_lock = threading.Lock()
         self._cache_lock = threading.RLock()
         self._active_request: str | None = None
+        # Model calls so far (prefill chunks, decode steps, drafts, verifies), counted on the engine's
+        # thread: a busy engine whose count stops growing is stuck (the card's liveness, worker/card.py).
+        self.progress = 0
         self._cancel = threading.Event()
 
     # ---- configuration -----------------------------------------------------------------------------
@@ -343,11 +346,11 @@ class Engine:
         """The sequence to continue and how many prompt tokens it already holds."""
         track_mtp = self.spec_k > 0
         if session_id is None:
-            return None, Sequence(self.backend, self.max_context, track_mtp=track_mtp), 0
+            return None, self._new_sequence(track_mtp), 0
         with self._cache_lock:
             session = self._sessions.take(session_id)
             if session is None:
-                session = Session(session_id, Sequence(self.backend, self.max_context, track_mtp=track_mtp))
+                session = Session(session_id, self._new_sequence(track_mtp))
                 self._sessions.begin(session)
                 return session, session.sequence, 0
         if not track_mtp and session.sequence.track_mtp:
@@ -358,6 +361,12 @@ class Engine:
             session.add_checkpoint(self._sessions.max_checkpoints)
         cached = session.rewind_for(prompt)
         return session, session.sequence, cached
+
+    def _new_sequence(self, track_mtp: bool) -> Sequence:
+        return Sequence(self.backend, self.max_context, track_mtp=track_mtp, on_step=self._stepped)
+
+    def _stepped(self) -> None:
+        self.progress += 1
 
     def _prefill(self, session: Session | None, seq: Sequence, prompt: list[int], cached: int) -> Any:
         """Run the uncached prompt tokens; returns the last step's output (its logits give token one)."""

@@ -10,6 +10,7 @@ Invariant (when MTP is tracked and the sequence is not empty):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +40,12 @@ class Checkpoint:
 class Sequence:
     """The state of one sequence and the operations the engine loop needs on it."""
 
-    def __init__(self, backend: Backend, max_len: int, *, track_mtp: bool) -> None:
+    def __init__(
+        self, backend: Backend, max_len: int, *, track_mtp: bool, on_step: Callable[[], None] | None = None
+    ) -> None:
         self.backend = backend
+        # Called after every call into the model: the engine's progress, which the card's liveness reads.
+        self.on_step = on_step or _nothing
         self.max_len = max_len
         self.state = backend.new_state(max_len)
         self.tokens: list[int] = []
@@ -102,18 +107,23 @@ class Sequence:
             self.tokens.extend(piece)
             # A copy, so that a parked sequence does not keep a whole prompt chunk's hiddens alive.
             self.last_hidden = out.hidden[-1].clone() if len(piece) > 1 else out.hidden[-1]
+            self.on_step()
         assert out is not None
         return out
 
     def run_verify(self, inputs: torch.Tensor) -> StepOutput:
         """Run [pending, d1..dk] (on the device) keeping every position reachable; `accept_verified` then
         commits."""
-        return self.backend.decode(inputs, self.state, keep_states=True)
+        out = self.backend.decode(inputs, self.state, keep_states=True)
+        self.on_step()
+        return out
 
     def run_verify_greedy(self, inputs: torch.Tensor) -> tuple[StepOutput, int, list[int], list[int]]:
         """`run_verify` with greedy acceptance decided by the back end (on the device where it can):
         (output, accepted drafts, argmax per position, the inputs on the host)."""
-        return self.backend.verify_greedy(inputs, self.state)
+        result = self.backend.verify_greedy(inputs, self.state)
+        self.on_step()
+        return result
 
     def accept_verified(self, inputs: Seq[int], verify: StepOutput, kept: int) -> None:
         """Keep the first `kept` verified inputs in the state (roll back the rest).
@@ -163,6 +173,7 @@ class Sequence:
         for start in range(0, len(tokens), MAX_TOKENS_PER_CALL):
             end = start + MAX_TOKENS_PER_CALL
             out = self.backend.draft(ids[start:end], hidden[start:end], self.state)
+            self.on_step()
         assert out is not None
         return out
 
@@ -196,3 +207,7 @@ class Sequence:
         self.tokens = []
         self.last_hidden = None
         self._backlog_tokens, self._backlog_hidden = [], []
+
+
+def _nothing() -> None:
+    pass
