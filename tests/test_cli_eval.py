@@ -159,7 +159,7 @@ def test_eval_reports_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captu
         main(["eval", "kld", "--model", str(tmp_path / "missing"), "--against", "hf", "--tokens", str(ids)])
         == 2
     )
-    assert "no config.json" in capsys.readouterr().err
+    assert "missing: no such file or directory" in capsys.readouterr().err
 
 
 def test_prompts_are_cut_evenly_with_room_to_continue() -> None:
