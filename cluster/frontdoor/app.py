@@ -16,7 +16,7 @@ from aiohttp import web
 from onestream.worker.checkpoints import open_checkpoint
 from onestream.worker.tokenizer import Tokenizer
 
-from . import openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import ApiError
 from .params import object_body
 from .service import Service
@@ -85,6 +85,9 @@ def make_app(service: Service, max_body_bytes: int) -> web.Application:
     app.router.add_post("/v1/completions", _post(service, openai_api.completions))
     app.router.add_get("/v1/models", _get(service, openai_api.list_models))
     app.router.add_get("/v1/models/{model}", _get(service, openai_api.get_model))
+    app.router.add_post("/v1/messages", _post(service, anthropic_api.messages))
+    app.router.add_post("/v1/messages/count_tokens", _post(service, anthropic_api.count_tokens))
+    app.router.add_post("/v1/responses", _post(service, responses_api.responses))
     return app
 
 

@@ -190,7 +190,9 @@ async def chat_completions(
     tools, forced = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
     parallel = params.get(body, "parallel_tool_calls", bool)
     kwargs = params.get(body, "chat_template_kwargs", dict) or {}
-    prompt = await service.template.render(messages, tools, kwargs, forced)
+    # vLLM's extension: a final assistant message the model continues (rather than a new turn).
+    continue_final = bool(params.get(body, "continue_final_message", bool))
+    prompt = await service.template.render(messages, tools, kwargs, forced, continue_final=continue_final)
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)
     spec = TurnSpec(

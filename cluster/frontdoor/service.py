@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
-from .events import Event, Text
+from .events import Event, Reasoning, Text
 from .reasoning import OutputParser
 from .template import ChatTemplate
 from .upstream import RouterClient, Turn, credentials
@@ -54,12 +54,19 @@ class Generation:
     cancels the gRPC call (a client that went away frees its card at once)."""
 
     def __init__(
-        self, service: Service, request: web.Request, spec: TurnSpec, parser: OutputParser | None
+        self,
+        service: Service,
+        request: web.Request,
+        spec: TurnSpec,
+        parser: OutputParser | None,
+        session_id: str | None = None,
     ) -> None:
         self.created = int(time.time())
         self._service = service
         self._metadata = credentials(request.headers)
-        self._request = spec.request(request.headers.get(SESSION_HEADER, ""))
+        if session_id is None:
+            session_id = request.headers.get(SESSION_HEADER, "")
+        self._request = spec.request(session_id)
         self._parser = parser
         self._turn: Turn | None = None
         self.finished: pb.Finished | None = None
@@ -67,7 +74,10 @@ class Generation:
     async def start(self, prefill: str = "") -> list[Event]:
         self._turn = self._service.router.generate(self._request, self._metadata)
         await self._turn.assigned()
-        return self._parser.feed(prefill) if prefill and self._parser is not None else []
+        if not prefill or self._parser is None:
+            return []
+        # The prefill's own text is the client's, not the answer; a call it starts is the answer's.
+        return [e for e in self._parser.feed(prefill) if not isinstance(e, (Text, Reasoning))]
 
     async def events(self) -> AsyncIterator[list[Event]]:
         assert self._turn is not None

@@ -35,7 +35,9 @@ class Prompt:
     text: str
     token_ids: list[int]
     reasoning: bool  # the template opened a reasoning block: the output starts inside it
-    prefill: str  # the start of the answer written into the prompt (a forced tool call); parsed first
+    # The start of the answer written into the prompt (a forced tool call, or the final assistant message a
+    # client asked to continue): the output parser reads it first.
+    prefill: str
     tools: Sequence[Tool]
 
 
@@ -70,11 +72,24 @@ class ChatTemplate:
         tools: Sequence[Tool],
         template_kwargs: Mapping[str, Any],
         forced: str | object | None = None,
+        *,
+        continue_final: bool = False,
     ) -> Prompt:
-        """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call."""
+        """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call;
+        `continue_final`: a final assistant message is the start of the answer, which the model continues."""
         if tools and self.tool_format is None:
             raise bad_field("tools", "this model's chat template does not render tools")
-        return await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+        start = ""
+        if continue_final and len(messages) > 1 and messages[-1]["role"] == "assistant":
+            if messages[-1].get("tool_calls"):
+                raise bad_field("messages", "a final assistant message to continue cannot hold tool calls")
+            start, messages = messages[-1]["content"], messages[:-1]
+        prompt = await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+        prompt.text += start
+        prompt.prefill += start
+        if start:
+            prompt.token_ids = self.tokenizer.encode(prompt.text)
+        return prompt
 
     def _render(
         self,
