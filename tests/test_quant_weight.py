@@ -1,0 +1,112 @@
+"""Quantized weights in the model: swapped-in modules give exactly the model with the dequantized weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from onestream.worker.model import Qwen35ForCausalLM
+from onestream.worker.quant import QuantShapeError, QuantType
+from onestream.worker.quant.weight import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    install_quantized_weights,
+    quantized_nbytes,
+)
+from onestream.worker.testing import tiny_config
+from torch import nn
+
+
+@pytest.fixture
+def seed() -> int:
+    value = random.SystemRandom().randrange(2**31)
+    print(f"seed {value}")
+    return value
+
+
+def quantizable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every linear and embedding weight of the model, by parameter name."""
+    return {
+        f"{name}.weight": module.weight.detach()
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding))
+    }
+
+
+def quantized_and_reference(
+    qtype: QuantType, seed: int, **config: object
+) -> tuple[Qwen35ForCausalLM, Qwen35ForCausalLM, dict[str, QuantizedWeight]]:
+    torch.manual_seed(seed)
+    cfg = tiny_config(**config)
+    model = Qwen35ForCausalLM(cfg).eval()
+    weights = {name: QuantizedWeight.from_float(qtype, w) for name, w in quantizable(model).items()}
+    reference = Qwen35ForCausalLM(cfg).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, weight in weights.items():
+            reference.get_parameter(name).copy_(weight.dequantize())
+    return model, reference, weights
+
+
+@pytest.mark.parametrize("dequantize_once", [False, True])
+@pytest.mark.parametrize(
+    ("qtype", "config"),
+    [
+        (QuantType.Q8_0, {}),
+        (
+            QuantType.Q4_K,
+            {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "linear_value_head_dim": 64},
+        ),
+    ],
+    ids=["Q8_0", "Q4_K"],
+)
+def test_quantized_model_equals_dequantized_weights(
+    qtype: QuantType, config: dict[str, object], dequantize_once: bool, seed: int
+) -> None:
+    model, reference, weights = quantized_and_reference(qtype, seed, **config)
+    install_quantized_weights(model, weights, dtype=torch.float32, dequantize_once=dequantize_once)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert quantized_nbytes(model) == sum(w.nbytes for w in weights.values())
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+    logits, hidden = model(ids)
+    expected_logits, expected_hidden = reference(ids)
+    assert torch.equal(hidden, expected_hidden) and torch.equal(logits, expected_logits)
+    mtp_logits, _ = model.mtp_forward(ids, hidden)
+    assert torch.equal(mtp_logits, reference.mtp_forward(ids, expected_hidden)[0])
+    state, expected_state = model.new_state(16), reference.new_state(16)
+    step = model.forward_step(ids[0], state)
+    assert torch.equal(step.logits, reference.forward_step(ids[0], expected_state).logits)
+
+
+def test_compute_dtype_follows_the_model(seed: int) -> None:
+    model, _, weights = quantized_and_reference(QuantType.Q8_0, seed)
+    install_quantized_weights(model, weights, dtype=torch.float32)
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    proj = model.model.layers[0].mlp.up_proj
+    assert proj.raw.dtype == torch.uint8 and proj.weight.dtype == torch.bfloat16
+    logits, _ = model(torch.tensor([[1, 2, 3]]))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_embedding_dequantizes_only_the_rows_it_reads(seed: int) -> None:
+    table = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
+    weight = QuantizedWeight.from_float(QuantType.Q6_K, table)
+    ids = torch.tensor([[3, 63], [0, 3]])
+    assert torch.equal(QuantizedEmbedding(weight, torch.float32)(ids), weight.dequantize()[ids])
+    assert weight.nbytes == 64 * 210
+
+
+def test_install_names_what_does_not_fit(seed: int) -> None:
+    model, _, weights = quantized_and_reference(QuantType.Q8_0, seed)
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong = QuantizedWeight.from_float(QuantType.Q8_0, torch.zeros(8, 64))
+    with pytest.raises(QuantShapeError, match=rf"{name}: the model expects shape \[128, 64\]"):
+        install_quantized_weights(model, {name: wrong}, dtype=torch.float32)
+    with pytest.raises(QuantShapeError, match=r"model\.norm\.weight: only nn\.Linear and nn\.Embedding"):
+        install_quantized_weights(model, {"model.norm.weight": weights[name]}, dtype=torch.float32)
+    with pytest.raises(QuantShapeError, match="needs 34 uint8 bytes, got 33"):
+        QuantizedWeight(QuantType.Q8_0, (1, 32), torch.zeros(33, dtype=torch.uint8))

@@ -1,0 +1,7 @@
+"""Quantized weights: GGUF's block formats (dequantize / quantize), the weight type the model runs on, and
+the per-tensor type presets (q4_k_m, q5_k_m, q6_k, q8_0)."""
+
+from .codec import dequantize, quantize
+from .types import QuantShapeError, QuantType, UnsupportedQuantTypeError
+
+__all__ = ["QuantShapeError", "QuantType", "UnsupportedQuantTypeError", "dequantize", "quantize"]

@@ -1,0 +1,171 @@
+"""Quantized weights in the model: the weight type, and the modules that stand in for nn.Linear/nn.Embedding.
+
+The model's layers call their projections as modules (`self.q_proj(x)`) and read `lm_head_weight`, so a
+quantized model is the same model with those modules swapped (`install_quantized_weights`, the one place
+that does it). Each module keeps its GGUF bytes on the model's device and dequantizes per call into the
+compute dtype (only that layer's weight exists in full precision at a time), or once at install when the
+caller has the memory for the dequantized model (`dequantize_once`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .codec import dequantize, quantize
+from .types import QuantShapeError, QuantType
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A tensor of `shape` (torch order: `[out, in]` for a linear weight) stored as GGUF blocks of `qtype`."""
+
+    qtype: QuantType
+    shape: tuple[int, ...]
+    raw: torch.Tensor  # uint8, GGUF's byte layout, any shape with the right number of bytes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qtype", QuantType.of(self.qtype))
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        expected = self.qtype.nbytes(self.shape)
+        if self.raw.dtype != torch.uint8 or self.raw.numel() != expected:
+            raise QuantShapeError(
+                f"{self.qtype.name} weight of shape {list(self.shape)} needs {expected} uint8 bytes, "
+                f"got {self.raw.numel()} of {self.raw.dtype}"
+            )
+
+    @classmethod
+    def from_float(cls, qtype: QuantType | int | str, weights: torch.Tensor) -> QuantizedWeight:
+        """Quantize `weights` (on their device) to `qtype`."""
+        qtype = QuantType.of(qtype)
+        return cls(qtype, tuple(weights.shape), quantize(qtype, weights))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(self.qtype, self.shape, self.raw.to(device))
+
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        raw = self.raw if device is None else self.raw.to(device)
+        return dequantize(self.qtype, raw, self.shape, dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` (any shape of ids into the first dimension) of a 2-D weight -> `[*index.shape, cols]`."""
+        table = self.raw.reshape(self.shape[0], -1)
+        picked = table[index.reshape(-1).to(table.device)]
+        return dequantize(self.qtype, picked, (picked.shape[0], self.shape[-1]), dtype).reshape(
+            *index.shape, self.shape[-1]
+        )
+
+
+class _QuantizedModule(nn.Module):
+    """Holds a weight's bytes as a buffer (moves with `.to(device)`) and its compute dtype (follows
+    `.to(dtype)`); with `dequantize_once` also the dequantized weight, as a buffer that follows both."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, dequantize_once: bool) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.shape = weight.shape
+        self.compute_dtype = dtype
+        self.register_buffer("raw", weight.raw)
+        self.dequantized: torch.Tensor | None
+        self.register_buffer(
+            "dequantized", weight.dequantize(dtype) if dequantize_once else None, persistent=False
+        )
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qtype, self.shape, self.raw)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The full-precision weight in the compute dtype: the kept copy, or dequantized now."""
+        if self.dequantized is not None:
+            return self.dequantized
+        return self.quantized.dequantize(self.compute_dtype)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        # A probe shows what the conversion does to float tensors (uint8 bytes are left alone by .to(dtype)).
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.raw.device)).dtype
+        return self
+
+    def extra_repr(self) -> str:
+        once = ", dequantized once" if self.dequantized is not None else ""
+        return f"{self.qtype.name}, shape={list(self.shape)}, compute_dtype={self.compute_dtype}{once}"
+
+
+class QuantizedLinear(_QuantizedModule):
+    """`nn.Linear` without bias over a quantized `[out, in]` weight."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, *, dequantize_once: bool = False) -> None:
+        if len(weight.shape) != 2:
+            raise QuantShapeError(f"a linear weight is 2-D, got shape {list(weight.shape)}")
+        super().__init__(weight, dtype, dequantize_once)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class QuantizedEmbedding(_QuantizedModule):
+    """`nn.Embedding` over a quantized `[vocab, hidden]` table: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, *, dequantize_once: bool = False) -> None:
+        if len(weight.shape) != 2:
+            raise QuantShapeError(f"an embedding table is 2-D, got shape {list(weight.shape)}")
+        super().__init__(weight, dtype, dequantize_once)
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.dequantized is not None:
+            return F.embedding(ids, self.dequantized)
+        return self.quantized.rows(ids, self.compute_dtype)
+
+
+def install_quantized_weights(
+    model: nn.Module,
+    weights: Mapping[str, QuantizedWeight],
+    *,
+    dtype: torch.dtype,
+    dequantize_once: bool = False,
+) -> None:
+    """Replace the module owning each `weights` entry (model parameter names, `...proj.weight`,
+    `model.embed_tokens.weight`, `lm_head.weight`) by its quantized stand-in computing in `dtype`.
+
+    Only nn.Linear (without bias) and nn.Embedding weights can be quantized; anything else, or a shape that
+    differs from the module's, raises QuantShapeError naming the tensor. The replaced module's parameter is
+    dropped (it may be on `meta`: nothing of it is read but its shape).
+    """
+    for name, weight in weights.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if leaf != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise QuantShapeError(f"{name}: only nn.Linear and nn.Embedding weights can be quantized")
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            raise QuantShapeError(f"{name}: a quantized linear layer has no bias")
+        if tuple(module.weight.shape) != weight.shape:
+            raise QuantShapeError(
+                f"{name}: the model expects shape {list(module.weight.shape)}, the weight has {list(weight.shape)}"
+            )
+        kind = QuantizedLinear if isinstance(module, nn.Linear) else QuantizedEmbedding
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, kind(weight, dtype, dequantize_once=dequantize_once))
+
+
+def quantized_nbytes(model: nn.Module) -> int:
+    """Bytes of the quantized weights a model holds (their GGUF blocks)."""
+    return sum(m.raw.numel() for m in model.modules() if isinstance(m, _QuantizedModule))
