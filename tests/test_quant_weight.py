@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 from onestream.worker.model import Qwen35ForCausalLM
-from onestream.worker.quant import QuantShapeError, QuantType
-from onestream.worker.quant.weight import (
+from onestream.worker.quant import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
+    QuantShapeError,
+    QuantType,
     install_quantized_weights,
     quantized_nbytes,
 )

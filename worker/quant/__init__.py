@@ -3,5 +3,23 @@ the per-tensor type presets (q4_k_m, q5_k_m, q6_k, q8_0)."""
 
 from .codec import dequantize, quantize
 from .types import QuantShapeError, QuantType, UnsupportedQuantTypeError
+from .weight import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    install_quantized_weights,
+    quantized_nbytes,
+)
 
-__all__ = ["QuantShapeError", "QuantType", "UnsupportedQuantTypeError", "dequantize", "quantize"]
+__all__ = [
+    "QuantShapeError",
+    "QuantType",
+    "QuantizedEmbedding",
+    "QuantizedLinear",
+    "QuantizedWeight",
+    "UnsupportedQuantTypeError",
+    "dequantize",
+    "install_quantized_weights",
+    "quantize",
+    "quantized_nbytes",
+]
