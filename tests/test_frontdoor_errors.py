@@ -1,0 +1,64 @@
+"""Every router status the HTTP front door can meet becomes its HTTP status, in each API's error shape,
+with Retry-After where a retry helps (the router's own hint when it gives one)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from onestream.cluster.frontdoor.errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_METADATA, from_grpc
+from onestream.cluster.frontdoor.upstream import credentials
+
+
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "openai_type", "anthropic_type"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_request_error"),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", "authentication_error"),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error", "permission_error"),
+        (grpc.StatusCode.NOT_FOUND, 404, "not_found_error", "not_found_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", "overloaded_error"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", "api_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error", "api_error"),
+    ],
+)
+def test_each_status_code_maps_to_its_http_status_and_error_types(
+    code: grpc.StatusCode, status: int, openai_type: str, anthropic_type: str
+) -> None:
+    error = from_grpc(rpc_error(code, "what went wrong"))
+    assert error.status == status
+    assert error.openai_body()["error"] == {
+        "message": "what went wrong",
+        "type": openai_type,
+        "param": None,
+        "code": None,
+    }
+    assert error.anthropic_body() == {
+        "type": "error",
+        "error": {"type": anthropic_type, "message": "what went wrong"},
+    }
+    retries = status in (429, 503)
+    assert error.headers == ({"Retry-After": str(DEFAULT_RETRY_AFTER_S)} if retries else {})
+
+
+def test_the_routers_retry_hint_becomes_retry_after() -> None:
+    error = from_grpc(
+        rpc_error(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "user u1 has 4 requests queued",
+            ((RETRY_AFTER_METADATA, "7"),),
+        )
+    )
+    assert (error.status, error.headers) == (429, {"Retry-After": "7"})
+
+
+def test_credentials_travel_as_a_bearer_token() -> None:
+    assert credentials({"Authorization": "Bearer k1"}) == [("authorization", "Bearer k1")]
+    assert credentials({"x-api-key": "k2"}) == [("authorization", "Bearer k2")]  # Anthropic's header
+    assert credentials({}) == []
