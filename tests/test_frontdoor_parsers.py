@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from onestream.cluster.frontdoor.events import (
     Collected,
     Event,
+    Text,
     ToolCall,
     ToolCallArguments,
     ToolCallBegin,
@@ -128,6 +129,13 @@ CASES: dict[str, tuple[str, bool, str, str, list[ToolCall]]] = {
         "",
         [],
     ),
+    "json-looking prose is text at once": (
+        'Send <tool_call>{"x": 1} and <tool_call>{"name": "nope"} to see.',
+        False,
+        'Send <tool_call>{"x": 1} and <tool_call>{"name": "nope"} to see.',
+        "",
+        [],
+    ),
     "a call cut off by the end of the stream keeps what arrived": (
         "<tool_call>\n<function=write_file>\n<parameter=path>\nx.py\n</parameter>\n<parameter=content>\nimport o",
         False,
@@ -234,6 +242,14 @@ def test_any_string_value_round_trips(value: str, cuts: list[int]) -> None:
     collected, events = parse(split(output, cuts), False)
     assert collected.tool_calls == [ToolCall("write_file", {"content": value})]
     check_streamed_arguments(events, collected.tool_calls)
+
+
+def test_text_that_cannot_start_a_call_is_not_held_back() -> None:
+    parser = ToolCallParser(TOOLS)
+    events = parser.feed('Use <tool_call>{"x": 1} like so')
+    assert "".join(e.text for e in events if isinstance(e, Text)) == 'Use <tool_call>{"x": 1} like so'
+    events = parser.feed(" and <tool_call>\n<function=ls>\n")  # not a declared tool
+    assert "".join(e.text for e in events if isinstance(e, Text)) == " and <tool_call>\n<function=ls>\n"
 
 
 def test_only_the_templates_format_is_parsed() -> None:

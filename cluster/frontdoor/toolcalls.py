@@ -30,6 +30,7 @@ FUNCTION_CLOSE = "</function>"
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
 VALUE_ENDS = (PARAMETER_CLOSE, FUNCTION_CLOSE, CLOSE)
+JSON_HEAD = '{"name":"'  # how a JSON-form call opens, less whitespace
 CODE_FENCE = "```"
 MAX_NAME_CHARS = 256
 MAX_JSON_CALL_CHARS = 1 << 20  # a JSON-form call longer than this is not one: let the text out
@@ -177,9 +178,23 @@ class ToolCallParser:
             self._state = self._body
             return True
         if JSON in self.formats and head.startswith("{"):
-            self._state = self._json
-            return True
+            return self._json_header(out, head, final)
         if not final and (not head or (XML in self.formats and FUNCTION_OPEN.startswith(head))):
+            return False
+        return self._literal(out)
+
+    def _json_header(self, out: list[Event], head: str, final: bool) -> bool:
+        """A JSON-form call must open with `{"name": "<a declared tool>"`; anything else is text at once."""
+        compact = re.sub(r"\s+", "", head)
+        if compact.startswith(JSON_HEAD):
+            rest = compact[len(JSON_HEAD) :]
+            end = rest.find('"')
+            if end >= 0 and rest[:end] in self.tools:
+                self._state = self._json
+                return True
+            if end < 0 and not final and self._could_name(rest):
+                return False
+        elif not final and JSON_HEAD.startswith(compact):
             return False
         return self._literal(out)
 
