@@ -204,15 +204,11 @@ def tool_turn_messages() -> list[dict[str, Any]]:
 
 
 def test_a_tool_round_trip_through_the_openai_sdk(client: openai.OpenAI) -> None:
-    first = client.chat.completions.create(
-        model=MODEL,
-        messages=tool_turn_messages(),
-        tools=[WRITE_FILE],
-        stop=["\n"],
-        max_tokens=48,
-        temperature=0,
-        extra_body={"continue_final_message": True},
-    )
+    request: dict[str, Any] = {
+        "model": MODEL, "messages": tool_turn_messages(), "tools": [WRITE_FILE], "stop": ["\n"],
+        "max_tokens": 48, "temperature": 0, "extra_body": {"continue_final_message": True},
+    }  # fmt: skip
+    first = client.chat.completions.create(**request)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls or []
@@ -220,18 +216,7 @@ def test_a_tool_round_trip_through_the_openai_sdk(client: openai.OpenAI) -> None
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"content"} and arguments["content"].startswith("import")
     assert len(arguments["content"]) > len("import")
-    streamed = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=tool_turn_messages(),
-            tools=[WRITE_FILE],
-            stop=["\n"],
-            max_tokens=48,
-            temperature=0,
-            stream=True,
-            extra_body={"continue_final_message": True},
-        )
-    )
+    streamed = list(client.chat.completions.create(**request, stream=True))
     deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "write_file" and deltas[0].id
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == arguments

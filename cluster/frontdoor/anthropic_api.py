@@ -206,9 +206,7 @@ async def messages(service: Service, request: web.Request, body: dict[str, Any])
         first = await generation.start(prompt.prefill)
         if params.get(body, "stream", bool):
             return await _stream(request, generation, blocks, first, message, len(prompt.token_ids))
-        blocks.feed(first)
-        async for events in generation.events():
-            blocks.feed(events)
+        blocks.feed(await generation.all_events(first))
         blocks.close()
     finally:
         generation.close()
@@ -272,8 +270,7 @@ async def _stream(
         },
     )
     try:
-        await send(blocks.feed(first))
-        async for events in generation.events():
+        async for events in generation.stream(first):
             await send(blocks.feed(events))
         await send(blocks.close())
     except ApiError as error:  # after the headers: the error goes in the stream, as Anthropic sends it

@@ -210,9 +210,7 @@ async def chat_completions(
                 request, generation, first, body["model"], _include_usage(body), parallel is not False
             )
         collected = Collected()
-        collected.add(first)
-        async for events in generation.events():
-            collected.add(events)
+        collected.add(await generation.all_events(first))
     finally:
         generation.close()
     calls = collected.tool_calls if parallel is not False else collected.tool_calls[:1]
@@ -273,8 +271,7 @@ async def _stream_chat(
 
     await sse.send(response, chunk({"role": "assistant", "content": ""}))
     try:
-        await send_events(first)
-        async for events in generation.events():
+        async for events in generation.stream(first):
             await send_events(events)
     except ApiError as error:  # after the headers: the error goes in the stream, as OpenAI sends it
         await sse.send(response, error.openai_body())
@@ -352,9 +349,7 @@ async def completions(service: Service, request: web.Request, body: dict[str, An
                 await sse.send(response, envelope([]) | {"usage": usage(generation)})
             await sse.send(response, "[DONE]")
             return response
-        text = ""
-        async for events in generation.events():
-            text += "".join(e.text for e in events if isinstance(e, Text))
+        text = "".join(e.text for e in await generation.all_events([]) if isinstance(e, Text))
     finally:
         generation.close()
     return web.json_response(

@@ -171,9 +171,7 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         first = await generation.start(prompt.prefill)
         if params.get(body, "stream", bool):
             return await _stream(request, generation, blocks, first, answer)
-        blocks.feed(first)
-        async for events in generation.events():
-            blocks.feed(events)
+        blocks.feed(await generation.all_events(first))
         blocks.close()
     finally:
         generation.close()
@@ -231,8 +229,7 @@ async def _stream(
     await event("response.created", {"response": answer.body})
     await event("response.in_progress", {"response": answer.body})
     try:
-        await send(blocks.feed(first))
-        async for events in generation.events():
+        async for events in generation.stream(first):
             await send(blocks.feed(events))
         await send(blocks.close())
     except ApiError as error:  # after the headers: the error goes in the stream

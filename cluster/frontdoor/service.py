@@ -90,6 +90,16 @@ class Generation:
         if self._parser is not None:
             yield self._parser.finish()
 
+    async def stream(self, first: list[Event]) -> AsyncIterator[list[Event]]:
+        """`first` (what `start` returned), then the events of each chunk."""
+        yield first
+        async for events in self.events():
+            yield events
+
+    async def all_events(self, first: list[Event]) -> list[Event]:
+        """The whole turn's events, for the non-streaming answers."""
+        return [event async for events in self.stream(first) for event in events]
+
     @property
     def tool_calls(self) -> int:
         return self._parser.tool_calls if self._parser is not None else 0
