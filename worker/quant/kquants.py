@@ -37,6 +37,7 @@ from .search import (
     fit_affine,
     fit_symmetric,
     identity,
+    keep_better,
     nearest_affine,
     nearest_symmetric,
     safe_reciprocal,
@@ -104,12 +105,7 @@ def _fit_affine_super(
         scale = d.unsqueeze(-1) * try_sc
         offset = -(dmin.unsqueeze(-1) * try_m)
         err = squared_error(sub, scale, nearest_affine(sub, scale, offset, qmax), offset)
-        better = err < best[0]
-        best = (
-            torch.where(better, err, best[0]),
-            torch.where(better, try_sc, best[1]),
-            torch.where(better, try_m, best[2]),
-        )
+        best = keep_better(best, err, (try_sc, try_m))
     _, sc, m = best
     scale = d.unsqueeze(-1) * sc
     offset = -(dmin.unsqueeze(-1) * m)
@@ -175,8 +171,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
         try_sc = (sc + step).clamp(-128, 127)
         scale = d.unsqueeze(-1) * try_sc
         err = squared_error(sub, scale, nearest_symmetric(sub, scale, -32, 31))
-        better = err < best[0]
-        best = (torch.where(better, err, best[0]), torch.where(better, try_sc, best[1]))
+        best = keep_better(best, err, (try_sc,))
     sc = best[1]
     levels = (nearest_symmetric(sub, d.unsqueeze(-1) * sc, -32, 31).to(torch.int32) + 32).reshape(
         -1, 2, 4, 32
