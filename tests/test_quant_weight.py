@@ -111,3 +111,24 @@ def test_install_names_what_does_not_fit(seed: int) -> None:
         install_quantized_weights(model, {"model.norm.weight": weights[name]}, dtype=torch.float32)
     with pytest.raises(QuantShapeError, match="needs 34 uint8 bytes, got 33"):
         QuantizedWeight(QuantType.Q8_0, (1, 32), torch.zeros(33, dtype=torch.uint8))
+
+
+def test_the_loader_installs_quantized_weights(seed: int) -> None:
+    """`loading.fill_parameters` (what every checkpoint format feeds) keeps linear and embedding weights
+    quantized and dequantizes any other quantized parameter into a plain one."""
+    from onestream.worker.loading import fill_parameters, parameters_on_meta
+
+    model, reference, weights = quantized_and_reference(QuantType.Q8_0, seed)
+    values: dict[str, object] = {name: p.detach() for name, p in model.named_parameters()}
+    values.update(weights)
+    norm = "model.layers.0.input_layernorm.weight"
+    values[norm] = QuantizedWeight.from_float(QuantType.F16, model.get_parameter(norm).detach()[None])
+    with torch.no_grad():
+        reference.get_parameter(norm).copy_(values[norm].dequantize()[0])  # type: ignore[union-attr]
+    with parameters_on_meta():
+        loaded = Qwen35ForCausalLM(model.config)
+    fill_parameters(loaded, values.items(), dtype=torch.float32, device=torch.device("cpu"))  # type: ignore[arg-type]
+    assert isinstance(loaded.model.layers[3].self_attn.q_proj, QuantizedLinear)
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(loaded(ids)[0], reference(ids)[0])

@@ -198,17 +198,12 @@ def install_quantized(
 ) -> None:
     """A linear layer's or the embedding's weight stays quantized (its layer is replaced by a quantized
     one); any other parameter (a norm stored quantized) is dequantized into a plain parameter."""
-    from .layers.quantized import QuantizedEmbedding
-    from .quant import QuantizedLinear
+    from .quant import install_quantized_weights
 
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
-    parent_name, _, child = module_name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    if isinstance(module, nn.Linear) and attr == "weight":
-        setattr(parent, child, QuantizedLinear(weight, dtype=dtype))
-    elif isinstance(module, nn.Embedding) and attr == "weight":
-        setattr(parent, child, QuantizedEmbedding(weight, dtype=dtype))
+    if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+        install_quantized_weights(model, {name: weight.to(device)}, dtype=dtype)
     else:
         param = module._parameters[attr]
         data = weight.dequantize(dtype, device).reshape(param.shape)
