@@ -132,3 +132,18 @@ def test_the_loader_installs_quantized_weights(seed: int) -> None:
     assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
     assert torch.equal(loaded(ids)[0], reference(ids)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dequantize_once", [False, True])
+def test_quantized_model_on_cuda(dequantize_once: bool, seed: int) -> None:
+    config = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "linear_value_head_dim": 64}
+    model, reference, weights = quantized_and_reference(QuantType.Q4_K, seed, **config)
+    install_quantized_weights(model, weights, dtype=torch.float32, dequantize_once=dequantize_once)
+    model.to("cuda").to(torch.bfloat16)
+    reference.to("cuda").to(torch.bfloat16)
+    assert model.model.layers[0].mlp.up_proj.raw.device.type == "cuda" and model.dtype == torch.bfloat16
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda")
+    logits, expected = model(ids)[0], reference(ids)[0]
+    assert torch.allclose(logits, expected, rtol=1e-2, atol=1e-2)
