@@ -31,7 +31,7 @@ def engine(model_dir: Path) -> Engine:
 @pytest.fixture(scope="module")
 def fresh(engine: Engine, model_dir: Path) -> Engine:
     """A second engine on the same loaded model, never given a session."""
-    return Engine(model_dir, backend=engine.backend, spec_k=2)
+    return Engine(model_dir, backend=engine.backend, spec_k=2, cache_bytes=0)
 
 
 def turn(

@@ -80,9 +80,10 @@ class Backend(Protocol):
         """Free what the last keep_states step recorded for rollback (the state stays valid)."""
         ...
 
-    def snapshot(self, state: Any) -> Any:
+    def snapshot(self, state: Any, *, full: bool = False) -> Any:
         """A restorable point. It may leave out the KV caches (restore then truncates them): the engine
-        restores a snapshot only while the state still holds the snapshot's tokens as a prefix."""
+        restores a snapshot only while the state still holds the snapshot's tokens as a prefix. `full`: with
+        the KV caches, restorable into any state of this back end (a prefix shared across sessions)."""
         ...
 
     def restore(self, state: Any, snapshot: Any) -> None: ...
@@ -142,8 +143,8 @@ class ReferenceBackend:
     def release(self, state: Any) -> None:
         state.release_history()
 
-    def snapshot(self, state: Any) -> Any:
-        return state.snapshot(include_kv=False)  # DeltaNet states only; KV caches restore by truncation
+    def snapshot(self, state: Any, *, full: bool = False) -> Any:
+        return state.snapshot(include_kv=full)  # light: DeltaNet states only; KV caches restore by truncation
 
     def restore(self, state: Any, snapshot: Any) -> None:
         state.restore(snapshot)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,17 @@ from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
 from .output import Finished, StopChecker, Timings, TokenChunk, Usage
+from .prefixes import (
+    DEFAULT_PREFIX_SHARING,
+    MESSAGE_START_TOKENS,
+    REUSE_CONVERSATION,
+    REUSE_NONE,
+    REUSE_SESSION,
+    REUSE_SHARED,
+    PrefixReuse,
+    message_boundaries,
+    sharing_scope,
+)
 from .progress import LoadProgress
 from .request import GenerateRequest
 from .sampling import RequestSampler, SamplingParams
@@ -82,6 +94,7 @@ class Engine:
         quantize: str | None = None,
         tokenizer_dir: str | Path | None = None,
         progress: LoadProgress | None = None,
+        prefix_sharing: str = DEFAULT_PREFIX_SHARING,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
@@ -111,6 +124,11 @@ class Engine:
         # tokens are exactly what the model is fed. `onestream generate` turns it on.
         self.token_healing = token_healing
         self._sessions = SessionCache(cache_bytes, max_checkpoints=max_checkpoints)
+        sharing_scope(None, prefix_sharing)  # validates the mode
+        self.prefix_sharing = prefix_sharing
+        starts = (self.tokenizer.token_to_id(token) for token in MESSAGE_START_TOKENS)
+        self._message_starts = frozenset(i for i in starts if i is not None)
+        self.last_reuse = PrefixReuse(REUSE_NONE, 0)  # of the latest turn (read by the card's metrics)
         self._run_lock = threading.Lock()
         self._cache_lock = threading.RLock()
         self._active_request: str | None = None
@@ -180,6 +198,17 @@ class Engine:
         with self._cache_lock:
             return self._sessions.nbytes()
 
+    def shared_prefixes(self) -> tuple[int, int]:
+        """(count, bytes) of the prefix checkpoints shared across sessions."""
+        with self._cache_lock:
+            return len(self._sessions.prefixes), self._sessions.prefixes.nbytes()
+
+    def prefix_points(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(scope, tokens) of every point a request without a session id can continue from: anonymous
+        sessions' states and checkpoints, and the shared prefixes (what the router's prefix index holds)."""
+        with self._cache_lock:
+            return self._sessions.prefix_points()
+
     @property
     def busy(self) -> bool:
         return self._run_lock.locked()
@@ -238,8 +267,10 @@ class Engine:
             t_start = time.perf_counter()
             if healing is not None:
                 prompt_ids = healing.prompt_ids
-            session, seq, cached = self._prepare(request.session_id, prompt_ids)
-            out = self._prefill(session, seq, prompt_ids, cached)
+            session, reuse = self._prepare(request, prompt_ids)
+            self.last_reuse = reuse
+            seq, cached = session.sequence, reuse.tokens
+            out = self._prefill(session, prompt_ids, reuse)
             consistent = True
 
             sampler = RequestSampler(
@@ -342,25 +373,43 @@ class Engine:
         _, text = checker.push(new_tokens)
         return new_tokens, text, next_ids
 
-    def _prepare(self, session_id: str | None, prompt: list[int]) -> tuple[Session | None, Sequence, int]:
-        """The sequence to continue and how many prompt tokens it already holds."""
+    def _prepare(self, request: GenerateRequest, prompt: list[int]) -> tuple[Session, PrefixReuse]:
+        """The session to continue (its own, the anonymous one that reuses the most of the prompt, or a
+        new one) brought to the longest reusable prefix of `prompt`, and where that prefix came from."""
         track_mtp = self.spec_k > 0
-        if session_id is None:
-            return None, self._new_sequence(track_mtp), 0
+        scope = sharing_scope(request.user, self.prefix_sharing)
+        anonymous = request.session_id is None
         with self._cache_lock:
-            session = self._sessions.take(session_id)
+            if anonymous:
+                session = self._sessions.take_by_prefix(scope, prompt)
+            else:
+                session = self._sessions.take(request.session_id)
             if session is None:
-                session = Session(session_id, self._new_sequence(track_mtp))
+                session_id = request.session_id or f"anonymous-{uuid.uuid4().hex[:16]}"
+                sequence = self._new_sequence(track_mtp)
+                session = Session(session_id, sequence, scope=scope, anonymous=anonymous)
                 self._sessions.begin(session)
-                return session, session.sequence, 0
+            shared = self._sessions.prefixes.longest(scope, prompt)
         if not track_mtp and session.sequence.track_mtp:
             session.sequence.stop_tracking_mtp()  # spec_k was set to 0: owed MTP pairs would only pile up
         held = session.sequence.tokens
         if 0 < len(held) < len(prompt) and held == prompt[: len(held)]:
             # About to extend the previous turn's end: keep it restorable (an edited last message).
             session.add_checkpoint(self._sessions.max_checkpoints)
-        cached = session.rewind_for(prompt)
-        return session, session.sequence, cached
+        cached = session.rewind_for(prompt) if held else 0
+        reuse = PrefixReuse(REUSE_CONVERSATION if anonymous else REUSE_SESSION, cached)
+        if cached == 0:
+            reuse = PrefixReuse(REUSE_NONE, 0)
+        if (
+            shared is not None
+            and len(shared.tokens) > cached
+            and session.sequence.can_restore(shared.checkpoint)
+        ):
+            session.sequence.restore(shared.checkpoint)
+            with self._cache_lock:
+                self._sessions.prefixes.used(shared)
+            reuse = PrefixReuse(REUSE_SHARED, len(shared.tokens))
+        return session, reuse
 
     def _new_sequence(self, track_mtp: bool) -> Sequence:
         return Sequence(self.backend, self.max_context, track_mtp=track_mtp, on_step=self._stepped)
@@ -368,12 +417,25 @@ class Engine:
     def _stepped(self) -> None:
         self.progress += 1
 
-    def _prefill(self, session: Session | None, seq: Sequence, prompt: list[int], cached: int) -> Any:
-        """Run the uncached prompt tokens; returns the last step's output (its logits give token one)."""
-        if session is None:
-            return seq.feed(prompt[cached:])
-        if cached < len(prompt) - 1:
-            seq.feed(prompt[cached:-1])
+    def _prefill(self, session: Session, prompt: list[int], reuse: PrefixReuse) -> Any:
+        """Run the uncached prompt tokens; returns the last step's output (its logits give token one).
+
+        A prefill that does not continue its session's own state keeps shared checkpoints at the message
+        boundaries it crosses (worker/prefixes.py)."""
+        seq, start = session.sequence, reuse.tokens
+        if reuse.source in (REUSE_NONE, REUSE_SHARED):
+            scope = session.scope
+            for boundary in message_boundaries(prompt, self._message_starts, start, len(prompt) - 2):
+                with self._cache_lock:
+                    if self._sessions.prefixes.holds(scope, prompt[:boundary]):
+                        continue
+                seq.feed(prompt[start:boundary])
+                start = boundary
+                checkpoint = seq.checkpoint(full=True)
+                with self._cache_lock:
+                    self._sessions.add_prefix(scope, checkpoint)
+        if start < len(prompt) - 1:
+            seq.feed(prompt[start:-1])
         if len(seq) > 0:
             session.add_checkpoint(self._sessions.max_checkpoints)  # end of prompt minus its last token
         return seq.feed(prompt[-1:])

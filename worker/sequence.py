@@ -29,12 +29,16 @@ class Checkpoint:
     """A restorable point of a sequence: its first `len(tokens)` tokens and the state after them.
 
     The back end's snapshot may leave out the KV caches (the reference back end's does), so a checkpoint is
-    restored only while the sequence still holds its tokens as a prefix (`Sequence.can_restore`)."""
+    restored only while the sequence still holds its tokens as a prefix (`Sequence.can_restore`). A `full`
+    one holds them too and restores into any sequence of the same back end: a prefix shared across sessions.
+    `mtp` says whether its MTP cache covers every position (the sequence tracked MTP)."""
 
     tokens: tuple[int, ...]
     snapshot: Any
     last_hidden: torch.Tensor | None
     nbytes: int
+    full: bool = False
+    mtp: bool = False
 
 
 class Sequence:
@@ -178,21 +182,25 @@ class Sequence:
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self) -> Checkpoint:
+    def checkpoint(self, *, full: bool = False) -> Checkpoint:
         self.flush_mtp()
-        snapshot = self.backend.snapshot(self.state)
+        snapshot = self.backend.snapshot(self.state, full=full)
         last = self.last_hidden.clone() if self.last_hidden is not None else None
         hidden_bytes = last.numel() * last.element_size() if last is not None else 0
-        return Checkpoint(tuple(self.tokens), snapshot, last, self.backend.nbytes(snapshot) + hidden_bytes)
+        nbytes = self.backend.nbytes(snapshot) + hidden_bytes
+        return Checkpoint(tuple(self.tokens), snapshot, last, nbytes, full=full, mtp=self.track_mtp)
 
     def can_restore(self, checkpoint: Checkpoint) -> bool:
-        """Whether the sequence still holds the checkpoint's tokens (so its KV caches are still valid)."""
+        """Whether the checkpoint can be restored here: a full one whenever its MTP cache is as complete as
+        this sequence needs; a light one while the sequence still holds its tokens (its KV caches)."""
+        if checkpoint.full:
+            return checkpoint.mtp or not self.track_mtp
         n = len(checkpoint.tokens)
         return n <= len(self.tokens) and tuple(self.tokens[:n]) == checkpoint.tokens
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Return to `checkpoint`, which `can_restore` must allow."""
-        if self.track_mtp and len(checkpoint.tokens) > 1:
+        if self.track_mtp and not checkpoint.full and len(checkpoint.tokens) > 1:
             # The checkpoint's MTP cache covers its len - 1 pairs; ours may still owe some of them.
             in_cache = len(self.tokens) - 1 - len(self._backlog_tokens)
             self.flush_mtp(len(checkpoint.tokens) - 1 - in_cache)

@@ -12,7 +12,13 @@ Checkpoints are taken where branches usually start: the end of every turn's prom
 (a regenerated turn restores it), and the end of the previous turn's output when a new turn extends it (an
 edited last message restores it). Each session keeps at most `max_checkpoints`, least recently used dropped.
 
-Memory is bounded by bytes (states, checkpoints and their hiddens); least recently used sessions go first.
+A request without a session id continues the *anonymous* session of its sharing scope that reuses the most
+of its prompt (agents resend the whole conversation each turn and send no id), or starts a new one.
+Prefix checkpoints shared across sessions (worker/prefixes.py) live here too, in the same budget.
+
+Memory is bounded by bytes (states, checkpoints and their hiddens, shared prefixes). Least valuable first
+out: shared prefixes no session has reused yet (the oldest first), then whatever was used least recently,
+sessions and reused shared prefixes alike.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from .errors import UnknownSessionError
+from .prefixes import TEAM_SCOPE, PrefixStore, SharedPrefix
 from .sequence import Checkpoint, Sequence
 
 
@@ -33,6 +40,8 @@ class Session:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # least recently used first
     last_used: float = field(default_factory=time.time)
     closed: bool = False  # closed while in use: not cached again
+    scope: str = TEAM_SCOPE  # who may continue it by prefix or share what it leaves (worker/prefixes.py)
+    anonymous: bool = False  # opened by a request without a session id: found by prompt prefix
 
     def nbytes(self) -> int:
         return self.sequence.nbytes() + sum(c.nbytes for c in self.checkpoints)
@@ -46,6 +55,22 @@ class Session:
             return
         self.checkpoints.append(self.sequence.checkpoint())
         del self.checkpoints[: max(0, len(self.checkpoints) - max_checkpoints)]
+
+    def reusable_for(self, prompt: Seq[int]) -> int:
+        """How many prompt tokens `rewind_for` would keep (without changing anything)."""
+        tokens = self.sequence.tokens
+        if len(tokens) < len(prompt) and _is_prefix(tokens, prompt):
+            return len(tokens)
+        return max(
+            (
+                len(c.tokens)
+                for c in self.checkpoints
+                if len(c.tokens) < len(prompt)
+                and _is_prefix(c.tokens, prompt)
+                and self.sequence.can_restore(c)
+            ),
+            default=0,
+        )
 
     def rewind_for(self, prompt: Seq[int]) -> int:
         """Bring the sequence to the longest reusable prefix of `prompt` (see the module's policy).
@@ -91,6 +116,7 @@ class SessionCache:
         self.max_checkpoints = max_checkpoints
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._active: Session | None = None
+        self.prefixes = PrefixStore()
         self.evictions = 0
 
     def take(self, session_id: str) -> Session | None:
@@ -98,6 +124,16 @@ class SessionCache:
         session = self._sessions.pop(session_id, None)
         self._active = session
         return session
+
+    def take_by_prefix(self, scope: str, prompt: Seq[int]) -> Session | None:
+        """Take the anonymous session of `scope` that reuses the most of `prompt` (None if none reuses any)."""
+        best, best_reuse = None, 0
+        for session in self._sessions.values():
+            if session.anonymous and session.scope == scope:
+                reuse = session.reusable_for(prompt)
+                if reuse > best_reuse:
+                    best, best_reuse = session, reuse
+        return self.take(best.session_id) if best is not None else None
 
     def begin(self, session: Session) -> None:
         """Mark a new session as the one in use (so that `close` and `list` see it)."""
@@ -108,21 +144,47 @@ class SessionCache:
         if self._active is session:
             self._active = None
         if session.closed:
+            self._fit(None)
             return
         session.last_used = time.time()
         self._sessions[session.session_id] = session
         self._sessions.move_to_end(session.session_id)
-        total = self.nbytes()
-        while total > self.max_bytes and len(self._sessions) > 1:
-            _, evicted = self._sessions.popitem(last=False)
-            total -= evicted.nbytes()
-            self.evictions += 1
+        total = self._fit(session)
         # Alone and still too big: shed its checkpoints, then the session itself.
         while session.checkpoints and total > self.max_bytes:
             total -= session.checkpoints.pop(0).nbytes
         if total > self.max_bytes:
             self._sessions.pop(session.session_id)
             self.evictions += 1
+
+    def add_prefix(self, scope: str, checkpoint: Checkpoint) -> None:
+        """Keep a shared prefix checkpoint (the budget is enforced when the turn's session is put back)."""
+        self.prefixes.add(scope, checkpoint)
+
+    def _fit(self, keep: Session | None) -> int:
+        """Evict the least valuable entries (never `keep`) until the budget holds or only `keep` is left;
+        returns the bytes still held."""
+        total = self.nbytes()
+        while total > self.max_bytes:
+            victim = self._least_valuable(keep)
+            if victim is None:
+                break
+            if isinstance(victim, SharedPrefix):
+                self.prefixes.remove(victim)
+                total -= victim.nbytes
+            else:
+                del self._sessions[victim.session_id]
+                total -= victim.nbytes()
+            self.evictions += 1
+        return total
+
+    def _least_valuable(self, keep: Session | None) -> Session | SharedPrefix | None:
+        unused = [p for p in self.prefixes if p.hits == 0]
+        if unused:
+            return min(unused, key=lambda p: p.last_used)
+        candidates: list[Session | SharedPrefix] = [s for s in self._sessions.values() if s is not keep]
+        candidates.extend(self.prefixes)
+        return min(candidates, key=lambda c: c.last_used, default=None)
 
     def discard(self, session: Session) -> None:
         """Forget a session that is in use (its state may be inconsistent after an error)."""
@@ -138,6 +200,15 @@ class SessionCache:
         else:
             raise UnknownSessionError(f"no cached session {session_id!r}")
 
+    def prefix_points(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(scope, tokens) of each point a request without a session id can continue from."""
+        points = [(p.scope, p.tokens) for p in self.prefixes]
+        for session in self._sessions.values():
+            if session.anonymous:
+                points.append((session.scope, tuple(session.sequence.tokens)))
+                points.extend((session.scope, c.tokens) for c in session.checkpoints)
+        return points
+
     def list(self) -> list[SessionInfo]:
         sessions = list(self._sessions.values())
         if self._active is not None and not self._active.closed:
@@ -148,7 +219,10 @@ class SessionCache:
         ]
 
     def nbytes(self) -> int:
-        """Bytes held by the cached sessions (not the one in use)."""
+        """Bytes held by the cached sessions (not the one in use) and the shared prefixes."""
+        return self.session_nbytes() + self.prefixes.nbytes()
+
+    def session_nbytes(self) -> int:
         return sum(s.nbytes() for s in self._sessions.values())
 
     def __len__(self) -> int:
