@@ -166,7 +166,7 @@ class CardRegistry:
             dtype=self.config.dtype,
             torch_threads=self.config.card_torch_threads,
             metrics_host=self.config.card_metrics_host,
-            engine_options=dict(self.config.engine_options),
+            engine_options={**self.config.engine_options, "prefix_sharing": self.config.prefix_sharing},
         )
         placement: dict[str, Any] = {"resources": {CPU_CARD_RESOURCE: 1}} if cpu else {"num_gpus": 1}
         actor = (

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from onestream.worker.prefixes import DEFAULT_PREFIX_SHARING
+
 
 @dataclass
 class PoolConfig:
@@ -27,6 +29,7 @@ class PoolConfig:
     queue_capacity: int = 256
     home_wait_s: float = 2.0
     session_ttl_s: float = 6 * 3600.0
+    prefix_sharing: str = DEFAULT_PREFIX_SHARING  # who shares prompt-prefix state: "user" or "team"
     queue_timeout_s: float = 600.0  # longest a request waits for a card without its own deadline
     retries_before_first_token: int = 1  # a card that fails before sending a token: retry elsewhere
     # Timeouts of calls to card actors.

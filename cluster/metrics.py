@@ -123,6 +123,12 @@ class CardMetrics:
             "onestream_cached_prompt_tokens", "Prompt tokens served from the session cache."
         )
         self.prefill_tokens = counter("onestream_prefill_tokens", "Prompt tokens actually computed.")
+        self.prefix_hits = counter(
+            "onestream_prefix_cache_hits", "Turns that reused state found by their prompt's prefix."
+        )
+        self.prefix_tokens_saved = counter(
+            "onestream_prefix_cache_tokens_saved", "Prompt tokens those turns did not prefill."
+        )
         self.drafts = counter("onestream_spec_decode_num_drafts", "Speculative cycles.")
         self.draft_tokens = counter("onestream_spec_decode_num_draft_tokens", "Drafted tokens.")
         self.accepted_tokens = counter(
@@ -166,6 +172,15 @@ class CardMetrics:
         ).labels(**card)
         self.cached_session_bytes = Gauge(
             "onestream_cached_session_bytes", "Memory those sessions hold.", CARD_LABELS, registry=r
+        ).labels(**card)
+        self.prefix_checkpoints = Gauge(
+            "onestream_prefix_checkpoints",
+            "Prefix checkpoints shared across sessions.",
+            CARD_LABELS,
+            registry=r,
+        ).labels(**card)
+        self.prefix_checkpoint_bytes = Gauge(
+            "onestream_prefix_checkpoint_bytes", "Memory those checkpoints hold.", CARD_LABELS, registry=r
         ).labels(**card)
         Gauge(
             "onestream_card_info",
@@ -219,12 +234,23 @@ class CardMetrics:
         self.cached_sessions.set(count)
         self.cached_session_bytes.set(nbytes)
 
+    def observe_prefix_hit(self, tokens_saved: int) -> None:
+        """A turn's prompt state came by prefix lookup (not its own session): `tokens_saved` > 0."""
+        if tokens_saved > 0:
+            self.prefix_hits.inc()
+            self.prefix_tokens_saved.inc(tokens_saved)
+
+    def set_prefix_checkpoints(self, count: int, nbytes: int) -> None:
+        self.prefix_checkpoints.set(count)
+        self.prefix_checkpoint_bytes.set(nbytes)
+
 
 class RouterMetrics:
     """The router's series (labels: model), in its own registry."""
 
     REJECTION_REASONS = ("queue_full", "invalid_argument", "deadline", "draining", "no_cards")
     MISS_REASONS = ("new_session", "home_busy", "home_gone")
+    PREFIX_MISS_REASONS = ("none_held", "card_busy")
     CARD_STATES = ("free", "busy", "down")
 
     def __init__(self, model: str) -> None:
@@ -257,6 +283,18 @@ class RouterMetrics:
             ("model", "reason"),
             registry=r,
         )
+        self.prefix_hits = Counter(
+            "onestream_router_prefix_hits",
+            "Turns without a home placed on a card holding a prefix of their prompt.",
+            ("model",),
+            registry=r,
+        ).labels(model=model)
+        self._prefix_misses = Counter(
+            "onestream_router_prefix_misses",
+            "Turns without a home placed on a card holding no prefix of their prompt.",
+            ("model", "reason"),
+            registry=r,
+        )
         self._cards = Gauge("onestream_router_cards", "Cards by state.", ("model", "state"), registry=r)
         self.sessions = Gauge(
             "onestream_router_sessions", "Sessions with a home card.", ("model",), registry=r
@@ -266,6 +304,8 @@ class RouterMetrics:
             self._rejections.labels(model=model, reason=reason)
         for reason in self.MISS_REASONS:
             self._affinity_misses.labels(model=model, reason=reason)
+        for reason in self.PREFIX_MISS_REASONS:
+            self._prefix_misses.labels(model=model, reason=reason)
         for state in self.CARD_STATES:
             self._cards.labels(model=model, state=state)
 
@@ -289,6 +329,13 @@ class RouterMetrics:
             self.affinity_hits.inc()
         else:
             self._affinity_misses.labels(model=self.model, reason=outcome).inc()
+
+    def prefix_routing(self, outcome: str) -> None:
+        """How a turn without a home was placed ("" for turns that went home: not counted)."""
+        if outcome == "hit":
+            self.prefix_hits.inc()
+        elif outcome:
+            self._prefix_misses.labels(model=self.model, reason=outcome).inc()
 
     def set_cards(self, counts: Mapping[str, int]) -> None:
         for state in self.CARD_STATES:

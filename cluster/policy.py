@@ -22,6 +22,12 @@ new. The policy, in order:
 6. A card that dies or hangs goes DOWN: its sessions lose their home (their next turn is placed by
    rule 2), and it rejoins as FREE with no warm sessions once its actor has restarted.
 7. Bindings unused for `session_ttl_s` are forgotten.
+8. Prefixes (cluster/prefix_index.py: what each card reports holding). A request without a session id
+   treats the live card holding the longest prefix of its prompt as its home (rules 1 and 3: it is
+   usually the same conversation's previous turn, sent again in full). A turn with no live home (a new
+   session, a request without a session id whose prefix card stays busy) goes to the free card holding
+   the longest prefix of its prompt, else by rule 2. Prefix outcomes: `hit` (placed on a card holding a
+   prefix), misses `none_held` (no card holds one) and `card_busy` (the cards holding one were busy).
 
 The scheduler is pure asyncio state (no Ray, no gRPC): cluster/router.py calls `submit`, `withdraw` and
 `release` around each turn; cluster/cards.py reports cards coming and going.
@@ -39,12 +45,16 @@ from dataclasses import dataclass
 import grpc
 
 from .errors import NO_CARDS, QUEUE_FULL, USER_QUEUED, PoolError
+from .prefix_index import PrefixIndex
 from .queue import Assignment, FairQueue, Waiter
 
 AFFINITY_HIT = "hit"
 MISS_NEW_SESSION = "new_session"
 MISS_HOME_BUSY = "home_busy"
 MISS_HOME_GONE = "home_gone"
+PREFIX_HIT = "hit"
+PREFIX_NONE_HELD = "none_held"
+PREFIX_CARD_BUSY = "card_busy"
 
 
 class CardPhase(enum.Enum):
@@ -93,11 +103,13 @@ class Scheduler:
         self._homeless: set[str] = set()  # sessions whose home died; their next turn is a home_gone miss
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
+        self.prefixes = PrefixIndex()  # what each card reports holding (rule 8)
 
     # ---- cards ----------------------------------------------------------------------------------
     def add_card(self, card_id: str) -> None:
         """A card that is ready to serve (new, or back after a restart with an empty cache)."""
         self._cards[card_id] = _Card(CardPhase.FREE, self._clock())
+        self.prefixes.forget(card_id)
         self.dispatch()
 
     def card_down(self, card_id: str) -> None:
@@ -148,6 +160,7 @@ class Scheduler:
         *,
         user: str | None = None,
         retry_of: Waiter | None = None,
+        prefix: dict[str, int] | None = None,
     ) -> Waiter:
         """Queue a request (assigning it at once when a card fits). A retry (`retry_of`, the waiter of
         the failed attempt) keeps its place in line. Raises PoolError when the pool has no healthy card,
@@ -169,6 +182,7 @@ class Scheduler:
             arrived=now,
             home_wait_until=now + self.home_wait_s,
             tag=None if retry_of is None else retry_of.tag,
+            prefix=dict(prefix or {}),
         )
         self.queue.push(waiter)
         self.dispatch()
@@ -245,47 +259,75 @@ class Scheduler:
                 warm[binding.card_id] += 1
         return warm
 
+    def _prefix_home(self, waiter: Waiter) -> str | None:
+        """For a request without a session id, the live card holding the longest prefix of its prompt."""
+        if waiter.session_id is not None:
+            return None
+        live = [(n, cid) for cid, n in waiter.prefix.items() if self.phase(cid) not in (None, CardPhase.DOWN)]
+        return max(live)[1] if live else None
+
     def dispatch(self) -> None:
         """Hand free cards to waiters by the policy; publish queue positions."""
         now = self._clock()
         free = {cid for cid, c in self._cards.items() if c.phase == CardPhase.FREE}
         if free and len(self.queue):
             waiting = self.queue.in_service_order()
-            # Pass 1: queued turns whose home is free go home.
+            # Pass 1: queued turns whose home (or prefix home) is free go home.
             for waiter in waiting:
                 home = self._live_home(waiter.session_id)
                 if home in free:
                     self._assign(waiter, home, AFFINITY_HIT, now)
                     free.discard(home)
-            # Pass 2: the rest, in service order, to the coldest free card.
+                    continue
+                home = self._prefix_home(waiter) if home is None else None
+                if home in free:
+                    self._assign(waiter, home, self._miss_reason(waiter, None), now)
+                    free.discard(home)
+            # Pass 2: the rest, in service order, to the free card holding the longest prefix, else the
+            # coldest.
             warm = self._warm_sessions()
             for waiter in waiting:
                 if not free:
                     break
                 if waiter.assignment is not None:
                     continue
-                home = self._live_home(waiter.session_id)
+                home = self._live_home(waiter.session_id) or self._prefix_home(waiter)
                 if home is not None and now < waiter.home_wait_until:
                     continue  # still holding out for its busy home
-                if home is not None:
-                    reason = MISS_HOME_BUSY
-                elif waiter.session_id in self._homeless:
-                    reason = MISS_HOME_GONE
+                held = {cid: n for cid, n in waiter.prefix.items() if cid in free}
+                if held:
+                    card_id = max(held, key=lambda cid: (held[cid], -warm[cid], cid))
                 else:
-                    reason = MISS_NEW_SESSION
-                card_id = min(free, key=lambda cid: (warm[cid], self._cards[cid].idle_since, cid))
-                self._assign(waiter, card_id, reason, now)
+                    card_id = min(free, key=lambda cid: (warm[cid], self._cards[cid].idle_since, cid))
+                self._assign(
+                    waiter, card_id, self._miss_reason(waiter, self._live_home(waiter.session_id)), now
+                )
                 free.discard(card_id)
         self._publish_positions()
         self._arm_home_wait_timer(now)
         self._on_change()
+
+    def _miss_reason(self, waiter: Waiter, home: str | None) -> str:
+        if home is not None:
+            return MISS_HOME_BUSY
+        if waiter.session_id in self._homeless:
+            return MISS_HOME_GONE
+        return MISS_NEW_SESSION
 
     def _assign(self, waiter: Waiter, card_id: str, affinity: str, now: float) -> None:
         self.queue.remove(waiter, served=True)
         self._cards[card_id].phase = CardPhase.BUSY
         if waiter.session_id is not None:
             self._homeless.discard(waiter.session_id)
-        waiter.assignment = Assignment(card_id=card_id, affinity=affinity, queue_wait_s=now - waiter.arrived)
+        if affinity == AFFINITY_HIT:
+            prefix = ""
+        elif waiter.prefix.get(card_id, 0) > 0:
+            prefix = PREFIX_HIT
+        else:
+            prefix = PREFIX_CARD_BUSY if waiter.prefix else PREFIX_NONE_HELD
+        waiter.assignment = Assignment(
+            card_id=card_id, affinity=affinity, queue_wait_s=now - waiter.arrived, prefix=prefix
+        )
         waiter.updates.put_nowait(waiter.assignment)
 
     def _publish_positions(self) -> None:
@@ -302,7 +344,7 @@ class Scheduler:
         pending = [
             w.home_wait_until
             for w in self.queue.in_service_order()
-            if w.home_wait_until > now and self._live_home(w.session_id) is not None
+            if w.home_wait_until > now and (self._live_home(w.session_id) or self._prefix_home(w)) is not None
         ]
         if not pending:
             return
@@ -313,6 +355,7 @@ class Scheduler:
         self._timer = loop.call_later(min(pending) - now + 1e-3, self.dispatch)
 
     def _unbind_card(self, card_id: str) -> None:
+        self.prefixes.forget(card_id)
         for session_id, binding in list(self._bindings.items()):
             if binding.card_id == card_id:
                 del self._bindings[session_id]

@@ -13,6 +13,7 @@ class Assignment:
     card_id: str
     affinity: str  # AFFINITY_HIT or one of the miss reasons in cluster/policy.py
     queue_wait_s: float
+    prefix: str = ""  # placed by prompt prefix: PREFIX_HIT or a miss reason (cluster/policy.py); "" went home
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class Waiter:
     position: int = 0
     assignment: Assignment | None = None
     tag: int | None = None  # fair-queuing start tag among its user's sessions (see FairQueue)
+    prefix: dict[str, int] = field(default_factory=dict)  # card id -> prompt prefix tokens it holds
 
     @property
     def fairness_key(self) -> str:

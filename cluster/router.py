@@ -22,9 +22,11 @@ import ray
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.card import CardError, SessionRecord
-from onestream.worker.errors import InvalidRequestError
+from onestream.worker.errors import InvalidRequestError, OnestreamError
 from onestream.worker.output import Finished, TokenChunk
+from onestream.worker.prefixes import sharing_scope
 from onestream.worker.request import GenerateRequest
+from onestream.worker.tokenizer import Tokenizer
 from ray.exceptions import RayError, RayTaskError
 
 from . import convert, limits
@@ -40,6 +42,7 @@ from .errors import (
 )
 from .metrics import RouterMetrics
 from .policy import CardPhase, Scheduler
+from .prefix_index import PrefixReport
 from .queue import Assignment, Waiter
 from .wire import client_error
 
@@ -76,6 +79,9 @@ class Router(pb_grpc.OneStreamServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget card calls, kept alive
+        # Tokenizes text and chat prompts for prefix routing (cluster/server.py loads it; None: token
+        # prompts only).
+        self.tokenizer: Tokenizer | None = None
 
     @property
     def in_flight(self) -> int:
@@ -146,13 +152,17 @@ class Router(pb_grpc.OneStreamServicer):
         deadline = self._deadline(request, context, arrived)
         queue_deadline = min(deadline, arrived + self.config.queue_timeout_s)
         previous: Waiter | None = None
+        prefix = self._prefix_matches(engine_request)
         for attempt in range(self.config.retries_before_first_token + 1):
-            waiter = self.scheduler.submit(request_id, engine_request.session_id, retry_of=previous)
+            waiter = self.scheduler.submit(
+                request_id, engine_request.session_id, retry_of=previous, prefix=prefix
+            )
             previous = waiter
             assignment = await self._wait_for_card(waiter, queue_deadline, deadline, entry, context)
             if attempt == 0:
                 self.metrics.observe_queue_time(assignment.card_id, assignment.queue_wait_s)
             self.metrics.affinity(assignment.affinity)
+            self.metrics.prefix_routing(assignment.prefix)
             try:
                 await self._stream(engine_request, assignment, arrived, deadline, entry, context)
                 return
@@ -166,6 +176,37 @@ class Router(pb_grpc.OneStreamServicer):
                     grpc.StatusCode.UNAVAILABLE,
                     f"{failure} before the first token, and so did the retry; try again later",
                 ) from failure
+
+    def _prefix_matches(self, request: GenerateRequest) -> dict[str, int]:
+        """Card id -> tokens of the request's prompt prefix the card holds (cluster/prefix_index.py)."""
+        index = self.scheduler.prefixes
+        if not index.cards() or (
+            request.session_id is not None and self.scheduler.home_of(request.session_id)
+        ):
+            return {}
+        tokens = self._prompt_tokens(request)
+        if not tokens:
+            return {}
+        return index.matches(sharing_scope(request.user, self.config.prefix_sharing), tokens)
+
+    def _prompt_tokens(self, request: GenerateRequest) -> list[int] | None:
+        """The prompt's token ids as the cards will see them: text and chat prompts are tokenized here
+        (the `tokenizers` library is fast; a 20K-token prompt takes milliseconds)."""
+        prompt = request.prompt
+        if isinstance(prompt, list) and not request.is_chat:
+            return prompt  # type: ignore[return-value]
+        if self.tokenizer is None:
+            return None
+        limit = int((self.registry.model_info or {}).get("max_context") or 1 << 20)
+        try:
+            text = (
+                prompt
+                if isinstance(prompt, str)
+                else self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)  # type: ignore[arg-type]
+            )
+            return self.tokenizer.encode_at_most(text, limit)
+        except OnestreamError:
+            return None  # the card answers with the error
 
     def _validated(self, request: pb.GenerateRequest, request_id: str) -> GenerateRequest:
         info = self.registry.model_info or {}
@@ -270,6 +311,9 @@ class Router(pb_grpc.OneStreamServicer):
             while True:
                 item = await self._next_item(generator, card_id, sent_tokens, deadline)
                 _raise_if_stopped(entry, context)
+                if isinstance(item, PrefixReport):
+                    self.scheduler.prefixes.update(card_id, item.points)
+                    continue
                 if isinstance(item, CardError):
                     code = code_for_engine_error(item.kind)
                     reason = INVALID_ARGUMENT if code == grpc.StatusCode.INVALID_ARGUMENT else None

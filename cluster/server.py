@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.checkpoints import open_checkpoint
+from onestream.worker.tokenizer import Tokenizer
 
 from . import wire
 from .cards import CardRegistry
@@ -52,6 +54,17 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _routing_tokenizer(model_dir: str) -> Tokenizer | None:
+    """The model's tokenizer, for routing text and chat prompts by prefix (None: token prompts only)."""
+    try:
+        return open_checkpoint(model_dir).tokenizer()  # the loader the cards use
+    except Exception as e:  # routing degrades to placement; the cards report the real problem
+        log.warning(
+            "prefix routing of text prompts is off: cannot load the tokenizer of %s: %s", model_dir, e
+        )
+        return None
+
+
 class PoolServer:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
@@ -73,6 +86,7 @@ class PoolServer:
             self.config, self.scheduler, self._update_gauges, on_card_up=self.metrics.add_card
         )
         self.router = Router(self.config, self.scheduler, self.registry, self.metrics)
+        self.router.tokenizer = await asyncio.to_thread(_routing_tokenizer, self.config.model_dir)
 
         metrics_host, metrics_port = split_address(self.config.metrics_address)
         self.metrics_server = MetricsHTTPServer(

@@ -12,6 +12,7 @@ from onestream.cluster.policy import (
     MISS_HOME_BUSY,
     MISS_HOME_GONE,
     MISS_NEW_SESSION,
+    PREFIX_NONE_HELD,
     CardPhase,
     Scheduler,
 )
@@ -135,7 +136,7 @@ def test_the_queue_is_fair_across_sessions_and_publishes_positions() -> None:
         (winner,) = [w for w in [*greedy, polite] if w.assignment is not None and w.request_id not in served]
         served.append(winner.request_id)
     assert served == order
-    assert updates(polite) == [2, 1, Assignment(card, MISS_NEW_SESSION, 0.0)]
+    assert updates(polite) == [2, 1, Assignment(card, MISS_NEW_SESSION, 0.0, PREFIX_NONE_HELD)]
     # a has had three turns served already: a session showing up now goes ahead of a's new backlog.
     backlog = [scheduler.submit(f"a-more{i}", "a") for i in range(3)]
     late = scheduler.submit("c0", "c")

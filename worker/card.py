@@ -113,6 +113,7 @@ class CardActor:
     def __init__(self, settings: CardSettings) -> None:
         from onestream.cluster.http_server import MetricsHTTPServer
         from onestream.cluster.metrics import CardMetrics
+        from onestream.cluster.prefix_index import PointReporter
 
         if settings.torch_threads:
             import torch
@@ -153,6 +154,7 @@ class CardActor:
         # One thread runs every engine call, so the engine never runs two things at once.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._sessions: list[SessionRecord] = []
+        self._prefix_reporter = PointReporter()
         self._busy = False
         self._refresh_sessions()
 
@@ -237,7 +239,9 @@ class CardActor:
                 if isinstance(item, TokenChunk):
                     self._metrics.generation_tokens.inc(len(item.token_ids))
                 elif isinstance(item, Finished):
+                    stream.close()  # the engine caches the turn's state now: the report below includes it
                     self._observe_finished(item)
+                    put(self._prefix_reporter.report(self._engine.prefix_points()))
                     put(item)
                     return True
                 put(item)
@@ -261,6 +265,8 @@ class CardActor:
             inter_token_s=timings.inter_token_s,
             total_s=timings.total_s,
         )
+        reuse = self._engine.last_reuse
+        self._metrics.observe_prefix_hit(reuse.tokens if reuse.by_prefix else 0)
 
     def _close_session(self, session_id: str) -> CardError | None:
         try:
@@ -274,6 +280,7 @@ class CardActor:
     def _refresh_sessions(self) -> None:
         self._sessions = [_session_record(s) for s in self._engine.sessions()]
         self._metrics.set_sessions(len(self._sessions), sum(s.cached_bytes for s in self._sessions))
+        self._metrics.set_prefix_checkpoints(*self._engine.shared_prefixes())
 
 
 def _build_engine(settings: CardSettings) -> Any:

@@ -381,7 +381,7 @@ class Engine:
         anonymous = request.session_id is None
         with self._cache_lock:
             if anonymous:
-                session = self._sessions.take_by_prefix(scope, prompt)
+                session = self._sessions.take_by_prefix(scope, prompt, track_mtp=track_mtp)
             else:
                 session = self._sessions.take(request.session_id)
             if session is None:

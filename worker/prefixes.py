@@ -22,8 +22,10 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .sequence import Checkpoint
+if TYPE_CHECKING:
+    from .sequence import Checkpoint
 
 PREFIX_SHARING_MODES = ("user", "team")
 DEFAULT_PREFIX_SHARING = "user"

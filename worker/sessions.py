@@ -125,11 +125,12 @@ class SessionCache:
         self._active = session
         return session
 
-    def take_by_prefix(self, scope: str, prompt: Seq[int]) -> Session | None:
-        """Take the anonymous session of `scope` that reuses the most of `prompt` (None if none reuses any)."""
+    def take_by_prefix(self, scope: str, prompt: Seq[int], *, track_mtp: bool) -> Session | None:
+        """Take the anonymous session of `scope` that reuses the most of `prompt` (None if none reuses any).
+        With `track_mtp`, only sessions that kept their MTP cache (the others could never draft again)."""
         best, best_reuse = None, 0
         for session in self._sessions.values():
-            if session.anonymous and session.scope == scope:
+            if session.anonymous and session.scope == scope and session.sequence.track_mtp >= track_mtp:
                 reuse = session.reusable_for(prompt)
                 if reuse > best_reuse:
                     best, best_reuse = session, reuse

@@ -399,6 +399,25 @@ def pool_overview() -> Dashboard:
         unit="percentunit",
         maximum=1,
     )
+    d.timeseries(
+        "Prefix routing",
+        "Turns without a home card (new sessions, requests without a session id) placed on a card holding "
+        "a prefix of their prompt, and those placed elsewhere (by reason).",
+        [
+            Query(rate("onestream_router_prefix_hits_total", ""), "on a card holding a prefix"),
+            Query(rate("onestream_router_prefix_misses_total", "", by="reason"), "missed: {{reason}}"),
+        ],
+        unit="reqps",
+    )
+    d.timeseries(
+        "Prefix cache hits",
+        "Turns whose prompt state a card found by its prefix (a shared prefix, or the conversation's earlier "
+        "turn), and the prompt tokens they did not prefill.",
+        [
+            Query(rate("onestream_prefix_cache_hits_total"), "turns"),
+            Query(rate("onestream_prefix_cache_tokens_saved_total"), "tokens saved"),
+        ],
+    )
 
     d.row("Speculative decoding")
     d.timeseries(
@@ -579,6 +598,20 @@ def per_card() -> Dashboard:
         "Memory the cached sessions hold (KV caches, DeltaNet states).",
         [Query(f"sum by ({by_card}) (onestream_cached_session_bytes{{{CARD}}})", CARD_LEGEND)],
         unit="bytes",
+    )
+    d.timeseries(
+        "Shared prefix checkpoints",
+        "Memory of the prefix checkpoints the card shares across sessions (part of its session cache budget), "
+        "and the prompt tokens they and requests without a session id saved.",
+        [
+            Query(
+                f"sum by ({by_card}) (onestream_prefix_checkpoint_bytes{{{CARD}}})", f"{CARD_LEGEND} bytes"
+            ),
+            Query(
+                f"sum by ({by_card}) (rate(onestream_prefix_cache_tokens_saved_total{{{CARD}}}[$__rate_interval]))",
+                f"{CARD_LEGEND} tokens saved/s",
+            ),
+        ],
     )
     d.timeseries(
         "Finished requests by reason",

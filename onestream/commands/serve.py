@@ -18,6 +18,8 @@ DEFAULT_LOCAL_CPU_CARDS = 2
 
 
 def register(subparsers: Any) -> None:
+    from onestream.worker.prefixes import DEFAULT_PREFIX_SHARING, PREFIX_SHARING_MODES
+
     p = subparsers.add_parser(
         "serve",
         help="run the pool: a card per GPU of every Ray node, the gRPC router, Prometheus metrics",
@@ -50,6 +52,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--card-threads", type=int, default=None, help="torch threads per CPU card")
     p.add_argument("--queue", type=int, default=256, help="requests that may wait for a card")
     p.add_argument("--home-wait", type=float, default=2.0, help="seconds a turn waits for its busy home card")
+    p.add_argument(
+        "--prefix-sharing",
+        default=DEFAULT_PREFIX_SHARING,
+        choices=PREFIX_SHARING_MODES,
+        help="who shares cached prompt prefixes: each user alone (default), or the whole team",
+    )
     p.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish streams on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         engine_options=engine_options,
         queue_capacity=args.queue,
         home_wait_s=args.home_wait,
+        prefix_sharing=args.prefix_sharing,
         drain_timeout_s=args.drain_timeout,
     )
     ray_address = _connect_ray(args.address, args.cpu_cards)
