@@ -70,6 +70,7 @@ class Router(pb_grpc.OneStreamServicer):
     def __init__(
         self, config: PoolConfig, scheduler: Scheduler, registry: CardRegistry, metrics: RouterMetrics
     ) -> None:
+        sharing_scope(None, config.prefix_sharing)  # a bad mode fails here, not in every request
         self.config = config
         self.scheduler = scheduler
         self.registry = registry

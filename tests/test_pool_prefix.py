@@ -73,7 +73,9 @@ def message(n: int) -> list[int]:
     return [START, *tokens(n - 2), END]
 
 
-def run(client: PoolClient, prompt: list[int], session: str = "") -> tuple[str, list[int], pb.Finished]:
+def run(
+    client: PoolClient, prompt: list[int] | list[dict[str, str]], session: str = ""
+) -> tuple[str, list[int], pb.Finished]:
     """(card id, generated ids, finished) of one turn."""
     request = make_request(prompt, session_id=session, max_tokens=8, ignore_eos=True, temperature=0.0)
     card, ids, finished = "", [], None
@@ -117,3 +119,19 @@ def test_a_new_session_goes_to_the_card_holding_its_system_prompt(
     card2, _, finished = run(client, [*system, *message(25), START, *tokens(2)], session="team-b")
     assert card2 == card1
     assert finished.usage.cached_prompt_tokens == len(system)
+
+
+def test_chat_prompts_route_by_prefix_through_the_routers_tokenizer(
+    pool: PoolThread, client: PoolClient
+) -> None:
+    system = {"role": "system", "content": "You review Python code. " * 40}
+    first = [system, {"role": "user", "content": "def add(a, b): return a - b"}]
+    card1, _, _ = run(client, first)
+    second = [
+        *first,
+        {"role": "assistant", "content": "return a + b"},
+        {"role": "user", "content": "Fix it."},
+    ]
+    card2, _, finished2 = run(client, second)
+    assert card2 == card1
+    assert finished2.usage.cached_prompt_tokens >= MIN_PREFIX_TOKENS  # at least the system message

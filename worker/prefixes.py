@@ -19,7 +19,7 @@ Their memory counts with the session cache (worker/sessions.py evicts from both 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,7 +83,7 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __iter__(self) -> Iterable[SharedPrefix]:
+    def __iter__(self) -> Iterator[SharedPrefix]:
         return iter(list(self._entries.values()))
 
     def holds(self, scope: str, tokens: Seq[int]) -> bool:
