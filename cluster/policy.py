@@ -6,9 +6,9 @@ history). A turn sent anywhere else re-prefills its whole prompt; a turn sent ho
 new. The policy, in order:
 
 1. A turn whose home card is free goes home (an affinity *hit*).
-2. A new session, a one-off request or a session whose home died goes to a free card, preferring the card
-   holding the fewest warm sessions (then the one idle longest), so that sessions spread out and keep
-   their caches (miss reasons `new_session`, `home_gone`).
+2. A new session, a request without a session id or a session whose home died goes to a free card,
+   preferring the card holding the fewest warm sessions (then the one idle longest), so that sessions
+   spread out and keep their caches (miss reasons `new_session`, `home_gone`); but see rule 8.
 3. A turn whose home card is busy waits up to `home_wait_s` for it. If its home frees in that time it
    goes home; after that it takes any free card and re-prefills there (miss reason `home_busy`), rather
    than leave the pool idle while it waits.
