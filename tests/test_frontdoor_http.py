@@ -413,9 +413,6 @@ def test_a_pinned_session_reports_its_cached_tokens(client: openai.OpenAI) -> No
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
-@pytest.mark.xfail(
-    reason="needs the router's token-prefix routing (issue 22, the prefix part), not on main yet", strict=True
-)
 def test_a_second_turn_without_a_session_id_hits_the_cards_cache(client: openai.OpenAI) -> None:
     """The router's token-prefix index sends the resent conversation to the card holding it."""
     first, second = second_turn_messages(client, {})
