@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -77,12 +78,16 @@ def make_request(
     return request
 
 
-class PoolClient:
-    """A synchronous client of one router."""
+API_KEY_ENV = "ONESTREAM_API_KEY"
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
+
+class PoolClient:
+    """A synchronous client of one router; `api_key` is sent with every call (a pool with --api-keys)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0, api_key: str | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s  # for the unary calls
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.channel = grpc.insecure_channel(address, options=KEEPALIVE_OPTIONS)
         self.stub = pb_grpc.OneStreamStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -98,27 +103,41 @@ class PoolClient:
 
     def generate(self, request: pb.GenerateRequest, *, timeout_s: float | None = None) -> Any:
         """The response stream (iterate it; `.cancel()` it to stop the generation)."""
-        return self.stub.Generate(request, timeout=timeout_s)
+        return self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
 
     def abort(self, *request_ids: str) -> list[str]:
-        return list(self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=self.timeout_s).aborted)
+        return list(
+            self.stub.Abort(
+                pb.AbortRequest(request_ids=request_ids), timeout=self.timeout_s, metadata=self.metadata
+            ).aborted
+        )
 
     def close_session(self, session_id: str) -> str:
         return self.stub.CloseSession(
-            pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s
+            pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s, metadata=self.metadata
         ).card_id
 
     def cards(self) -> list[pb.Card]:
-        return list(self.stub.ListCards(pb.ListCardsRequest(), timeout=self.timeout_s).cards)
+        return list(
+            self.stub.ListCards(pb.ListCardsRequest(), timeout=self.timeout_s, metadata=self.metadata).cards
+        )
 
     def sessions(self) -> list[pb.Session]:
-        return list(self.stub.ListSessions(pb.ListSessionsRequest(), timeout=self.timeout_s).sessions)
+        return list(
+            self.stub.ListSessions(
+                pb.ListSessionsRequest(), timeout=self.timeout_s, metadata=self.metadata
+            ).sessions
+        )
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s)
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def pool_status(self) -> pb.PoolStatus:
-        return self.stub.GetPoolStatus(pb.GetPoolStatusRequest(), timeout=self.timeout_s)
+        return self.stub.GetPoolStatus(
+            pb.GetPoolStatusRequest(), timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def health(self, service: str = "") -> str:
         response = self.health_stub.Check(
@@ -168,6 +187,19 @@ def describe_finished(finished: pb.Finished) -> str:
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default="127.0.0.1:50051", help="the router's gRPC address (HOST:PORT)")
+    add_api_key_argument(parser)
+
+
+def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"the pool's API key, when it runs with --api-keys (default: ${API_KEY_ENV})",
+    )
+
+
+def client_from_args(args: argparse.Namespace) -> PoolClient:
+    return PoolClient(args.server, api_key=getattr(args, "api_key", None))
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,7 +239,7 @@ def run_generate(args: argparse.Namespace) -> int:
     text: list[str] = []
     token_ids: list[int] = []
     finished = None
-    with PoolClient(args.server) as client:
+    with client_from_args(args) as client:
         try:
             for event in client.generate(request):
                 kind = event.WhichOneof("event")

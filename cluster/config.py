@@ -32,6 +32,12 @@ class PoolConfig:
     prefix_sharing: str = DEFAULT_PREFIX_SHARING  # who shares prompt-prefix state: "user" or "team"
     queue_timeout_s: float = 600.0  # longest a request waits for a card without its own deadline
     retries_before_first_token: int = 1  # a card that fails before sending a token: retry elsewhere
+    # Users (cluster/auth.py): without a key file every caller is anonymous and no per-user rule applies.
+    api_keys_path: str | None = None
+    user_max_concurrent: int | None = None  # a user's requests in flight (queued or generating)
+    user_max_queued: int | None = None  # of those, waiting for a card
+    retry_after_s: int = 2  # the hint sent with RESOURCE_EXHAUSTED (trailing metadata `retry-after-s`)
+    metrics_per_user: bool = False  # label the per-user counters with `user` (one series set per user)
     # Timeouts of calls to card actors.
     call_timeout_s: float = 10.0  # ping, listings, close_session
     card_start_timeout_s: float = 900.0  # actor start and model load

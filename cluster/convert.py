@@ -118,9 +118,15 @@ def card_to_proto(
 
 
 def session_to_proto(
-    session_id: str, card_id: str, turns: int, last_used_wall: float, record: SessionRecord | None
+    session_id: str,
+    card_id: str,
+    turns: int,
+    last_used_wall: float,
+    record: SessionRecord | None,
+    *,
+    user: str | None = None,
 ) -> pb.Session:
-    session = pb.Session(session_id=session_id, card_id=card_id, turns=turns)
+    session = pb.Session(session_id=session_id, card_id=card_id, turns=turns, user=user or "")
     session.last_used.FromNanoseconds(int(last_used_wall * 1e9))
     if record is not None:
         session.cached_tokens = record.cached_tokens

@@ -246,17 +246,51 @@ class CardMetrics:
 
 
 class RouterMetrics:
-    """The router's series (labels: model), in its own registry."""
+    """The router's series (labels: model), in its own registry. The per-user counters carry a `user`
+    label only with `per_user` (one set of series per user); otherwise they sum over users."""
 
-    REJECTION_REASONS = ("queue_full", "invalid_argument", "deadline", "draining", "no_cards")
+    REJECTION_REASONS = (
+        "queue_full",
+        "invalid_argument",
+        "deadline",
+        "draining",
+        "no_cards",
+        "unauthenticated",
+        "permission_denied",
+        "user_concurrent",
+        "user_queued",
+    )
     MISS_REASONS = ("new_session", "home_busy", "home_gone")
     PREFIX_MISS_REASONS = ("none_held", "card_busy")
     CARD_STATES = ("free", "busy", "down")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, per_user: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.model = model
+        self.per_user = per_user
+        user_labels = ("model", "user") if per_user else ("model",)
+        self._user_requests = Counter(
+            "onestream_router_user_requests",
+            "Generate calls of authenticated callers.",
+            user_labels,
+            registry=r,
+        )
+        self._user_prompt_tokens = Counter(
+            "onestream_router_user_prompt_tokens",
+            "Prompt tokens of finished requests.",
+            user_labels,
+            registry=r,
+        )
+        self._user_generation_tokens = Counter(
+            "onestream_router_user_generation_tokens", "Tokens streamed to callers.", user_labels, registry=r
+        )
+        self._user_rejections = Counter(
+            "onestream_router_user_rejections",
+            "Requests of authenticated callers rejected before a card.",
+            (*user_labels, "reason"),
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "onestream_router_queue_depth", "Requests waiting for a card.", ("model",), registry=r
         ).labels(model=model)
@@ -302,6 +336,8 @@ class RouterMetrics:
         # Zero series exist from the start, so that rate() and dashboards see them before the first event.
         for reason in self.REJECTION_REASONS:
             self._rejections.labels(model=model, reason=reason)
+        if not per_user:
+            self.add_user(None)
         for reason in self.MISS_REASONS:
             self._affinity_misses.labels(model=model, reason=reason)
         for reason in self.PREFIX_MISS_REASONS:
@@ -340,3 +376,31 @@ class RouterMetrics:
     def set_cards(self, counts: Mapping[str, int]) -> None:
         for state in self.CARD_STATES:
             self._cards.labels(model=self.model, state=state).set(counts.get(state, 0))
+
+    # ---- per user ---------------------------------------------------------------------------------
+    def add_user(self, user: str | None) -> None:
+        """Export a user's series at zero (the users of the key file, at start and on every reload)."""
+        labels = self._user(user)
+        for counter in (self._user_requests, self._user_prompt_tokens, self._user_generation_tokens):
+            counter.labels(**labels)
+        for reason in self.REJECTION_REASONS:
+            if reason != "unauthenticated":  # a rejected key has no user
+                self._user_rejections.labels(**labels, reason=reason)
+
+    def user_request(self, user: str | None) -> None:
+        self._user_requests.labels(**self._user(user)).inc()
+
+    def user_tokens(self, user: str | None, *, prompt: int = 0, generated: int = 0) -> None:
+        labels = self._user(user)
+        if prompt:
+            self._user_prompt_tokens.labels(**labels).inc(prompt)
+        if generated:
+            self._user_generation_tokens.labels(**labels).inc(generated)
+
+    def user_rejected(self, user: str | None, reason: str) -> None:
+        self._user_rejections.labels(**self._user(user), reason=reason).inc()
+
+    def _user(self, user: str | None) -> dict[str, str]:
+        if self.per_user:
+            return {"model": self.model, "user": user or ""}
+        return {"model": self.model}

@@ -30,12 +30,16 @@ from onestream.worker.tokenizer import Tokenizer
 from ray.exceptions import RayError, RayTaskError
 
 from . import convert, limits
+from .auth import RETRY_AFTER, Authenticator, AuthError, Caller, SessionOwners
 from .cards import CardRecord, CardRegistry
 from .config import PoolConfig
 from .errors import (
     DEADLINE,
     DRAINING,
     INVALID_ARGUMENT,
+    PERMISSION_DENIED,
+    UNAUTHENTICATED,
+    USER_CONCURRENT,
     CardFailure,
     PoolError,
     code_for_engine_error,
@@ -61,6 +65,7 @@ _CARD_STATES = {
 class _InFlight:
     request_id: str
     task: asyncio.Task[Any]
+    user: str | None
     session_id: str | None = None
     aborted: bool = False
     session_closed: bool = False  # CloseSession came during this turn: it must not bind the session again
@@ -68,13 +73,21 @@ class _InFlight:
 
 class Router(pb_grpc.OneStreamServicer):
     def __init__(
-        self, config: PoolConfig, scheduler: Scheduler, registry: CardRegistry, metrics: RouterMetrics
+        self,
+        config: PoolConfig,
+        scheduler: Scheduler,
+        registry: CardRegistry,
+        metrics: RouterMetrics,
+        auth: Authenticator,
     ) -> None:
         sharing_scope(None, config.prefix_sharing)  # a bad mode fails here, not in every request
         self.config = config
         self.scheduler = scheduler
         self.registry = registry
         self.metrics = metrics
+        self.auth = auth
+        # Outlives the session's binding, whose TTL counts from the end of its last turn, not the start.
+        self.owners = SessionOwners(2 * config.session_ttl_s)
         self.draining = False
         self._inflight: dict[str, _InFlight] = {}
         self._idle = asyncio.Event()
@@ -99,12 +112,17 @@ class Router(pb_grpc.OneStreamServicer):
     # ---- Generate -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrived = time.monotonic()
+        caller: Caller | None = None
         try:
+            caller = self._authenticated(context)
             limits.check_generate(request, (self.registry.model_info or {}).get("max_context"))
+            self._admit(caller, request.session_id)
         except InvalidRequestError as e:
-            await self._refuse(
-                "Generate", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e), INVALID_ARGUMENT), context
-            )
+            error = PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e), INVALID_ARGUMENT)
+            await self._refuse("Generate", error, context, caller)
+        except PoolError as e:
+            await self._refuse("Generate", e, context, caller)
+        assert caller is not None
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._inflight:
             await context.abort(
@@ -112,7 +130,7 @@ class Router(pb_grpc.OneStreamServicer):
             )
         task = asyncio.current_task()
         assert task is not None
-        entry = _InFlight(request_id, task, session_id=request.session_id or None)
+        entry = _InFlight(request_id, task, caller.user, session_id=request.session_id or None)
         self._inflight[request_id] = entry
         self._idle.clear()
         error: PoolError | None = None
@@ -131,15 +149,50 @@ class Router(pb_grpc.OneStreamServicer):
             if not self._inflight:
                 self._idle.set()
         if error is not None:
-            await self._refuse("Generate", error, context)
+            await self._refuse("Generate", error, context, caller)
 
-    async def _refuse(self, rpc: str, error: PoolError, context: grpc.aio.ServicerContext) -> None:
-        """End the call with `error` (counted as a rejection when it has a reason)."""
+    async def _refuse(
+        self, rpc: str, error: PoolError, context: grpc.aio.ServicerContext, caller: Caller | None = None
+    ) -> None:
+        """End the call with `error` (counted as a rejection, for the caller's user too, when it has a
+        reason), with its retry hint as trailing metadata."""
         if error.reason is not None:
             self.metrics.rejected(error.reason)
+            if caller is not None:
+                self.metrics.user_rejected(caller.user, error.reason)
         if error.code == grpc.StatusCode.INVALID_ARGUMENT:
             client_error(rpc, error.code, error.message)
-        await context.abort(error.code, error.message)
+        hint = () if error.retry_after_s is None else ((RETRY_AFTER, str(error.retry_after_s)),)
+        await context.abort(error.code, error.message, trailing_metadata=hint)
+
+    def _authenticated(self, context: grpc.aio.ServicerContext) -> Caller:
+        try:
+            return self.auth.caller(context.invocation_metadata())
+        except AuthError as e:
+            raise PoolError(grpc.StatusCode.UNAUTHENTICATED, str(e), UNAUTHENTICATED) from None
+
+    def _admit(self, caller: Caller, session_id: str) -> None:
+        """The caller's right to this turn: its own session, and room under its concurrency limit."""
+        self.metrics.user_request(caller.user)
+        if session_id:
+            owner = self.owners.claim(session_id, caller)
+            if owner is not None:
+                raise PoolError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"session {session_id!r} belongs to another user; use a session id of your own",
+                    PERMISSION_DENIED,
+                )
+        limit = self.config.user_max_concurrent
+        if limit is not None and caller.user is not None:
+            running = sum(e.user == caller.user for e in self._inflight.values())
+            if running >= limit:
+                raise PoolError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"user {caller.user} already has {running} requests in flight, the most a user may "
+                    f"have (--user-max-concurrent {limit}); retry in {self.config.retry_after_s}s",
+                    USER_CONCURRENT,
+                    retry_after_s=self.config.retry_after_s,
+                )
 
     async def _generate(
         self, request: pb.GenerateRequest, entry: _InFlight, arrived: float, context: grpc.aio.ServicerContext
@@ -150,13 +203,14 @@ class Router(pb_grpc.OneStreamServicer):
                 grpc.StatusCode.UNAVAILABLE, "the server is draining: it admits no new requests", DRAINING
             )
         engine_request = self._validated(request, request_id)
+        engine_request.user = entry.user
         deadline = self._deadline(request, context, arrived)
         queue_deadline = min(deadline, arrived + self.config.queue_timeout_s)
         previous: Waiter | None = None
         prefix = self._prefix_matches(engine_request)
         for attempt in range(self.config.retries_before_first_token + 1):
             waiter = self.scheduler.submit(
-                request_id, engine_request.session_id, retry_of=previous, prefix=prefix
+                request_id, engine_request.session_id, user=entry.user, retry_of=previous, prefix=prefix
             )
             previous = waiter
             assignment = await self._wait_for_card(waiter, queue_deadline, deadline, entry, context)
@@ -323,12 +377,14 @@ class Router(pb_grpc.OneStreamServicer):
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                     sent_tokens += len(item.token_ids)
+                    self.metrics.user_tokens(request.user, generated=len(item.token_ids))
                     bind = True  # the card now holds this session's prompt
                     await context.write(
                         pb.GenerateResponse(request_id=request.request_id, chunk=convert.chunk_to_proto(item))
                     )
                 elif isinstance(item, Finished):
                     bind = True
+                    self.metrics.user_tokens(request.user, prompt=item.usage.prompt_tokens)
                     now = time.monotonic()
                     finished = convert.finished_to_proto(
                         item,
@@ -404,10 +460,18 @@ class Router(pb_grpc.OneStreamServicer):
 
     # ---- Abort, sessions ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        caller = await self._caller(context)
         try:
             limits.check_abort(request)
         except InvalidRequestError as e:
             await self._refuse("Abort", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), context)
+        for request_id in request.request_ids:
+            entry = self._inflight.get(request_id)
+            if entry is not None and not caller.may_act_for(entry.user):
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"request {request_id!r} belongs to another user; nothing was aborted",
+                )
         aborted = []
         for request_id in request.request_ids:
             entry = self._inflight.get(request_id)
@@ -420,11 +484,18 @@ class Router(pb_grpc.OneStreamServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
+        caller = await self._caller(context)
         session_id = request.session_id
         try:
             limits.check_id("session_id", session_id, required=True)
         except InvalidRequestError as e:
             await self._refuse("CloseSession", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), context)
+        owner = self.owners.owner_of(session_id)
+        if owner is not None and not caller.may_act_for(owner):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"session {session_id!r} belongs to another user"
+            )
+        self.owners.forget(session_id)
         card_id = self.scheduler.home_of(session_id)
         turns = [e for e in self._inflight.values() if e.session_id == session_id and not e.session_closed]
         if card_id is None and not turns:
@@ -466,6 +537,7 @@ class Router(pb_grpc.OneStreamServicer):
     async def ListCards(
         self, request: pb.ListCardsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCardsResponse:
+        await self._caller(context)
         records = self.registry.records()
         statuses = await asyncio.gather(*(self._card_status(r) if r.identity else _none() for r in records))
         phases = self.scheduler.card_phases()
@@ -493,7 +565,12 @@ class Router(pb_grpc.OneStreamServicer):
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSessionsResponse:
-        bindings = self.scheduler.bindings()
+        caller = await self._caller(context)
+        bindings = {
+            session_id: binding
+            for session_id, binding in self.scheduler.bindings().items()
+            if self.owners.visible_to(caller, session_id)
+        }
         card_ids = sorted({b.card_id for b in bindings.values()})
         listings = await asyncio.gather(*(self._card_sessions(card_id) for card_id in card_ids))
         held: dict[tuple[str, str], SessionRecord] = {}
@@ -502,7 +579,12 @@ class Router(pb_grpc.OneStreamServicer):
                 held[(card_id, record.session_id)] = record
         sessions = [
             convert.session_to_proto(
-                session_id, b.card_id, b.turns, b.last_used_wall, held.get((b.card_id, session_id))
+                session_id,
+                b.card_id,
+                b.turns,
+                b.last_used_wall,
+                held.get((b.card_id, session_id)),
+                user=self.owners.owner_of(session_id),
             )
             for session_id, b in sorted(bindings.items())
         ]
@@ -511,6 +593,7 @@ class Router(pb_grpc.OneStreamServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
+        await self._caller(context)
         info = self.registry.model_info
         if info is None:
             await context.abort(
@@ -522,6 +605,7 @@ class Router(pb_grpc.OneStreamServicer):
     async def GetPoolStatus(
         self, request: pb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.PoolStatus:
+        await self._caller(context)
         counts = self.registry.state_counts()
         starting = sum(r.state == "starting" for r in self.registry.records())
         return pb.PoolStatus(
@@ -537,6 +621,14 @@ class Router(pb_grpc.OneStreamServicer):
         )
 
     # ---- helpers --------------------------------------------------------------------------------
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """Who calls a unary RPC; ends the call UNAUTHENTICATED when keys are on and it has no valid one."""
+        try:
+            return self.auth.caller(context.invocation_metadata())
+        except AuthError as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        raise AssertionError("unreachable")
+
     async def _card_status(self, record: CardRecord) -> dict[str, Any] | None:
         """A card's status for a listing; a card found dead is taken down now, so the listing shows it."""
         try:

@@ -22,6 +22,7 @@ from onestream.worker.checkpoints import open_checkpoint
 from onestream.worker.tokenizer import Tokenizer
 
 from . import wire
+from .auth import Authenticator
 from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
@@ -71,21 +72,25 @@ class PoolServer:
         self.grpc_port: int | None = None
         self.metrics_server: MetricsHTTPServer | None = None
         self.frontdoor: FrontDoor | None = None
+        self.auth = Authenticator(config.api_keys_path)  # a bad key file fails here, before any start
 
     async def start(self, *, wait_for_cards: int = 1, ready_timeout_s: float | None = None) -> None:
         """Open the gRPC and metrics ports, start the cards, and wait until `wait_for_cards` serve."""
         self.model = self.config.model_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.metrics = RouterMetrics(self.model)
+        self.metrics = RouterMetrics(self.model, per_user=self.config.metrics_per_user)
+        self._export_users()
         self.scheduler = Scheduler(
             queue_capacity=self.config.queue_capacity,
             home_wait_s=self.config.home_wait_s,
             session_ttl_s=self.config.session_ttl_s,
+            user_max_queued=self.config.user_max_queued,
+            retry_after_s=self.config.retry_after_s,
             on_change=self._update_gauges,
         )
         self.registry = CardRegistry(
             self.config, self.scheduler, self._update_gauges, on_card_up=self.metrics.add_card
         )
-        self.router = Router(self.config, self.scheduler, self.registry, self.metrics)
+        self.router = Router(self.config, self.scheduler, self.registry, self.metrics, self.auth)
         self.router.tokenizer = await asyncio.to_thread(_routing_tokenizer, self.config.model_dir)
 
         metrics_host, metrics_port = split_address(self.config.metrics_address)
@@ -174,6 +179,19 @@ class PoolServer:
             log.warning("drain timed out after %.0fs; stopping anyway", self.config.drain_timeout_s)
         await self.stop()
         return finished
+
+    def reload_keys(self) -> bool:
+        """What SIGHUP does: re-read the API key file (a bad file keeps the keys in force). Streams in
+        flight are not touched; a removed key stops working at its next call."""
+        reloaded = self.auth.reload()
+        if reloaded and hasattr(self, "metrics"):
+            self._export_users()
+        return reloaded
+
+    def _export_users(self) -> None:
+        if self.metrics.per_user and self.auth.keys is not None:
+            for user in sorted(self.auth.keys.users):
+                self.metrics.add_user(user)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

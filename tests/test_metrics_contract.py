@@ -89,8 +89,9 @@ def test_card_metrics_match_the_doc() -> None:
 
 
 def test_router_metrics_match_the_doc() -> None:
-    metrics = RouterMetrics("tiny")
+    metrics = RouterMetrics("tiny", per_user=True)
     metrics.observe_queue_time("0123456789ab/0/cpu-0", 0.5)
+    metrics.add_user("alice")
     text, server = serve_and_scrape(metrics.registry)
     server.close()
     exported = families(text)
@@ -99,6 +100,45 @@ def test_router_metrics_match_the_doc() -> None:
         assert exported[name][0] == kind, name
         assert exported[name][1] == {"model"} | labels, name
     assert set(exported) == {n for n, _, _ in documented()["router"]}
+
+
+def test_per_user_counters_have_no_user_label_unless_asked_and_count_what_happened() -> None:
+    users = {f"user{i}": (random.randint(1, 40), random.randint(1, 40)) for i in range(3)}
+
+    def observe(metrics: RouterMetrics) -> dict[tuple[str, str | None], float]:
+        for user in users:
+            metrics.add_user(user)  # as the router does for the key file's users
+        for user, (prompt, generated) in users.items():
+            metrics.user_request(user)
+            metrics.user_tokens(user, prompt=prompt)
+            metrics.user_tokens(user, generated=generated)
+        metrics.user_rejected("user0", "user_queued")
+        text, server = serve_and_scrape(metrics.registry)
+        server.close()
+        return {
+            (s.name, s.labels.get("user")): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("onestream_router_user_") and s.labels.get("reason") in (None, "user_queued")
+        }
+
+    aggregated = observe(RouterMetrics("m"))
+    assert {user for _, user in aggregated} == {None}
+    assert aggregated[("onestream_router_user_requests_total", None)] == len(users)
+    assert aggregated[("onestream_router_user_prompt_tokens_total", None)] == sum(
+        p for p, _ in users.values()
+    )
+    assert aggregated[("onestream_router_user_generation_tokens_total", None)] == sum(
+        g for _, g in users.values()
+    )
+    assert aggregated[("onestream_router_user_rejections_total", None)] == 1
+    per_user = observe(RouterMetrics("m", per_user=True))
+    for user, (prompt, generated) in users.items():
+        assert per_user[("onestream_router_user_requests_total", user)] == 1
+        assert per_user[("onestream_router_user_prompt_tokens_total", user)] == prompt
+        assert per_user[("onestream_router_user_generation_tokens_total", user)] == generated
+    assert per_user[("onestream_router_user_rejections_total", "user0")] == 1
+    assert per_user[("onestream_router_user_rejections_total", "user1")] == 0
 
 
 def test_card_counts_are_what_was_observed() -> None:

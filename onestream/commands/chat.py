@@ -25,9 +25,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from onestream.cluster.client import PoolClient
+    from onestream.cluster.client import client_from_args
 
-    with PoolClient(args.server) as client:
+    with client_from_args(args) as client:
         return ChatLoop(client, args, sys.stdin, sys.stdout, sys.stderr).run()
 
 

@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--server", default=None, help="generate through the pool's router at HOST:PORT")
+    from onestream.cluster.client import add_api_key_argument
+
+    add_api_key_argument(parser)
     parser.add_argument(
         "--session", default=None, help="session id (keeps the session's cache between turns)"
     )

@@ -11,6 +11,8 @@ import sys
 from typing import Any
 
 EXTRA_CARDS_WAIT_S = 60.0
+# The flags of the addresses that serve the API: beyond loopback they need --api-keys (or --insecure).
+LISTENERS = ("listen",)
 
 
 # CPU cards started by a plain `onestream serve` on a machine without GPUs.
@@ -59,6 +61,28 @@ def register(subparsers: Any) -> None:
         help="who shares cached prompt prefixes: each user alone (default), or the whole team",
     )
     p.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish streams on SIGTERM")
+    users = p.add_argument_group("users (docs/pool.md: auth, ownership, limits)")
+    users.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="turn authentication on: lines of `KEY USER` (`KEY USER admin` for an admin key); "
+        "re-read on SIGHUP",
+    )
+    users.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without --api-keys (a trusted network)",
+    )
+    users.add_argument(
+        "--user-max-concurrent", type=int, default=None, metavar="N", help="a user's requests in flight"
+    )
+    users.add_argument(
+        "--user-max-queued", type=int, default=None, metavar="N", help="a user's requests waiting for a card"
+    )
+    users.add_argument(
+        "--metrics-per-user", action="store_true", help="label the per-user counters with the user"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
 
@@ -67,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    problem = users_problem(args)  # before anything slow starts
+    if problem:
+        print(f"onestream serve: {problem}", file=sys.stderr)
+        return 2
     from onestream.cluster.config import PoolConfig
     from onestream.worker.errors import CheckpointError
     from onestream.worker.loading import default_model_dir
@@ -108,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         home_wait_s=args.home_wait,
         prefix_sharing=args.prefix_sharing,
         drain_timeout_s=args.drain_timeout,
+        api_keys_path=args.api_keys,
+        user_max_concurrent=args.user_max_concurrent,
+        user_max_queued=args.user_max_queued,
+        metrics_per_user=args.metrics_per_user,
     )
     ray_address = _connect_ray(args.address, args.cpu_cards)
     if _card_slots(args.cpu_cards) == 0:
@@ -126,6 +158,32 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     return asyncio.run(_serve(config, ray_address))
+
+
+def users_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the user flags, before anything starts: a listener beyond loopback without
+    keys (unless --insecure), per-user settings without users, a key file that does not parse."""
+    from onestream.cluster.auth import ApiKeys, KeyFileError, exposure_error
+
+    for flag in ("user_max_concurrent", "user_max_queued"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
+    if not args.api_keys:
+        per_user = [
+            f"--{flag.replace('_', '-')}"
+            for flag in ("user_max_concurrent", "user_max_queued", "metrics_per_user")
+            if getattr(args, flag) not in (None, False)
+        ]
+        if per_user:
+            return f"{', '.join(per_user)} needs --api-keys: without keys there are no users"
+    else:
+        try:
+            ApiKeys.load(args.api_keys)
+        except KeyFileError as e:
+            return str(e)
+    listeners = {f"--{name}": getattr(args, name) for name in LISTENERS if getattr(args, name, None)}
+    return exposure_error(listeners, keys=bool(args.api_keys), insecure=args.insecure)
 
 
 def _local_gpu_count() -> int:
@@ -171,6 +229,7 @@ async def _serve(config: Any, ray_address: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     pool = PoolServer(config)
+    loop.add_signal_handler(signal.SIGHUP, _reload_keys, pool)
     print(
         f"onestream serve: model {config.model_dir}; Ray cluster at {ray_address}; starting cards…",
         flush=True,
@@ -200,6 +259,16 @@ async def _serve(config: Any, ray_address: str) -> int:
     return 0
 
 
+def _reload_keys(pool: Any) -> None:
+    if pool.reload_keys():
+        print(f"onestream serve: SIGHUP: re-read {pool.config.api_keys_path}", flush=True)
+    else:
+        print(
+            "onestream serve: SIGHUP: the key file was not re-read (see the log); the keys in force stay",
+            flush=True,
+        )
+
+
 def _print_addresses(pool: Any) -> None:
     metrics = pool.metrics_address
     print(f"  gRPC        {pool.grpc_address}  (onestream.v1.OneStream, grpc.health.v1, reflection)")
@@ -213,4 +282,11 @@ def _print_addresses(pool: Any) -> None:
             f"{ident.device_name}  http://{ident.metrics_endpoint}/metrics" if ident else "(still starting)"
         )
         print(f"  card        {record.card_id}  {where}")
+    if pool.auth.enabled:
+        keys = pool.auth.keys
+        print(
+            f"  API keys    {len(keys)} keys of {len(keys.users)} users ({pool.config.api_keys_path}; SIGHUP re-reads)"
+        )
+    else:
+        print("  API keys    none: every caller is anonymous (loopback only, or --insecure)")
     print("  ready; SIGTERM or Ctrl-C drains and stops", flush=True)

@@ -21,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from onestream.cluster.client import PoolClient
+    from onestream.cluster.client import client_from_args
 
-    with PoolClient(args.server) as client:
+    with client_from_args(args) as client:
         try:
             status = client.pool_status()
             cards = client.cards()

@@ -253,20 +253,22 @@ class ListCardsResponse(_message.Message):
     def __init__(self, cards: _Optional[_Iterable[_Union[Card, _Mapping]]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "card_id", "cached_tokens", "cached_bytes", "turns", "last_used")
+    __slots__ = ("session_id", "card_id", "cached_tokens", "cached_bytes", "turns", "last_used", "user")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CARD_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     card_id: str
     cached_tokens: int
     cached_bytes: int
     turns: int
     last_used: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., card_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., turns: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    user: str
+    def __init__(self, session_id: _Optional[str] = ..., card_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., turns: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()

@@ -103,7 +103,8 @@ class OneStreamServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's own sessions (an admin key: everyone's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
