@@ -9,7 +9,7 @@ keeps the keys in force and the reason is logged.
 
 gRPC callers send the key as call metadata `authorization: Bearer KEY`; the HTTP front door turns an
 HTTP request's `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` into that metadata
-(`grpc_metadata_from_http`). Without a key file the pool has no users: every caller is `ANONYMOUS`, which
+(`frontdoor/upstream.py`), so both doors are checked here alike. Without a key file the pool has no users: every caller is `ANONYMOUS`, which
 may do anything, and `check_exposure` lets that happen only on loopback addresses.
 """
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "bearer "
 # Trailing metadata of a RESOURCE_EXHAUSTED status: whole seconds after which a retry may succeed (the
-# HTTP front door sends it as `Retry-After`).
+# HTTP front door sends it as `Retry-After`, frontdoor/errors.py).
 RETRY_AFTER = "retry-after-s"
 ADMIN_MARK = "admin"
 MIN_KEY_CHARS = 16
@@ -222,27 +222,6 @@ class SessionOwners:
         self._swept = now
         horizon = now - self.ttl_s
         self._owners = {k: v for k, v in self._owners.items() if v[1] >= horizon}
-
-
-def grpc_metadata_from_http(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The router's call metadata for an HTTP request's credentials: `Authorization` as sent (the router
-    judges it), else Anthropic's `x-api-key` as a bearer token; nothing when there are none.
-    `headers` must look names up case-insensitively (aiohttp's and multidict's do)."""
-    authorization = headers.get("Authorization")
-    if authorization:
-        return [(AUTHORIZATION, authorization)]
-    api_key = headers.get("x-api-key")
-    if api_key:
-        return [(AUTHORIZATION, f"Bearer {api_key}")]
-    return []
-
-
-def retry_after_s(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The retry hint of a RESOURCE_EXHAUSTED status (whole seconds, as text), if it carries one."""
-    for key, value in trailing_metadata or ():
-        if key == RETRY_AFTER:
-            return value if isinstance(value, str) else value.decode()
-    return None
 
 
 # ---- the loopback rule ----------------------------------------------------------------------------

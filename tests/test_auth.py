@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from multidict import CIMultiDict
 from onestream.cluster.auth import (
     ANONYMOUS,
     ApiKeys,
@@ -20,9 +19,7 @@ from onestream.cluster.auth import (
     KeyFileError,
     SessionOwners,
     exposure_error,
-    grpc_metadata_from_http,
     is_loopback,
-    retry_after_s,
 )
 
 from onestream.commands.serve import users_problem
@@ -138,21 +135,6 @@ def test_a_session_belongs_to_the_user_who_opened_it_until_it_expires() -> None:
     assert len(owners) == 1, "expired owners are swept"
 
 
-def test_the_front_door_forwards_http_credentials_as_metadata() -> None:
-    key = new_key()
-    assert grpc_metadata_from_http(CIMultiDict({"authorization": f"Bearer {key}"})) == bearer(key)
-    assert grpc_metadata_from_http(CIMultiDict({"X-Api-Key": key})) == bearer(key)
-    both = CIMultiDict({"Authorization": f"Bearer {key}", "x-api-key": "other"})
-    assert grpc_metadata_from_http(both) == bearer(key)
-    assert grpc_metadata_from_http(CIMultiDict({"Authorization": "Basic abc"})) == [
-        ("authorization", "Basic abc")
-    ]
-    assert grpc_metadata_from_http(CIMultiDict({"content-type": "application/json"})) == []
-    assert retry_after_s([("x", "1"), ("retry-after-s", "2")]) == "2"
-    assert retry_after_s([("retry-after-s", b"3")]) == "3"
-    assert retry_after_s(None) is None
-
-
 @pytest.mark.parametrize(
     ("host", "loopback"),
     [
@@ -188,6 +170,7 @@ def test_listening_beyond_loopback_needs_keys_or_insecure() -> None:
 def serve_args(**changes: object) -> argparse.Namespace:
     values = dict(
         listen="127.0.0.1:50051",
+        http="127.0.0.1:8000",
         api_keys=None,
         insecure=False,
         user_max_concurrent=None,
@@ -203,6 +186,8 @@ def test_serve_checks_the_user_flags_before_starting_anything(tmp_path: Path) ->
     assert users_problem(serve_args()) is None
     assert "--listen 0.0.0.0:50051" in (users_problem(serve_args(listen="0.0.0.0:50051")) or "")
     assert users_problem(serve_args(listen="0.0.0.0:50051", insecure=True)) is None
+    assert "--http 0.0.0.0:8000 listens beyond" in (users_problem(serve_args(http="0.0.0.0:8000")) or "")
+    assert users_problem(serve_args(http="off")) is None
     assert users_problem(serve_args(listen="0.0.0.0:50051", api_keys=str(keys))) is None
     assert users_problem(serve_args(user_max_queued=2, metrics_per_user=True)) == (
         "--user-max-queued, --metrics-per-user needs --api-keys: without keys there are no users"

@@ -1,5 +1,6 @@
 """Users on a real pool: API keys, session ownership, per-user limits and counters, key reloads, over
-the real gRPC router of a real Ray cluster with 2 CPU cards (one cluster for the module)."""
+the real gRPC router and the HTTP front door (the official openai SDK) of a real Ray cluster with 2 CPU
+cards running the embedded model (one cluster for the module)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import logging
 import secrets
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 import ray
 from onestream.cluster.auth import RETRY_AFTER
@@ -22,14 +25,14 @@ from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.card import CPU_CARD_RESOURCE
-from onestream.worker.testing import write_tiny_checkpoint
+from onestream.worker.loading import default_model_dir
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 pytestmark = pytest.mark.slow
 
 CARDS = 2
-MAX_CONTEXT = 2048
+MAX_CONTEXT = 1024
 WAIT_S = 180.0
 USER_MAX_CONCURRENT = 2
 USER_MAX_QUEUED = 1
@@ -50,17 +53,17 @@ def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pool(keys_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
+def pool(keys_path: Path) -> Iterator[PoolThread]:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: CARDS}, "include_dashboard": False},
     )
     ray.init(address=cluster.address, logging_level=logging.WARNING)
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
     config = PoolConfig(
-        model_dir=str(model_dir),
+        model_dir=str(default_model_dir()),
         grpc_address="127.0.0.1:0",
         metrics_address="127.0.0.1:0",
+        http_address="127.0.0.1:0",
         cpu_cards=0,
         card_torch_threads=1,
         engine_options={"max_context": MAX_CONTEXT},
@@ -91,6 +94,21 @@ def clients(pool: PoolThread) -> Iterator[dict[str, PoolClient]]:
     yield made
     for client in made.values():
         client.close()
+
+
+def http_client(pool: PoolThread, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{pool.http_address}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, session: str | None = None) -> Any:
+    headers = {"x-session-id": session} if session else None
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=3,
+        temperature=0.0,
+        extra_headers=headers,
+    )
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -325,3 +343,55 @@ def test_a_raw_stub_with_metadata_is_all_a_grpc_client_needs(pool: PoolThread) -
             pb.GetModelInfoRequest(), metadata=[("authorization", f"Bearer {KEYS['alice']}")], timeout=30
         )
         assert info.max_context == MAX_CONTEXT
+
+
+# ---- the same rules over HTTP ---------------------------------------------------------------------
+def test_http_callers_need_a_valid_key(pool: PoolThread) -> None:
+    wrong = secrets.token_urlsafe(24)
+    intruder = http_client(pool, wrong)
+    for call in (intruder.models.list, lambda: chat(intruder)):
+        with pytest.raises(openai.AuthenticationError) as refused:
+            call()
+        assert refused.value.status_code == 401
+        assert "the API key is not valid" in str(refused.value) and wrong not in str(refused.value)
+    bare = urllib.request.Request(
+        f"http://{pool.http_address}/v1/chat/completions",
+        data=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bare, timeout=60)
+    assert refused.value.code == 401 and b"needs an API key" in refused.value.read()
+    # Anthropic's SDKs send the key as x-api-key.
+    anthropic_style = urllib.request.Request(
+        f"http://{pool.http_address}/v1/models", headers={"x-api-key": KEYS["alice"]}
+    )
+    with urllib.request.urlopen(anthropic_style, timeout=60) as response:
+        assert response.status == 200
+    assert chat(http_client(pool, KEYS["alice"])).usage.completion_tokens > 0
+
+
+def test_http_turns_on_another_users_session_are_forbidden(pool: PoolThread) -> None:
+    alice, bob = http_client(pool, KEYS["alice"]), http_client(pool, KEYS["bob"])
+    assert chat(alice, "alice-http").choices[0].message.content is not None
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        chat(bob, "alice-http")
+    assert refused.value.status_code == 403 and "belongs to another user" in str(refused.value)
+    wait_until_idle(pool)
+
+
+def test_http_over_a_users_limit_is_429_with_retry_after(
+    pool: PoolThread, clients: dict[str, PoolClient]
+) -> None:
+    bobs = [Stream(clients["bob"], long_turn(f"bob-http-{i}")) for i in range(USER_MAX_CONCURRENT)]
+    try:
+        for stream in bobs:
+            assert stream.started.wait(60) and stream.error is None
+        with pytest.raises(openai.RateLimitError) as refused:
+            chat(http_client(pool, KEYS["bob"]))
+        assert refused.value.status_code == 429
+        assert refused.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
+        assert "--user-max-concurrent" in str(refused.value)
+    finally:
+        stop(clients["bob"], *bobs)
+    wait_until_idle(pool)

@@ -21,7 +21,7 @@ from .errors import ApiError
 from .params import object_body
 from .service import Service
 from .template import ChatTemplate
-from .upstream import RouterClient
+from .upstream import RouterClient, credentials
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Service, web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -74,6 +74,8 @@ def _get(
     service: Service, handler: Callable[[Service, web.Request], Awaitable[web.StreamResponse]]
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def wrapped(request: web.Request) -> web.StreamResponse:
+        # Answered here, not by the router: ask the router whether the caller's key is good first.
+        await service.router.model_info(credentials(request.headers))
         return await handler(service, request)
 
     return wrapped

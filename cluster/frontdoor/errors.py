@@ -6,8 +6,9 @@ from typing import Any
 
 import grpc
 
+from ..auth import RETRY_AFTER as RETRY_AFTER_METADATA  # the router's hint, in seconds
+
 DEFAULT_RETRY_AFTER_S = 1
-RETRY_AFTER_METADATA = "retry-after"  # a router's hint, in seconds, on RESOURCE_EXHAUSTED / UNAVAILABLE
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

@@ -12,7 +12,7 @@ from typing import Any
 
 EXTRA_CARDS_WAIT_S = 60.0
 # The flags of the addresses that serve the API: beyond loopback they need --api-keys (or --insecure).
-LISTENERS = ("listen",)
+LISTENERS = ("listen", "http")
 
 
 # CPU cards started by a plain `onestream serve` on a machine without GPUs.
@@ -182,7 +182,8 @@ def users_problem(args: argparse.Namespace) -> str | None:
             ApiKeys.load(args.api_keys)
         except KeyFileError as e:
             return str(e)
-    listeners = {f"--{name}": getattr(args, name) for name in LISTENERS if getattr(args, name, None)}
+    listeners = {f"--{name}": getattr(args, name) for name in LISTENERS}
+    listeners = {flag: address for flag, address in listeners.items() if address and address != "off"}
     return exposure_error(listeners, keys=bool(args.api_keys), insecure=args.insecure)
 
 
