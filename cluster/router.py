@@ -115,6 +115,7 @@ class Router(pb_grpc.OneStreamServicer):
         caller: Caller | None = None
         try:
             caller = self._authenticated(context)
+            self.metrics.user_request(caller.user)
             limits.check_generate(request, (self.registry.model_info or {}).get("max_context"))
             self._admit(caller, request.session_id)
         except InvalidRequestError as e:
@@ -173,7 +174,6 @@ class Router(pb_grpc.OneStreamServicer):
 
     def _admit(self, caller: Caller, session_id: str) -> None:
         """The caller's right to this turn: its own session, and room under its concurrency limit."""
-        self.metrics.user_request(caller.user)
         if session_id:
             owner = self.owners.claim(session_id, caller)
             if owner is not None:
@@ -624,9 +624,9 @@ class Router(pb_grpc.OneStreamServicer):
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Who calls a unary RPC; ends the call UNAUTHENTICATED when keys are on and it has no valid one."""
         try:
-            return self.auth.caller(context.invocation_metadata())
-        except AuthError as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            return self._authenticated(context)
+        except PoolError as e:
+            await context.abort(e.code, e.message)
         raise AssertionError("unreachable")
 
     async def _card_status(self, record: CardRecord) -> dict[str, Any] | None:
