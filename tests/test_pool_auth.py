@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -108,6 +109,22 @@ def chat(client: openai.OpenAI, session: str | None = None) -> Any:
         max_tokens=3,
         temperature=0.0,
         extra_headers=headers,
+    )
+
+
+def claude_client(pool: PoolThread, key: str) -> anthropic.Anthropic:
+    """Anthropic's SDK: it sends the key as `x-api-key`."""
+    return anthropic.Anthropic(
+        base_url=f"http://{pool.http_address}", api_key=key, max_retries=0, timeout=120
+    )
+
+
+def message(client: anthropic.Anthropic, session: str | None = None) -> Any:
+    return client.messages.create(
+        model="default_model",
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=3,
+        extra_headers={"x-session-id": session} if session else None,
     )
 
 
@@ -369,6 +386,18 @@ def test_http_callers_need_a_valid_key(pool: PoolThread) -> None:
     with urllib.request.urlopen(anthropic_style, timeout=60) as response:
         assert response.status == 200
     assert chat(http_client(pool, KEYS["alice"])).usage.completion_tokens > 0
+    claude = claude_client(pool, wrong)
+
+    def count() -> Any:
+        return claude.messages.count_tokens(
+            model="default_model", messages=[{"role": "user", "content": "hi"}]
+        )
+
+    for call in (lambda: message(claude), count):
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            call()
+        assert denied.value.status_code == 401 and wrong not in str(denied.value)
+    assert message(claude_client(pool, KEYS["alice"])).usage.output_tokens > 0
 
 
 def test_http_turns_on_another_users_session_are_forbidden(pool: PoolThread) -> None:
@@ -377,6 +406,9 @@ def test_http_turns_on_another_users_session_are_forbidden(pool: PoolThread) -> 
     with pytest.raises(openai.PermissionDeniedError) as refused:
         chat(bob, "alice-http")
     assert refused.value.status_code == 403 and "belongs to another user" in str(refused.value)
+    with pytest.raises(anthropic.PermissionDeniedError) as denied:
+        message(claude_client(pool, KEYS["bob"]), "alice-http")
+    assert denied.value.status_code == 403 and "belongs to another user" in str(denied.value)
     wait_until_idle(pool)
 
 
@@ -392,6 +424,10 @@ def test_http_over_a_users_limit_is_429_with_retry_after(
         assert refused.value.status_code == 429
         assert refused.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
         assert "--user-max-concurrent" in str(refused.value)
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            message(claude_client(pool, KEYS["bob"]))
+        assert limited.value.status_code == 429
+        assert limited.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
     finally:
         stop(clients["bob"], *bobs)
     wait_until_idle(pool)

@@ -58,8 +58,14 @@ async def errors_middleware(
         return error_response(request, ApiError(500, f"internal error ({type(error).__name__})"))
 
 
-def _post(service: Service, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def _post(
+    service: Service, handler: Handler, *, local: bool = False
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """`local`: the handler answers without a router call, so the router checks the caller's key first."""
+
     async def wrapped(request: web.Request) -> web.StreamResponse:
+        if local:
+            await service.router.model_info(credentials(request.headers))
         raw = await request.read()
         try:
             body = object_body(json.loads(raw))
@@ -74,8 +80,7 @@ def _get(
     service: Service, handler: Callable[[Service, web.Request], Awaitable[web.StreamResponse]]
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        # Answered here, not by the router: ask the router whether the caller's key is good first.
-        await service.router.model_info(credentials(request.headers))
+        await service.router.model_info(credentials(request.headers))  # answered here: check the key
         return await handler(service, request)
 
     return wrapped
@@ -88,7 +93,7 @@ def make_app(service: Service, max_body_bytes: int) -> web.Application:
     app.router.add_get("/v1/models", _get(service, openai_api.list_models))
     app.router.add_get("/v1/models/{model}", _get(service, openai_api.get_model))
     app.router.add_post("/v1/messages", _post(service, anthropic_api.messages))
-    app.router.add_post("/v1/messages/count_tokens", _post(service, anthropic_api.count_tokens))
+    app.router.add_post("/v1/messages/count_tokens", _post(service, anthropic_api.count_tokens, local=True))
     app.router.add_post("/v1/responses", _post(service, responses_api.responses))
     return app
 
