@@ -1,11 +1,12 @@
-"""`onestream serve` as users run it: its own local Ray, one CPU card, a real client; SIGTERM drains (the
-in-flight stream finishes) and the process exits cleanly."""
+"""`onestream serve` as users run it: its own local Ray, one CPU card, a real client; SIGHUP re-reads the
+API keys; SIGTERM drains (the in-flight stream finishes) and the process exits cleanly."""
 
 from __future__ import annotations
 
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +24,7 @@ from onestream.worker.testing import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 240.0
+KEYS = {user: secrets.token_urlsafe(24) for user in ("cli", "gone", "new")}
 
 
 class Serve:
@@ -68,21 +71,42 @@ class Serve:
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api-keys"
+    path.write_text(f"{KEYS['cli']} cli\n{KEYS['gone']} gone\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory, keys_path: Path) -> Iterator[Serve]:
     model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-    server = Serve("--model", str(model_dir), "--cpu-cards", "1", "--max-context", "512")
+    server = Serve(
+        "--model", str(model_dir), "--cpu-cards", "1", "--max-context", "512", "--api-keys", str(keys_path)
+    )
     yield server
     if server.process.poll() is None:
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait(30)
 
 
-def test_serve_prints_its_addresses_serves_and_drains_on_sigterm(serve: Serve) -> None:
+def test_serve_prints_its_addresses_serves_rereads_keys_on_sighup_and_drains_on_sigterm(
+    serve: Serve, keys_path: Path
+) -> None:
     grpc_address = serve.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
     metrics_address = serve.wait_for_line(r"metrics\s+http://(\S+)/metrics", 10).group(1)
     serve.wait_for_line(r"card\s+\S+/0/cpu-0", 10)
+    serve.wait_for_line(r"API keys\s+2 keys of 2 users", 10)
     serve.wait_for_line(r"ready", 10)
-    with PoolClient(grpc_address, timeout_s=60) as client:
+    gone, new = (PoolClient(grpc_address, timeout_s=60, api_key=KEYS[user]) for user in ("gone", "new"))
+    with PoolClient(grpc_address, timeout_s=60, api_key=KEYS["cli"]) as client, gone, new:
+        assert gone.pool_status().cards_free == 1
+        keys_path.write_text(f"{KEYS['cli']} cli\n{KEYS['new']} new\n")
+        serve.process.send_signal(signal.SIGHUP)
+        serve.wait_for_line(r"SIGHUP: re-read", 30)
+        with pytest.raises(grpc.RpcError) as removed:
+            gone.pool_status()
+        assert removed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert new.pool_status().cards_free == 1
         assert client.health() == "SERVING"
         assert client.model_info().max_context == 512
         events = list(client.generate(make_request("def main():", session_id="cli", max_tokens=5)))
