@@ -25,17 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from onestream.worker.card import (
-    CPU_CARD_RESOURCE,
-    NODE_ID_CHARS,
-    CardActor,
-    CardIdentity,
-    CardLiveness,
-    CardSettings,
-)
 from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .card import CPU_CARD_RESOURCE, NODE_ID_CHARS, CardActor, CardIdentity, CardLiveness, CardSettings
 from .config import PoolConfig
 from .policy import Scheduler
 

@@ -7,11 +7,12 @@ from typing import Any
 
 from onestream.cluster.client import SAMPLING_FIELDS
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.card import CardIdentity, SessionRecord
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.output import Finished, TokenChunk
 from onestream.worker.request import GenerateRequest
 from onestream.worker.sampling import SamplingParams
+
+from .card import CardIdentity, SessionRecord
 
 
 def request_from_proto(

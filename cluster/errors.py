@@ -44,7 +44,7 @@ class CardFailure(Exception):
         self.card_id = card_id
 
 
-# Engine errors travel from the card to the router by class name (see worker/card.py `CardError`).
+# Engine errors travel from the card to the router by class name (see cluster/card.py `CardError`).
 _ENGINE_ERROR_CODES: dict[str, grpc.StatusCode] = {
     InvalidRequestError.__name__: grpc.StatusCode.INVALID_ARGUMENT,
     ContextLengthError.__name__: grpc.StatusCode.INVALID_ARGUMENT,

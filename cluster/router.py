@@ -21,7 +21,6 @@ import grpc
 import ray
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
-from onestream.worker.card import CardError, SessionRecord
 from onestream.worker.errors import InvalidRequestError, OnestreamError
 from onestream.worker.output import Finished, TokenChunk
 from onestream.worker.prefixes import sharing_scope
@@ -31,6 +30,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from . import convert, limits
 from .auth import RETRY_AFTER, Authenticator, AuthError, Caller, SessionOwners
+from .card import CardError, SessionRecord
 from .cards import CardRecord, CardRegistry
 from .config import PoolConfig
 from .errors import (

@@ -17,11 +17,11 @@ import anthropic
 import openai
 import pytest
 import ray
+from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.frontdoor.app import FrontDoor
 from onestream.cluster.server import PoolThread
-from onestream.worker.card import CPU_CARD_RESOURCE
 from onestream.worker.loading import default_model_dir
 
 pytestmark = pytest.mark.slow

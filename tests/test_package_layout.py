@@ -42,3 +42,15 @@ def test_console_script_and_extras() -> None:
     scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
     assert scripts == {"onestream": "onestream.cli:main"}
     assert {"gpu", "dev"} <= set(dist.metadata.get_all("Provides-Extra") or [])
+
+
+def test_the_engine_does_not_import_the_pool() -> None:
+    # The worker is the engine alone; the pool (cluster/) builds on it, never the reverse.
+    worker = Path(__file__).resolve().parents[1] / "worker"
+    offenders = [
+        f"{path.relative_to(worker.parent)}:{number}"
+        for path in sorted(worker.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if line.lstrip().startswith(("from onestream.cluster", "import onestream.cluster"))
+    ]
+    assert not offenders, f"worker/ imports cluster/: {offenders}"

@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 import pytest
 import ray
+from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.card import CPU_CARD_RESOURCE
 from onestream.worker.testing import write_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster

@@ -18,12 +18,12 @@ import ray
 from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.limits import MAX_ABORT_IDS
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.card import CPU_CARD_RESOURCE
 from onestream.worker.request import MAX_ID_CHARS, PROMPT_BYTES_PER_TOKEN
 from onestream.worker.testing import write_tiny_checkpoint
 from ray.cluster_utils import Cluster

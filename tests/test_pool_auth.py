@@ -20,12 +20,12 @@ import openai
 import pytest
 import ray
 from onestream.cluster.auth import RETRY_AFTER
+from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
-from onestream.worker.card import CPU_CARD_RESOURCE
 from onestream.worker.loading import default_model_dir
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster

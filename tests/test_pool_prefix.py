@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.card import CPU_CARD_RESOURCE
 from onestream.worker.prefixes import MIN_PREFIX_TOKENS
 from onestream.worker.testing import IM_END, IM_START, special_token_id, write_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families

@@ -196,7 +196,7 @@ def _local_gpu_count() -> int:
 def _connect_ray(address: str | None, cpu_cards: int | None) -> str:
     import ray
 
-    from onestream.worker.card import CPU_CARD_RESOURCE
+    from onestream.cluster.card import CPU_CARD_RESOURCE
 
     if address:
         ray.init(address=address, namespace="onestream", logging_level=logging.WARNING)
@@ -215,7 +215,7 @@ def _connect_ray(address: str | None, cpu_cards: int | None) -> str:
 def _card_slots(cpu_cards: int | None) -> int:
     import ray
 
-    from onestream.worker.card import CPU_CARD_RESOURCE
+    from onestream.cluster.card import CPU_CARD_RESOURCE
 
     resources = ray.cluster_resources()
     return int(resources.get(CPU_CARD_RESOURCE if cpu_cards is not None else "GPU", 0))

@@ -6,7 +6,7 @@ generation. `generate` is a Ray streaming generator; `ray.cancel` on its ObjectR
 asyncio task, which stops the engine at the next token boundary.
 
 Each card serves its own Prometheus /metrics on its node (a free port), labelled with its identity.
-The router (cluster/cards.py) creates these actors with `ray.remote(CardActor).options(...)`.
+The router (`cards.py`) creates these actors with `ray.remote(CardActor).options(...)`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,13 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import OnestreamError
-from .output import Finished, TokenChunk
-from .request import GenerateRequest
+from onestream.worker.errors import OnestreamError
+from onestream.worker.output import Finished, TokenChunk
+from onestream.worker.request import GenerateRequest
+
+from .http_server import MetricsHTTPServer
+from .metrics import CardMetrics
+from .prefix_index import PointReporter
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +115,6 @@ class CardActor:
     """One engine behind a Ray actor. Create with `ray.remote(CardActor).options(...).remote(settings)`."""
 
     def __init__(self, settings: CardSettings) -> None:
-        from onestream.cluster.http_server import MetricsHTTPServer
-        from onestream.cluster.metrics import CardMetrics
-        from onestream.cluster.prefix_index import PointReporter
-
         if settings.torch_threads:
             import torch
 
@@ -284,7 +284,7 @@ class CardActor:
 
 
 def _build_engine(settings: CardSettings) -> Any:
-    from .engine import Engine
+    from onestream.worker.engine import Engine
 
     options = dict(settings.engine_options)
     if settings.dtype:
