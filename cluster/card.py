@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from onestream.worker.api import Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import OnestreamError
-from onestream.worker.output import Finished, TokenChunk
-from onestream.worker.request import GenerateRequest
 
 from .http_server import MetricsHTTPServer
 from .metrics import CardMetrics
@@ -252,19 +251,7 @@ class CardActor:
             stream.close()  # when stopped: cancels the engine's loop at the token boundary
 
     def _observe_finished(self, item: Finished) -> None:
-        usage, timings = item.usage, item.timings
-        self._metrics.observe_finished(
-            finish_reason=item.finish_reason,
-            prompt_tokens=usage.prompt_tokens,
-            cached_prompt_tokens=usage.cached_prompt_tokens,
-            drafts=usage.drafts,
-            draft_tokens=usage.draft_tokens,
-            accepted_draft_tokens=usage.accepted_draft_tokens,
-            accepted_per_position=usage.accepted_per_position,
-            time_to_first_token_s=timings.time_to_first_token_s if usage.generated_tokens else None,
-            inter_token_s=timings.inter_token_s,
-            total_s=timings.total_s,
-        )
+        self._metrics.observe_finished(item)
         reuse = self._engine.last_reuse
         self._metrics.observe_prefix_hit(reuse.tokens if reuse.by_prefix else 0)
 

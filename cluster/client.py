@@ -8,10 +8,12 @@ for event in client.generate(make_request("def add(a, b):", session_id="agent-1"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+import typing
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
@@ -20,18 +22,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
+from onestream.worker.api import SAMPLING_FIELDS, SamplingParams
 
-# The proto's optional sampling fields, by name (also what the router copies into SamplingParams).
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 20_000),
@@ -202,12 +194,25 @@ def client_from_args(args: argparse.Namespace) -> PoolClient:
     return PoolClient(args.server, api_key=getattr(args, "api_key", None))
 
 
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, *, help_overrides: dict[str, str] | None = None
+) -> None:
+    """One flag per scalar SamplingParams field (`--top-k` for `top_k`), each None unless given, so that
+    the server's (or the model's) defaults fill what is left out."""
+    hints = typing.get_type_hints(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name not in SAMPLING_FIELDS:
+            continue
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        help_text = (help_overrides or {}).get(f.name, f.metadata["help"])
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=help_text
+        )
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(parser)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from onestream.cluster.client import SAMPLING_FIELDS
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.api import SAMPLING_FIELDS, Finished, GenerateRequest, SamplingParams, TokenChunk
 from onestream.worker.errors import InvalidRequestError
-from onestream.worker.output import Finished, TokenChunk
-from onestream.worker.request import GenerateRequest
-from onestream.worker.sampling import SamplingParams
 
 from .card import CardIdentity, SessionRecord
 
@@ -65,15 +62,7 @@ def finished_to_proto(
     decode_tokens = max(usage.generated_tokens - 1, 0)  # decode_s runs from the first token on
     message = pb.Finished(
         finish_reason=finished.finish_reason,
-        usage=pb.Usage(
-            prompt_tokens=usage.prompt_tokens,
-            cached_prompt_tokens=usage.cached_prompt_tokens,
-            generated_tokens=usage.generated_tokens,
-            drafts=usage.drafts,
-            draft_tokens=usage.draft_tokens,
-            accepted_draft_tokens=usage.accepted_draft_tokens,
-            accepted_per_position=usage.accepted_per_position,
-        ),
+        usage=pb.Usage(**usage.as_dict()),  # the same fields on both sides
         timings=pb.Timings(
             queue_wait_s=queue_wait_s,
             time_to_first_token_s=time_to_first_token_s,

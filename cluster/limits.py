@@ -2,21 +2,21 @@
 
 The router runs these first, so that an oversized field costs a length check, never a conversion, a
 queue slot or a card's time. Each violation raises InvalidRequestError naming the field and the limit,
-never quoting the value. The engine's own validation (worker/request.py) still checks the contents.
+never quoting the value. The engine's own validation (worker/api.py) still checks the contents.
 """
 
 from __future__ import annotations
 
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.errors import ContextLengthError, InvalidRequestError
-from onestream.worker.request import (
+from onestream.worker.api import (
     MAX_ID_CHARS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MESSAGE_ROLES,
+    SamplingParams,
 )
-from onestream.worker.sampling import SamplingParams
+from onestream.worker.errors import ContextLengthError, InvalidRequestError
 
 MAX_ABORT_IDS = 1024
 MAX_ROLE_CHARS = max(len(role) for role in MESSAGE_ROLES)
@@ -75,7 +75,7 @@ def check_id(name: str, value: str, *, required: bool = False) -> None:
 
 
 def _check_prompt(message: pb.GenerateRequest, max_context: int) -> None:
-    """Counts only: the prompt's bytes are bounded by the engine's validation (worker/request.py),
+    """Counts only: the prompt's bytes are bounded by the engine's validation (worker/api.py),
     which the router runs next on the converted request."""
     kind = message.WhichOneof("prompt")
     if kind == "token_ids" and len(message.token_ids.ids) > max_context:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import prometheus_client
+from onestream.worker.api import FINISH_REASONS, Finished
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # No `*_created` series next to every counter and histogram (as vLLM): they double the series count and
@@ -96,8 +97,6 @@ QUEUE_BUCKETS = (
 
 class CardMetrics:
     """One card's series, in its own registry (served by the card's /metrics). Thread-safe."""
-
-    FINISH_REASONS = ("stop", "length", "cancelled")
 
     def __init__(
         self,
@@ -191,7 +190,7 @@ class CardMetrics:
         self._card = card
         # Labelled series exist at zero from the start: a series born at its first increment hides that
         # increment from rate() and increase().
-        for reason in self.FINISH_REASONS:
+        for reason in FINISH_REASONS:
             self.requests(reason)
         for position in range(spec_k):
             self._accepted_per_pos.labels(**card, position=str(position))
@@ -199,36 +198,23 @@ class CardMetrics:
     def requests(self, finish_reason: str) -> Counter:
         return self._requests.labels(**self._card, finish_reason=finish_reason)
 
-    def observe_finished(
-        self,
-        *,
-        finish_reason: str,
-        prompt_tokens: int,
-        cached_prompt_tokens: int,
-        drafts: int,
-        draft_tokens: int,
-        accepted_draft_tokens: int,
-        accepted_per_position: Iterable[int],
-        time_to_first_token_s: float | None,
-        inter_token_s: Iterable[float],
-        total_s: float | None,
-    ) -> None:
+    def observe_finished(self, finished: Finished) -> None:
         """Everything but generated tokens, which are counted as they stream."""
-        self.requests(finish_reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_prompt_tokens.inc(cached_prompt_tokens)
-        self.prefill_tokens.inc(max(prompt_tokens - cached_prompt_tokens, 0))
-        self.drafts.inc(drafts)
-        self.draft_tokens.inc(draft_tokens)
-        self.accepted_tokens.inc(accepted_draft_tokens)
-        for position, accepted in enumerate(accepted_per_position):
+        usage, timings = finished.usage, finished.timings
+        self.requests(finished.finish_reason).inc()
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        self.prefill_tokens.inc(max(usage.prompt_tokens - usage.cached_prompt_tokens, 0))
+        self.drafts.inc(usage.drafts)
+        self.draft_tokens.inc(usage.draft_tokens)
+        self.accepted_tokens.inc(usage.accepted_draft_tokens)
+        for position, accepted in enumerate(usage.accepted_per_position):
             self._accepted_per_pos.labels(**self._card, position=str(position)).inc(accepted)
-        if time_to_first_token_s is not None:
-            self.time_to_first_token.observe(time_to_first_token_s)
-        for gap in inter_token_s:
+        if usage.generated_tokens:  # a request that generated nothing has no first token
+            self.time_to_first_token.observe(timings.time_to_first_token_s)
+        for gap in timings.inter_token_s:
             self.inter_token_latency.observe(gap)
-        if total_s is not None:
-            self.e2e_request_latency.observe(total_s)
+        self.e2e_request_latency.observe(timings.total_s)
 
     def set_sessions(self, count: int, nbytes: int) -> None:
         self.cached_sessions.set(count)

@@ -21,10 +21,9 @@ import grpc
 import ray
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
+from onestream.worker.api import Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import InvalidRequestError, OnestreamError
-from onestream.worker.output import Finished, TokenChunk
 from onestream.worker.prefixes import sharing_scope
-from onestream.worker.request import GenerateRequest
 from onestream.worker.tokenizer import Tokenizer
 from ray.exceptions import RayError, RayTaskError
 

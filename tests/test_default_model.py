@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.loading import default_model_dir, load_model
 from onestream.worker.model import Qwen35ForCausalLM
-from onestream.worker.sampling import SamplingParams
 from onestream.worker.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

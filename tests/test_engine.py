@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.backend import BackendUnavailableError, ReferenceBackend, create_backend
 from onestream.worker.engine import Engine, EngineBusyError, Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import ContextLengthError, InvalidRequestError
 from onestream.worker.loading import load_model
-from onestream.worker.output import StopChecker
-from onestream.worker.sampling import SamplingParams
+from onestream.worker.stop import StopChecker
 from onestream.worker.testing_spec import write_draftable_checkpoint
 from onestream.worker.tokenizer import load_tokenizer
 

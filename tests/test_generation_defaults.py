@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.engine import Engine, Finished, GenerateRequest, generation_defaults
 from onestream.worker.errors import CheckpointError
 from onestream.worker.loading import default_model_dir
-from onestream.worker.sampling import SamplingParams
 from onestream.worker.testing import write_tiny_checkpoint
 from onestream.worker.tokenizer import HealedTextDecoder, heal_prompt, load_tokenizer
 

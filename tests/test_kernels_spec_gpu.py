@@ -276,10 +276,9 @@ def test_greedy_speculative_output_equals_plain_greedy_on_the_megakernel():
 @torch.no_grad()
 def test_sampled_speculative_decoding_runs_on_the_megakernel():
     from onestream.kernels.backend import MegakernelBackend
+    from onestream.worker.api import GenerateRequest, SamplingParams
     from onestream.worker.engine import Engine
     from onestream.worker.loading import default_model_dir, load_model
-    from onestream.worker.request import GenerateRequest
-    from onestream.worker.sampling import SamplingParams
 
     path = default_model_dir()
     engine = Engine(path, backend=MegakernelBackend(load_model(path, dtype=torch.bfloat16, device="cuda")))

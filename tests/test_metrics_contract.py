@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from onestream.cluster.http_server import MetricsHTTPServer
 from onestream.cluster.metrics import CARD_LABELS, CardMetrics, RouterMetrics
+from onestream.worker.api import Finished, Timings, Usage
 from prometheus_client.parser import text_string_to_metric_families
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -57,16 +58,19 @@ def card_metrics() -> CardMetrics:
     )
     metrics.generation_tokens.inc(7)
     metrics.observe_finished(
-        finish_reason="stop",
-        prompt_tokens=11,
-        cached_prompt_tokens=4,
-        drafts=3,
-        draft_tokens=6,
-        accepted_draft_tokens=5,
-        accepted_per_position=[3, 2],
-        time_to_first_token_s=0.02,
-        inter_token_s=[0.01, 0.012],
-        total_s=0.1,
+        Finished(
+            "stop",
+            Usage(
+                prompt_tokens=11,
+                cached_prompt_tokens=4,
+                generated_tokens=7,
+                drafts=3,
+                draft_tokens=6,
+                accepted_draft_tokens=5,
+                accepted_per_position=[3, 2],
+            ),
+            Timings(time_to_first_token_s=0.02, inter_token_s=[0.01, 0.012], total_s=0.1),
+        )
     )
     return metrics
 
@@ -150,16 +154,11 @@ def test_card_counts_are_what_was_observed() -> None:
         cached = min(cached, prompt)
         metrics.generation_tokens.inc(generated)
         metrics.observe_finished(
-            finish_reason=random.choice(["stop", "length"]),
-            prompt_tokens=prompt,
-            cached_prompt_tokens=cached,
-            drafts=0,
-            draft_tokens=0,
-            accepted_draft_tokens=0,
-            accepted_per_position=[],
-            time_to_first_token_s=0.01,
-            inter_token_s=[0.001] * (generated - 1),
-            total_s=0.05,
+            Finished(
+                random.choice(["stop", "length"]),
+                Usage(prompt_tokens=prompt, cached_prompt_tokens=cached, generated_tokens=generated),
+                Timings(time_to_first_token_s=0.01, inter_token_s=[0.001] * (generated - 1), total_s=0.05),
+            )
         )
     text, server = serve_and_scrape(metrics.registry)
     server.close()

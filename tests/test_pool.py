@@ -27,6 +27,7 @@ from onestream.cluster.client import PoolClient, make_request
 from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.api import SAMPLING_FIELDS
 from onestream.worker.testing import write_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
@@ -739,9 +740,8 @@ def test_chat_command_keeps_one_session_and_resets_it(pool: PoolThread, client: 
     args = argparse.Namespace(
         server=pool.grpc_address, session=session, system="be brief", stats=True, max_tokens=5, stop=[]
     )
-    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "seed"):
+    for name in SAMPLING_FIELDS:
         setattr(args, name, None)
-    args.repetition_penalty = None
     script = io.StringIO("hello there\n/stats\nand again\n")
     out, err = io.StringIO(), io.StringIO()
     loop = ChatLoop(client, args, script, out, err)

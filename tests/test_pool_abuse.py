@@ -24,7 +24,7 @@ from onestream.cluster.config import PoolConfig
 from onestream.cluster.limits import MAX_ABORT_IDS
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.request import MAX_ID_CHARS, PROMPT_BYTES_PER_TOKEN
+from onestream.worker.api import MAX_ID_CHARS, PROMPT_BYTES_PER_TOKEN
 from onestream.worker.testing import write_tiny_checkpoint
 from ray.cluster_utils import Cluster
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+
 import pytest
+from google.protobuf.json_format import MessageToDict
 from onestream.cluster.convert import finished_to_proto, request_from_proto
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.api import Finished, SamplingParams, Timings, Usage
 from onestream.worker.errors import InvalidRequestError
-from onestream.worker.output import Finished, Timings, Usage
-from onestream.worker.sampling import SamplingParams
 
 MODEL_DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.25}
 
@@ -50,3 +54,28 @@ def test_finished_names_what_stopped_it(
 def test_logit_bias_reaches_the_sampling_params() -> None:
     message = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={7: -100.0, 3: 2.5}))
     assert request_from_proto(message, "r7").sampling.logit_bias == ((3, 2.5), (7, -100.0))
+
+
+def test_the_wire_carries_every_sampling_and_usage_field() -> None:
+    # convert.py copies these by name, so the proto and the dataclasses must name the same fields.
+    assert {f.name for f in pb.SamplingParams.DESCRIPTOR.fields} == {
+        f.name for f in dataclasses.fields(SamplingParams)
+    }
+    assert {f.name for f in pb.Usage.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(Usage)}
+    usage = Usage(prompt_tokens=9, cached_prompt_tokens=4, generated_tokens=5, drafts=2, draft_tokens=4)
+    usage.accepted_draft_tokens, usage.accepted_per_position = 3, [2, 1]
+    finished = finished_to_proto(
+        Finished("stop", usage, Timings(decode_s=0.5)),
+        pb.Card(card_id="c"),
+        queue_wait_s=0.0,
+        time_to_first_token_s=0.1,
+        total_s=0.6,
+    )
+    assert MessageToDict(finished.usage, preserving_proto_field_name=True) == usage.as_dict()
+
+
+def test_clients_import_the_request_types_without_torch() -> None:
+    # The CLI client and the front doors parse flags and requests before any engine exists.
+    probe = "import sys, onestream.cluster.client; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

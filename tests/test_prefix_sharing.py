@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.backend import ReferenceBackend
 from onestream.worker.engine import Engine, Finished, GenerateRequest, TokenChunk
 from onestream.worker.prefixes import (
@@ -17,7 +18,6 @@ from onestream.worker.prefixes import (
     message_boundaries,
     sharing_scope,
 )
-from onestream.worker.sampling import SamplingParams
 from onestream.worker.sequence import Sequence
 from onestream.worker.sessions import Session, SessionCache
 from onestream.worker.testing import IM_END, IM_START, special_token_id

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from onestream.worker.api import PROMPT_BYTES_PER_TOKEN, GenerateRequest, max_prompt_bytes
 from onestream.worker.engine import Engine
 from onestream.worker.errors import ContextLengthError
-from onestream.worker.request import PROMPT_BYTES_PER_TOKEN, GenerateRequest, max_prompt_bytes
 from onestream.worker.testing import write_tiny_checkpoint
 from onestream.worker.tokenizer import PREFIX_CUT_SLACK_TOKENS, Tokenizer, load_tokenizer
 

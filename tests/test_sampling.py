@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.sampling import (
     RequestSampler,
-    SamplingParams,
     TokenHistory,
     apply_penalties,
     probabilities,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.engine import Engine, Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import UnknownSessionError
-from onestream.worker.sampling import SamplingParams
 from onestream.worker.sequence import Sequence
 from onestream.worker.sessions import Session, SessionCache
 from onestream.worker.testing_spec import write_draftable_checkpoint

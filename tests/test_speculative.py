@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.backend import ReferenceBackend
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.loading import load_model
-from onestream.worker.sampling import RequestSampler, SamplingParams
+from onestream.worker.sampling import RequestSampler
 from onestream.worker.sequence import Sequence
 from onestream.worker.speculative import (
     SpecStats,

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from .api import Finished, GenerateRequest, SamplingParams, Timings, TokenChunk, Usage
 from .backend import Backend, create_backend
 from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
-from .output import Finished, StopChecker, Timings, TokenChunk, Usage
 from .prefixes import (
     DEFAULT_PREFIX_SHARING,
     MESSAGE_START_TOKENS,
@@ -34,11 +34,11 @@ from .prefixes import (
     sharing_scope,
 )
 from .progress import LoadProgress
-from .request import GenerateRequest
-from .sampling import RequestSampler, SamplingParams
+from .sampling import RequestSampler
 from .sequence import Sequence
 from .sessions import Session, SessionCache, SessionInfo
 from .speculative import SpecStats, SpeculativeDecoder
+from .stop import StopChecker
 from .tokenizer import HealedTextDecoder, TokenHealing, heal_prompt
 
 __all__ = [

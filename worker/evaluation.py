@@ -312,8 +312,7 @@ class SpecRun:
 
 def run_spec(engine: Any, prompts: Sequence[list[int]], *, k: int, max_tokens: int) -> SpecRun:
     """Greedy generation of every prompt with `k` drafts per cycle (k = 0: plain decoding)."""
-    from .request import GenerateRequest
-    from .sampling import SamplingParams
+    from .api import GenerateRequest, SamplingParams
 
     engine.spec_k = k
     run = SpecRun(k, len(prompts), 0, 0.0, 0, 0, 0, [0] * k)

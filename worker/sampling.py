@@ -1,4 +1,4 @@
-"""Sampling parameters and the logits -> next-token pipeline of one request.
+"""The logits -> next-token pipeline of one request (its parameters are `api.SamplingParams`).
 
 Order of processing (vLLM's): logit bias -> penalties -> temperature -> min-p -> top-k -> top-p -> sample.
 Greedy (temperature 0) takes the argmax of the penalised logits.
@@ -12,93 +12,11 @@ Penalties follow vLLM / Hugging Face:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
-
-
-def _check_real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
-    """Raise InvalidRequestError unless `value` is a finite real in [low, high] (or (low, high])."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}")
-    left = "(" if low_open else "["
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        raise InvalidRequestError(f"{name} must be in {left}{low}, {high}], got {value}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request turns logits into tokens. temperature 0 means greedy."""
-
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
-
-    MAX_TEMPERATURE = 100.0
-    MAX_SEED = 2**63 - 1
-    MAX_LOGIT_BIAS = 100.0
-    MAX_LOGIT_BIAS_ENTRIES = 1024
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        _check_real("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise InvalidRequestError(f"top_k must be an integer, got {type(self.top_k).__name__}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
-        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_real("min_p", self.min_p, 0.0, 1.0)
-        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_real("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer or None, got {type(self.seed).__name__}")
-        if self.seed is not None and not 0 <= self.seed <= self.MAX_SEED:
-            raise InvalidRequestError(f"seed must be in [0, {self.MAX_SEED}], got {self.seed}")
-        self._validate_logit_bias(vocab_size)
-
-    def _validate_logit_bias(self, vocab_size: int | None) -> None:
-        if len(self.logit_bias) > self.MAX_LOGIT_BIAS_ENTRIES:
-            raise InvalidRequestError(
-                f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS_ENTRIES}"
-            )
-        for token_id, bias in self.logit_bias:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-                raise InvalidRequestError(
-                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
-                )
-            if vocab_size is not None and token_id >= vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token_id} is not in the vocabulary (ids 0..{vocab_size - 1})"
-                )
-            _check_real(f"logit_bias[{token_id}]", bias, -self.MAX_LOGIT_BIAS, self.MAX_LOGIT_BIAS)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    def make_generator(self, device: torch.device | str) -> torch.Generator:
-        """A per-request generator: seeded from `seed` (reproducible) or from the OS when None."""
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
-
+from .api import SamplingParams
 
 # Token ids given as host ints or as a LongTensor already on the device (drafts never leave the device).
 TokenIds = Sequence[int] | torch.Tensor
@@ -248,7 +166,7 @@ class RequestSampler:
         device: torch.device | str,
     ) -> None:
         self.params = params
-        self.generator = params.make_generator(device)
+        self.generator = _generator(params.seed, device)
         self.history = TokenHistory(prompt_ids, vocab_size, device) if params.has_penalties else None
 
     def probabilities(
@@ -275,3 +193,13 @@ class RequestSampler:
         """Tokens that were emitted: from now on the penalties count them."""
         if self.history is not None:
             self.history.append(token_ids)
+
+
+def _generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A per-request generator: seeded from `seed` (reproducible) or from the OS when None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -8,16 +8,6 @@ import json
 import sys
 from typing import Any
 
-SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("top_k", int, "keep the k most likely tokens (0 = off)"),
-    ("top_p", float, "keep the smallest set of tokens with this much probability"),
-    ("min_p", float, "drop tokens below this fraction of the top token's probability"),
-    ("presence_penalty", float, "subtracted once from every generated token's logit"),
-    ("frequency_penalty", float, "subtracted per occurrence of a generated token"),
-    ("repetition_penalty", float, "divides (multiplies) positive (negative) logits of seen tokens"),
-    ("seed", int, "seed of the request's random generator"),
-)
-
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the model comes from and how it runs (shared with `onestream eval`)."""
@@ -30,6 +20,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from onestream.cluster.client import add_sampling_flags
+
     parser = subparsers.add_parser(
         "generate", help="complete a prompt and print its statistics", description=__doc__
     )
@@ -43,14 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--spec-k", type=int, default=None, help="MTP drafts per cycle (0 = off; default: engine's)"
     )
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="0 = greedy (default: the model's generation_config.json; greedy unless it sets do_sample)",
-    )
-    for name, kind, help_text in SAMPLING_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    temperature = "0 = greedy (default: the model's generation_config.json; greedy unless it sets do_sample)"
+    add_sampling_flags(parser, help_overrides={"temperature": temperature})
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     parser.add_argument(
@@ -88,13 +74,12 @@ def run(args: argparse.Namespace) -> int:
 
         return int(run_generate(args))
 
+    from onestream.worker.api import SAMPLING_FIELDS, GenerateRequest
     from onestream.worker.engine import Engine, Finished
     from onestream.worker.errors import OnestreamError
-    from onestream.worker.request import GenerateRequest
 
     # Flags left out take the model's generation_config.json defaults (Engine.default_sampling).
-    sampling: dict[str, Any] = {"temperature": args.temperature}
-    sampling |= {name: getattr(args, name) for name, _, _ in SAMPLING_FLAGS}
+    sampling: dict[str, Any] = {name: getattr(args, name) for name in SAMPLING_FIELDS}
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         engine = Engine(

@@ -89,8 +89,8 @@ def run_spec_eval(model: Path, files: list[Path], extra: list[str], threads: int
 def time_generate(model: Path, spec_k: int | None, repeats: int = 5) -> dict:
     """Median wall time of 64 tokens (prefill included) with the engine and the model's sampling defaults, as
     `onestream generate` runs it with no sampling flags."""
+    from onestream.worker.api import GenerateRequest
     from onestream.worker.engine import Engine
-    from onestream.worker.request import GenerateRequest
 
     engine = Engine(str(model), device="cpu")
     if spec_k is not None:

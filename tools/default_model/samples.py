@@ -28,9 +28,8 @@ PROMPTS = (
 def completions(
     model: Path, device: str, max_tokens: int, backend: str = "reference", prompts: tuple[str, ...] = PROMPTS
 ) -> dict:
+    from onestream.worker.api import GenerateRequest, SamplingParams
     from onestream.worker.engine import Engine, Finished
-    from onestream.worker.request import GenerateRequest
-    from onestream.worker.sampling import SamplingParams
 
     engine = Engine(str(model), backend=backend, device=device, token_healing=True)  # as `generate` runs
     settings = {"greedy": SamplingParams(temperature=0.0), "model_defaults": engine.default_sampling()}

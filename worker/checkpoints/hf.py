@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from ..api import SAMPLING_FIELDS, SamplingParams
 from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
 from ..loading import expected_tensor_shapes, listing
-from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer, load_tokenizer
 from .base import Checkpoint, ModelFormat, drop_file_pages
 
@@ -258,16 +258,9 @@ def _file_views(path: Path, entries: list[tuple[str, StoredTensor]]) -> Iterator
         drop_file_pages(mapped, tensor.start, tensor.end)
 
 
-# generation_config.json keys that set a SamplingParams field of the same name when a request leaves it out.
-GENERATION_CONFIG_SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
+# generation_config.json keys that set a SamplingParams field of the same name when a request leaves it
+# out: every scalar field but the seed, which a checkpoint never fixes for all requests.
+GENERATION_CONFIG_SAMPLING_KEYS = tuple(name for name in SAMPLING_FIELDS if name != "seed")
 
 
 def generation_defaults(model_dir: Path) -> dict[str, Any]:

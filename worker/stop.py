@@ -1,57 +1,9 @@
-"""What a generation streams: token chunks, then one `Finished` with usage and timings; and the stop logic
-that decides, token by token, what is emitted and when the generation ends."""
+"""The stop logic: token by token, what a generation emits and when it ends."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
-
-FINISH_REASONS = ("stop", "length", "cancelled")
-
-
-@dataclass
-class TokenChunk:
-    """Tokens accepted since the last chunk and the text they complete (whole UTF-8 characters)."""
-
-    token_ids: list[int]
-    text: str
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # served from the session cache, not computed
-    generated_tokens: int = 0
-    drafts: int = 0  # speculative verify cycles
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # index 0 = first draft
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Timings:
-    prefill_s: float = 0.0  # restoring cached state + computing the rest of the prompt + choosing token one
-    time_to_first_token_s: float = 0.0  # from the start of the request to the first token
-    decode_s: float = 0.0  # from the first token to the end
-    total_s: float = 0.0
-    # Gaps between consecutive chunks (a speculative cycle streams several tokens in one chunk, as vLLM
-    # counts iterations); the first token's latency is time_to_first_token_s.
-    inter_token_s: list[float] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    usage: Usage
-    timings: Timings
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+from typing import Protocol
 
 
 class TextDecoder(Protocol):

@@ -1,12 +1,16 @@
-"""A generation request and its validation: everything is checked before any work is done."""
+"""The engine's request and result types, independent of any wire format.
+
+The gRPC server (`cluster/convert.py`), the CLI client and the HTTP front door translate to and from these;
+every list of sampling or usage fields elsewhere is derived from the dataclasses here. Needs no torch, so
+that clients import it cheaply. A request is validated whole before any work is done."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .errors import ContextLengthError, InvalidRequestError, quoted
-from .sampling import SamplingParams
 
 Message = dict[str, Any]
 Prompt = str | list[int] | list[Message]
@@ -30,6 +34,91 @@ def utf8_length(text: str, limit: int) -> int:
     """The UTF-8 length of `text`, or just its character count when that already exceeds `limit` (a
     character is at least a byte: a huge string is measured without being encoded)."""
     return len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise InvalidRequestError unless `value` is a finite real in [low, high] (or (low, high])."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}")
+    left = "(" if low_open else "["
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise InvalidRequestError(f"{name} must be in {left}{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens. temperature 0 means greedy."""
+
+    temperature: float = field(default=1.0, metadata={"help": "0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 or -1 = off)"})
+    top_p: float = field(
+        default=1.0, metadata={"help": "keep the smallest set of tokens with this much probability"}
+    )
+    min_p: float = field(
+        default=0.0, metadata={"help": "drop tokens below this fraction of the top token's probability"}
+    )
+    presence_penalty: float = field(
+        default=0.0, metadata={"help": "subtracted once from every generated token's logit"}
+    )
+    frequency_penalty: float = field(
+        default=0.0, metadata={"help": "subtracted per occurrence of a generated token"}
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "divides (multiplies) positive (negative) logits of seen tokens"}
+    )
+    seed: int | None = field(default=None, metadata={"help": "seed of the request's random generator"})
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+
+    MAX_TEMPERATURE = 100.0
+    MAX_SEED = 2**63 - 1
+    MAX_LOGIT_BIAS = 100.0
+    MAX_LOGIT_BIAS_ENTRIES = 1024
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        _check_real("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise InvalidRequestError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer or None, got {type(self.seed).__name__}")
+        if self.seed is not None and not 0 <= self.seed <= self.MAX_SEED:
+            raise InvalidRequestError(f"seed must be in [0, {self.MAX_SEED}], got {self.seed}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS_ENTRIES}"
+            )
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
+                )
+            if vocab_size is not None and token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token_id} is not in the vocabulary (ids 0..{vocab_size - 1})"
+                )
+            _check_real(f"logit_bias[{token_id}]", bias, -self.MAX_LOGIT_BIAS, self.MAX_LOGIT_BIAS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+# The scalar sampling fields by name: what a wire request or a CLI flag sets one value of (logit_bias, a map
+# of token ids on every wire, is converted on its own).
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.name != "logit_bias")
 
 
 @dataclass
@@ -171,3 +260,50 @@ def _validate_stop(stop: object) -> None:
             raise InvalidRequestError(
                 f"stop[{i}] is {len(s)} characters long; at most {MAX_STOP_STRING_CHARS}"
             )
+
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass
+class TokenChunk:
+    """Tokens accepted since the last chunk and the text they complete (whole UTF-8 characters)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # served from the session cache, not computed
+    generated_tokens: int = 0
+    drafts: int = 0  # speculative verify cycles
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # index 0 = first draft
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0  # restoring cached state + computing the rest of the prompt + choosing token one
+    time_to_first_token_s: float = 0.0  # from the start of the request to the first token
+    decode_s: float = 0.0  # from the first token to the end
+    total_s: float = 0.0
+    # Gaps between consecutive chunks (a speculative cycle streams several tokens in one chunk, as vLLM
+    # counts iterations); the first token's latency is time_to_first_token_s.
+    inter_token_s: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+    timings: Timings
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
