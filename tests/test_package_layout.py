@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -54,3 +55,46 @@ def test_the_engine_does_not_import_the_pool() -> None:
         if line.lstrip().startswith(("from onestream.cluster", "import onestream.cluster"))
     ]
     assert not offenders, f"worker/ imports cluster/: {offenders}"
+
+
+def _imports(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of `folders` it imports, at the top or inside a function."""
+    root = Path(__file__).resolve().parents[1]
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for folder in folders
+        for p in (root / folder).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], node.module or ""]).rstrip(".")
+            elif isinstance(node, ast.ImportFrom):
+                base = (node.module or "").removeprefix("onestream.")
+            elif isinstance(node, ast.Import):
+                found |= {a.name.removeprefix("onestream.") for a in node.names}
+                continue
+            else:
+                continue
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        graph[module] = {name for name in found if name in paths and name != module}
+    return graph
+
+
+def test_the_engine_and_the_pool_have_no_import_cycles() -> None:
+    # Even a lazy import cycle means two modules each need the other: one of them holds the wrong code.
+    graph = _imports(("worker", "cluster"))
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for dependency in sorted(graph[module]):
+            assert dependency not in path, f"import cycle: {' -> '.join([*path, dependency])}"
+            if dependency not in done:
+                visit(dependency, [*path, dependency])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [module])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from onestream.worker.api import SamplingParams
-from onestream.worker.backend import ReferenceBackend
+from onestream.worker.backend import ReferenceBackend, accept_greedy
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.loading import load_model
 from onestream.worker.sampling import RequestSampler
@@ -16,7 +16,6 @@ from onestream.worker.sequence import Sequence
 from onestream.worker.speculative import (
     SpecStats,
     SpeculativeDecoder,
-    accept_greedy,
     accept_sampled,
     resolve_sampled,
     settle,

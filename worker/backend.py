@@ -9,23 +9,37 @@ change with the back end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .config import ModelConfig
 from .errors import BackendUnavailableError
+from .model import StepOutput
 
 log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "megakernel")
 
-__all__ = ["BACKEND_CHOICES", "Backend", "BackendUnavailableError", "ReferenceBackend", "create_backend"]
+__all__ = [
+    "BACKEND_CHOICES",
+    "Backend",
+    "BackendUnavailableError",
+    "ReferenceBackend",
+    "StepOutput",
+    "accept_greedy",
+    "create_backend",
+]
 
 
-class StepOutput(Protocol):
-    logits: torch.Tensor  # [T, V] fp32 from decode; prefill and draft may return only the last row [1, V]
-    hidden: torch.Tensor  # [T, H]: post-norm hidden (main model) or the MTP layer's normed output
+def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[int, int]:
+    """(accepted drafts, next token) given the target's argmax at each of the k+1 verified positions:
+    drafts are accepted while each equals the argmax of the row before it (`Backend.verify_greedy`)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return accepted, int(target_tokens[accepted])
 
 
 @runtime_checkable
@@ -125,8 +139,6 @@ class ReferenceBackend:
         n = input_ids.numel()
         host = torch.cat([input_ids.reshape(-1), out.logits.argmax(dim=-1)]).tolist()
         inputs, targets = host[:n], host[n:]
-        from .speculative import accept_greedy  # the one statement of the rule (it imports this module)
-
         accepted, _ = accept_greedy(targets, inputs[1:])
         return out, accepted, targets, inputs
 

@@ -28,6 +28,8 @@ LOGITS_CHOICES = ("all", "last")
 
 
 class StepOutput(NamedTuple):
+    """What a model step returns, whichever back end ran it (`backend.Backend`)."""
+
     logits: torch.Tensor  # [T, V] fp32, or [1, V] (the last row) when asked for logits="last"
     hidden: torch.Tensor  # [T, H] after the final norm (main model) or after mtp.norm (MTP head)
 

@@ -29,14 +29,6 @@ from .sampling import RequestSampler, sample
 from .sequence import Sequence
 
 
-def accept_greedy(target_tokens: Seq[int], drafts: Seq[int]) -> tuple[int, int]:
-    """(accepted drafts, next token) given the target's argmax at each of the k+1 verified positions."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
-        accepted += 1
-    return accepted, int(target_tokens[accepted])
-
-
 def sampled_decisions(
     target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
 ) -> torch.Tensor:
