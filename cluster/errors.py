@@ -55,10 +55,3 @@ _ENGINE_ERROR_CODES: dict[str, grpc.StatusCode] = {
 def code_for_engine_error(kind: str) -> grpc.StatusCode:
     """The status code of an engine error class name; INTERNAL for anything unexpected."""
     return _ENGINE_ERROR_CODES.get(kind, grpc.StatusCode.INTERNAL)
-
-
-def from_engine_error(error: Exception) -> PoolError:
-    """The PoolError an engine error raised in the router process becomes."""
-    code = code_for_engine_error(type(error).__name__)
-    reason = INVALID_ARGUMENT if code == grpc.StatusCode.INVALID_ARGUMENT else None
-    return PoolError(code, str(error), reason)

@@ -26,13 +26,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             sub.add_parser(name, help=f"(run `onestream {name} --help`)", add_help=False)
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # a command not built yet
-        module.register(sub)
+        importlib.import_module(module_name).register(sub)
     return parser
 
 
