@@ -53,10 +53,8 @@ __all__ = [
     "generation_defaults",
 ]
 
-# Chosen by measurement: `onestream eval spec --k 1 2 3 4` on the embedded default model (held-out prompts,
-# greedy; tools/default_model/results/): k=2 was fastest on the CPU (1.87x plain; k=3 1.63x, k=4 1.61x) and
-# on the H200 with the reference back end (1.46x; k=3 1.30x, k=4 1.43x). Longer drafts are accepted more
-# often in total but each extra MTP step costs a serial launch that k=2 does not pay.
+# Longer drafts are accepted more often in total, but each extra MTP step is a serial launch: on the embedded
+# model two drafts per cycle decode fastest with the reference back end (`onestream eval spec`, docs/benchmarks.md).
 DEFAULT_SPEC_K = 2
 DEFAULT_CACHE_BYTES = 4 << 30
 BUSY_MESSAGE = "the engine is already generating (it serves one sequence at a time)"
