@@ -131,7 +131,7 @@ class Engine:
         self._cache_lock = threading.RLock()
         self._active_request: str | None = None
         # Model calls so far (prefill chunks, decode steps, drafts, verifies), counted on the engine's
-        # thread: a busy engine whose count stops growing is stuck (the card's liveness, worker/card.py).
+        # thread: a busy engine whose count stops growing is stuck (the card's liveness, cluster/card.py).
         self.progress = 0
         self._cancel = threading.Event()
 
