@@ -90,7 +90,9 @@ def _imports(folders: tuple[str, ...]) -> dict[str, set[str]]:
             else:
                 continue
             found |= {base} | {f"{base}.{a.name}" for a in node.names}
-        graph[module] = {name for name in found if name in paths and name != module}
+        # A module's own packages are imported before it, whatever it imports from them.
+        ancestors = {".".join(package[:i]) for i in range(1, len(package) + 1)}
+        graph[module] = {name for name in found if name in paths and name != module and name not in ancestors}
     return graph
 
 
