@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-import typing
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
@@ -22,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
-from onestream.worker.api import SAMPLING_FIELDS, SamplingParams
+from onestream.worker.api import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -199,14 +198,16 @@ def add_sampling_flags(
 ) -> None:
     """One flag per scalar SamplingParams field (`--top-k` for `top_k`), each None unless given, so that
     the server's (or the model's) defaults fill what is left out."""
-    hints = typing.get_type_hints(SamplingParams)
     for f in dataclasses.fields(SamplingParams):
         if f.name not in SAMPLING_FIELDS:
             continue
-        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
         help_text = (help_overrides or {}).get(f.name, f.metadata["help"])
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=help_text
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=SAMPLING_FIELD_TYPES[f.name],
+            default=None,
+            help=help_text,
         )
 
 

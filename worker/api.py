@@ -7,6 +7,7 @@ that clients import it cheaply. A request is validated whole before any work is 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -119,6 +120,19 @@ class SamplingParams:
 # The scalar sampling fields by name: what a wire request or a CLI flag sets one value of (logit_bias, a map
 # of token ids on every wire, is converted on its own).
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.name != "logit_bias")
+
+
+def _set_type(hint: Any) -> type:
+    """The type a field's value has when it is set (`int` for `int | None`)."""
+    return next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+
+
+# What each of those fields takes (int or float), for the parsers of CLI flags and request bodies.
+SAMPLING_FIELD_TYPES: dict[str, type] = {
+    name: _set_type(hint)
+    for name, hint in typing.get_type_hints(SamplingParams).items()
+    if name in SAMPLING_FIELDS
+}
 
 
 @dataclass

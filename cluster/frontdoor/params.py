@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from onestream.worker.api import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS
+
 from .errors import bad_field
 
 _KINDS: dict[type, str] = {
@@ -79,24 +81,14 @@ def unsupported(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], wh
         raise bad_field(name, f"{value!r} is not supported ({why})")
 
 
-_FLOAT_SAMPLING = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
-
-def sampling(body: Mapping[str, Any], names: tuple[str, ...] = (*_FLOAT_SAMPLING, "top_k", "seed")) -> Any:
+def sampling(body: Mapping[str, Any], names: tuple[str, ...] = SAMPLING_FIELDS) -> Any:
     """The router's SamplingParams from the body's sampling fields among `names` (ranges: the router
     checks them and names the field)."""
     from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
     params = pb.SamplingParams()
     for name in names:
-        value = get(body, name, int if name in ("top_k", "seed") else float)
+        value = get(body, name, SAMPLING_FIELD_TYPES[name])
         if value is None:
             continue
         try:
