@@ -30,13 +30,13 @@ from .layout import MAX_TOKENS_PER_LAUNCH, preamble_defines
 
 CUDA_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "megakernel.cu"
-# Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB). Run 12 (calls 2-3)
-# measured 2 faster than 3 at every tokens-per-launch: T = 1 2.2 % (alternated), T = 2..4 1.7-2.5 %.
+# Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB): 2 streams faster than
+# 3 at every tokens-per-launch (docs/benchmarks.md).
 AUTO_STAGES = 2
 # Tuning.smem_prefer: the 196 KB carveout less the 1 KB reserved per block and the static block state.
 SMEM_PREFER = 196 * 1024 - 1024 - 512
-# What going over smem_prefer costs, in GEMV breaks: a break costs about 1.1 us (run 11, call 5: 527 more breaks,
-# 0.57 ms) and the smaller L1 about 0.12 ms per step (run 12: 0.8 % of the T = 1 step).
+# What going over smem_prefer costs, in GEMV breaks: a break costs about 1.1 us and the smaller L1 about
+# 0.12 ms per step.
 SMEM_OVER_BREAKS = 100
 STAGE_FALLBACKS = (AUTO_STAGES, 0)  # tried in order when shared memory is short (many tokens per launch)
 MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
@@ -47,19 +47,15 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
 FP32_ACT_ENV = "ONESTREAM_MK_FP32_ACT"
-FP32_IN_ENV = "ONESTREAM_MK_FP32_IN"
 GEMV_ENV = "ONESTREAM_MK_GEMV"
-FP32_IN_PART_ROWS = (
-    1024  # partial-sum rows per round of fp32-input builds (room for the fp32 input and the ring)
-)
 
 
 def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> Tuning:
     """The Tuning an operator's $ONESTREAM_MK_* settings select, with `fields` set over them. Read at the edge (the
     back-end creation, the CLI commands), never in a Tuning default: $ONESTREAM_MK_FP32_ACT "0" (or "false")
-    selects the bf16 numerics, $ONESTREAM_MK_FP32_IN "1" fp32 GEMV inputs, $ONESTREAM_MK_GEMV "tensor" the
-    tensor-core GEMV (for deployments that decode speculatively nearly always: plain and verify launches then share
-    that summation order). A value outside those raises ValueError naming the variable."""
+    selects the bf16 numerics, $ONESTREAM_MK_GEMV "tensor" the tensor-core GEMV (for deployments that decode
+    speculatively nearly always: plain and verify launches then share that summation order). A value outside
+    those raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     fp32_act = env.get(FP32_ACT_ENV, "1").strip().lower()
     if fp32_act not in ("0", "1", "true", "false", ""):
@@ -69,7 +65,6 @@ def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> 
         raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {gemv!r}")
     chosen: dict[str, Any] = {
         "fp32_act": fp32_act not in ("0", "false"),
-        "fp32_gemv_in": env.get(FP32_IN_ENV, "0").strip() == "1",
         "mma": gemv == "tensor",
     }
     return Tuning(**{**chosen, **fields})
@@ -86,42 +81,20 @@ class Tuning:
     # Widest staged GEMV input window per token (None: the widest that fits). A narrower window only adds passes
     # over K (tests use it to cross many pass breaks); the kernel takes at least the hidden size.
     max_window: int | None = None
-    # Unused dynamic shared memory bytes added to the launch: a probe of how the share of the SM's memory left to
-    # the L1 cache affects the weight stream (0 in every real build).
-    smem_pad: int = 0
     # Dynamic shared memory the fit stays within unless that costs more than SMEM_OVER_BREAKS breaks (0: no
     # preference). On sm_90 a block at or below it leaves the SM the 196 KB carveout (after the 1 KB the
-    # runtime reserves per block and the static block state), so 60 KB of L1 instead of 28: run 12 measured the
-    # T = 1 step 0.8 % faster at 194.4 KB (part_rows 2048) than at 210.4 KB (part_rows 4096).
+    # runtime reserves per block and the static block state), so 60 KB of L1 instead of 28, which the weight
+    # stream measured faster with.
     smem_prefer: int = SMEM_PREFER
     att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.
     att_chunk: int = 128
-    # L2 prefetch of the start of this block's share of the next phase, at a barrier. Off: with the 2-deep ring
-    # it measured 0.8 % slower than none (run 12, call 4: 64 KB 14.36 ms, none 14.25); run 10 (3-deep ring)
-    # found 32-128 KB within 0.2 % of each other.
-    pf_bytes: int = 0
-    pf_idle_bytes: int = 192 * 1024  # same, DeltaNet / attention phases (variant 1: of each block's share)
-    # 1: barrier spin without sleeping; on sm_90 one bulk L2 prefetch per row range instead of one prefetch per
-    # 128-byte line; blocks without DeltaNet / attention work prefetch the start of EVERY block's range of the
-    # next GEMV (not only their own). 0: the previous kernel (kept so one bench run times both; its barrier
-    # arrival follows release_barrier, so the run-2 kernel is variant=0 with release_barrier=False).
-    variant: int = 1
-    # Grid barrier arrival: a release add that does not wait for its reply (True), or a fence and an atomicAdd
-    # whose reply gives the target (False, the kernel up to run 9).
-    release_barrier: bool = True
-    # Grid barrier wait: poll the counter with relaxed loads and acquire once (a fence) when it is reached (True),
-    # or poll with acquire loads (False: run 12 measured the relaxed poll 0.7 % slower).
-    relaxed_poll: bool = False
-    # Issue the output projection's ring head and own-share L2 prefetch at the barrier before the DeltaNet /
-    # attention phase, so they stream during it (True, up to run 9), or only at the barrier after it (False:
-    # the phase's own loads then do not queue behind them).
-    head_over_mixer: bool = True
-    # At that barrier, first start the phase's inputs towards L2: a share of the DeltaNet state, or the keys and
-    # values of the block's first attention item (False: the phase loads them from HBM, as up to run 9).
-    mixer_prefetch: bool = True
+    # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
+    # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
+    # blocks finish).
+    pf_idle_bytes: int = 192 * 1024
     # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
     # double buffer; None = AUTO_STAGES (2) where the GPU's shared memory holds the ring (sm_90), else 0.
     stages: int | None = None
@@ -130,36 +103,18 @@ class Tuning:
     # intermediates to bf16 once, where they are stored (closer to the fp32 reference); False rounds every
     # value the bf16 reference keeps in bf16.
     fp32_act: bool = True
-    # With fp32_act: also stage the GEMV inputs in shared memory as fp32 (twice the bytes; the partial-sum
-    # buffers shrink to FP32_IN_PART_ROWS rows so that the weight ring still fits).
-    fp32_gemv_in: bool = False
-    # Dynamic row scheduling (ring builds): the big GEMV phases split dyn_static_pct % of their rows evenly and
-    # hand out the rest as tiles of about dyn_tile_bytes from a ticket counter (faster blocks take more).
-    dynamic: bool = False
-    dyn_static_pct: int = 80
-    dyn_tile_bytes: int = 96 * 1024
     # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
-    # launch) instead of the scalar FMA path. Off: on the H200 it is 6-8 % slower at T = 1 (run 16: 15.05 against
-    # 13.97 ms) though faster from T = 2 on (T = 4 verify 16.88 against 20.48 ms: 1.12x its T = 1 step, the scalar
-    # path 1.47x); plain and speculative decoding must share one summation order, so a deployment picks one for
-    # both. Changes results (another summation order), the same way for every tokens-per-launch build.
+    # launch) instead of the scalar FMA path. Off by default: slower at T = 1, faster from T = 2 on (docs/
+    # benchmarks.md); plain and speculative decoding must share one summation order, so a deployment picks one
+    # for both. Changes results (another summation order), the same way for every tokens-per-launch build.
     mma: bool = False
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
 
     def __post_init__(self) -> None:
-        if self.fp32_gemv_in and not self.fp32_act:
-            raise ValueError("fp32_gemv_in needs fp32_act")
-        if self.fp32_gemv_in and self.mma:
-            raise ValueError(
-                "fp32_gemv_in needs the scalar GEMV (mma=False): the tensor cores take bf16 inputs "
-                f"(${FP32_IN_ENV} and ${GEMV_ENV} select both)"
-            )
         if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
             raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")
         if self.smem_prefer < 0:
             raise ValueError(f"smem_prefer must be >= 0, got {self.smem_prefer}")
-        if self.smem_pad < 0:
-            raise ValueError(f"smem_pad must be >= 0, got {self.smem_pad}")
         if self.mma and self.umax != 8 and self.stages != 0:
             raise ValueError(
                 f"the tensor-core GEMV's weight ring keeps an item's 8 rows one per plane: umax must be 8, got "
@@ -167,10 +122,6 @@ class Tuning:
             )
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
-        if not 0 <= self.dyn_static_pct <= 100:
-            raise ValueError(f"dyn_static_pct must be 0..100, got {self.dyn_static_pct}")
-        if self.dyn_tile_bytes <= 0:
-            raise ValueError(f"dyn_tile_bytes must be positive, got {self.dyn_tile_bytes}")
 
 
 @dataclass(frozen=True)
@@ -200,7 +151,7 @@ class KernelSpec:
 
     @property
     def part_rows(self) -> int:
-        """GEMV partial-sum rows per round: the tuning's (fp32-input builds at most FP32_IN_PART_ROWS), halved
+        """GEMV partial-sum rows per round: the tuning's, halved
         while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
         return self._fitted[0]
 
@@ -211,8 +162,6 @@ class KernelSpec:
         waits for the whole block, and a pass break re-stages the input), widest window first on ties; a fit above
         Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
-        if self.tuning.fp32_gemv_in:
-            top = min(top, FP32_IN_PART_ROWS)
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
         windows = self._windows()
         least = self._least_part_rows()
@@ -347,19 +296,9 @@ class KernelSpec:
             "MK_DN_SPLIT": self.dn_split,
             "MK_ATT_PAIRS": self.att_pairs,
             "MK_ATT_CHUNK": t.att_chunk,
-            "MK_PF_BYTES": t.pf_bytes,
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
-            "MK_VARIANT": t.variant,
-            "MK_RELEASE_BARRIER": int(t.release_barrier),
-            "MK_RELAXED_POLL": int(t.relaxed_poll),
-            "MK_HEAD_OVER_MIXER": int(t.head_over_mixer),
-            "MK_MIXER_PREFETCH": int(t.mixer_prefetch),
             "MK_STAGES": self.stages,
             "MK_FP32_ACT": int(t.fp32_act),
-            "MK_FP32_IN": int(t.fp32_gemv_in),
-            "MK_DYN": int(t.dynamic),
-            "MK_DYN_STATIC_PCT": t.dyn_static_pct,
-            "MK_DYN_TILE_BYTES": t.dyn_tile_bytes,
             "MK_MMA": int(t.mma),
             "MK_MMA_SUB": t.mma_sub,
         }
@@ -376,12 +315,12 @@ class KernelSpec:
 
     def _smem(self, part_rows: int, stages: int, window: int) -> int:
         nt = self.tokens_per_launch
-        elem = 4 if self.tuning.fp32_gemv_in else 2
+        elem = 2  # bf16 inputs
         pad = 64 // elem if nt > 1 else 0  # gemv.cuh MK_XLD: tokens' rows in different banks
         xs = (nt * (window + pad) * elem + 15) // 16 * 16
         red = max(64, -(-nt * (self.tuning.threads // 32) // 4) * 4)  # phases.cuh RED_FLOATS
         align = 128  # phases.cuh SMEM_ALIGN: the carve starts at a 128-byte boundary
-        return align + xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages) + self.tuning.smem_pad
+        return align + xs + 2 * nt * part_rows * 4 + red * 4 + self._ring_bytes(stages)
 
     @property
     def att_merge_chunks(self) -> int:

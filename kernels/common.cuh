@@ -13,20 +13,10 @@ struct __align__(16) vec16 {  // 16 bytes: 8 bf16
     u32 x, y, z, w;
 };
 
-#ifndef MK_VARIANT
-#define MK_VARIANT 1  // 0: the previous kernel (sleeping barrier spin, per-line prefetch of own rows only)
-#endif
-
 #ifndef MK_FP32_ACT
 #define MK_FP32_ACT 1  // 1: fp32 residual stream and logits, intermediates rounded to bf16 once; 0: bf16 everywhere
 #endif
 
-#ifndef MK_FP32_IN
-#define MK_FP32_IN 0  // 1 (with MK_FP32_ACT): the normed GEMV inputs are staged in shared memory as fp32, not bf16
-#endif
-#if MK_FP32_IN && !MK_FP32_ACT
-#error "MK_FP32_IN needs MK_FP32_ACT"
-#endif
 
 #define MK_WARP 32
 #define MK_NWARPS (MK_THREADS / MK_WARP)
@@ -72,16 +62,6 @@ __device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
 }
 // The value a bf16 tensor would hold: every intermediate that the reference keeps in bf16 goes through this.
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
-// The staged GEMV input in shared memory: fp32 (MK_FP32_IN) or bf16, converted from fp32 by to_xin.
-#if MK_FP32_IN
-typedef float xin_t;
-__device__ __forceinline__ xin_t to_xin(float f) { return f; }
-__device__ __forceinline__ bf16_t xin_to_bf(xin_t x) { return f2bf(x); }
-#else
-typedef bf16_t xin_t;
-__device__ __forceinline__ xin_t to_xin(float f) { return f2bf(f); }
-__device__ __forceinline__ bf16_t xin_to_bf(xin_t x) { return x; }
-#endif
 // Intermediate roundings of the bf16 reference's numerics. MK_FP32_ACT builds keep these values in fp32 (closer
 // to the fp32 reference: the stored buffers are then rounded once, where they are written).
 #if MK_FP32_ACT
@@ -280,27 +260,6 @@ __device__ __forceinline__ void raise_error(int* ctrl, int code, int info) {
     if (atomicCAS(ctrl + CTRL_ERR, 0, code) == 0) atomicExch(ctrl + CTRL_ERR_INFO, info);
 }
 
-#ifndef MK_RELEASE_BARRIER
-#define MK_RELEASE_BARRIER 1  // 1: arrive with a fire-and-forget release add; 0: fence + atomicAdd round trip
-#endif
-#ifndef MK_RELAXED_POLL
-#define MK_RELAXED_POLL 0  // 1: poll the barrier with relaxed loads and acquire once (a fence) when it is reached
-#endif
-
-__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-// One poll of the barrier counter (see MK_RELAXED_POLL).
-__device__ __forceinline__ u64 ld_poll_u64(const u64* p) {
-#if MK_RELAXED_POLL
-    return ld_relaxed_u64(p);
-#else
-    return ld_acquire_u64(p);
-#endif
-}
-
 // The grid barrier: a monotonically increasing 64-bit counter (reset only by the host after an error; every
 // block passes every barrier of a launch, so it is a multiple of the grid size between launches). Before its
 // first barrier a block reads the counter's launch base into *s_target (no block can pass barrier 0 before this
@@ -311,20 +270,14 @@ __device__ __forceinline__ void grid_barrier_init(const u64* counter, u64* s_tar
 }
 
 // Arrive at the grid barrier; returns the count to wait for. Call from every thread of the block.
-// MK_RELEASE_BARRIER: the release add orders this block's writes (cumulative over the bar.sync before it) and
-// does not wait for a reply, so the last block to arrive is not held up by an atomic's round trip.
+// The release add orders this block's writes (cumulative over the bar.sync before it) and does not wait for a
+// reply, so the last block to arrive is not held up by an atomic's round trip.
 __device__ __forceinline__ u64 grid_arrive(u64* counter, u64* s_target) {
     __syncthreads();
     if (tid_x() == 0) {
         const u64 n = nblocks();
-#if MK_RELEASE_BARRIER
         *s_target += n;
         asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
-#else
-        __threadfence();  // release this block's writes (cumulative over the bar.sync above)
-        const u64 old = atomicAdd(counter, 1ull);
-        *s_target = (old / n + 1) * n;
-#endif
     }
     __syncthreads();
     return *s_target;
@@ -332,14 +285,15 @@ __device__ __forceinline__ u64 grid_arrive(u64* counter, u64* s_target) {
 
 // Wait until every block has arrived. Bounded: after `timeout_ns`, or as soon as another block has
 // flagged an error, the block records the error and returns false; the caller must then leave the kernel.
+// Polled with acquire loads: the one that sees the target orders the reads after it.
 __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u64 timeout_ns, int info,
                                           int* s_flag) {
     if (tid_x() == 0) {
         int ok = 1;
-        if (ld_poll_u64(counter) < target) {
+        if (ld_acquire_u64(counter) < target) {
             const u64 t0 = global_timer_ns();
             unsigned spins = 0;
-            while (ld_poll_u64(counter) < target) {
+            while (ld_acquire_u64(counter) < target) {
                 if ((++spins & 63u) == 0) {
                     if (ld_volatile_int(ctrl + CTRL_ERR) != 0) {
                         ok = 0;
@@ -351,17 +305,8 @@ __device__ __forceinline__ bool grid_wait(u64* counter, u64 target, int* ctrl, u
                         break;
                     }
                 }
-#if MK_VARIANT == 0
-                __nanosleep(32);
-#endif
             }
         }
-#if !MK_RELEASE_BARRIER
-        __threadfence();  // acquire side (the acquire loads above already order the later reads)
-#elif MK_RELAXED_POLL
-        // The acquire side: the relaxed load that saw the target, then this fence (acquire loads need none).
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#endif
         *s_flag = ok;
     }
     __syncthreads();

@@ -40,15 +40,6 @@
 #ifndef MK_STAGES
 #define MK_STAGES 0  // > 0: weights stream through a per-thread ring of MK_STAGES items in shared memory (cp.async)
 #endif
-#ifndef MK_DYN
-#define MK_DYN 0  // 1: big phases split MK_DYN_STATIC_PCT % of their rows statically, the rest as tiles drawn at run time
-#endif
-#ifndef MK_DYN_STATIC_PCT
-#define MK_DYN_STATIC_PCT 80
-#endif
-#ifndef MK_DYN_TILE_BYTES
-#define MK_DYN_TILE_BYTES 98304  // weight bytes per dynamic tile (rounded to whole rows, at most one round)
-#endif
 #ifndef MK_XW
 #error "MK_XW (input values staged per token) missing: compile through onestream.kernels.build"
 #endif
@@ -57,9 +48,6 @@
 #endif
 #ifndef MK_MMA_SUB
 #define MK_MMA_SUB 2  // MK_MMA: items per chunk (accumulated in registers before one partial per row is stored)
-#endif
-#if MK_MMA && MK_FP32_IN
-#error "MK_FP32_IN needs the scalar GEMV (MK_MMA 0): the tensor cores take bf16 inputs"
 #endif
 #if MK_MMA
 static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the rows of the mma's A it uses)");
@@ -77,7 +65,7 @@ static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the
 // Token stride of the staged input: 64 bytes more than the window when several tokens are staged, so that the
 // tokens' rows start in different shared-memory banks (the tensor-core GEMV's lanes read one token each; the
 // scalar path's lanes read consecutive vectors of one token and only pay the bytes).
-#define MK_XLD (MK_XW + (MK_NT > 1 ? 64 / (int)sizeof(xin_t) : 0))
+#define MK_XLD (MK_XW + (MK_NT > 1 ? 64 / (int)sizeof(bf16_t) : 0))
 #define MK_XLDV (MK_XLD / 8)
 #define GEMV_MAX_SEGS 4
 // Bytes of a block's share that the ring's head (MK_STAGES - 1 items per warp) covers, at most (the scalar path: a
@@ -100,7 +88,6 @@ struct GemvDesc {
     int K;           // input width (multiple of 8)
     int nrows;
     int align;       // block ranges are multiples of this many rows
-    u64* dyn;        // MK_DYN: this phase's tile ticket counter (monotonic across launches), or null: all static
 };
 
 struct GemvPlan {
@@ -167,32 +154,6 @@ __device__ __forceinline__ float dot8(const vec16& w, const vec16& x) {
     return s;
 }
 
-// Weights (8 bf16) times the staged input's vector v (8 values; xs[t][K] is K / 8 vec16 of bf16 or, with
-// MK_FP32_IN, K / 4 vec16 of fp32), in the order of dot8.
-__device__ __forceinline__ float dot8_in(const vec16& w, const vec16* xs, int v) {
-#if MK_FP32_IN
-    const vec16 a = ld_shared16(xs + 2 * v), b = ld_shared16(xs + 2 * v + 1);
-    float s = bf_lo(w.x) * __uint_as_float(a.x);
-    s = fmaf(bf_hi(w.x), __uint_as_float(a.y), s);
-    s = fmaf(bf_lo(w.y), __uint_as_float(a.z), s);
-    s = fmaf(bf_hi(w.y), __uint_as_float(a.w), s);
-    s = fmaf(bf_lo(w.z), __uint_as_float(b.x), s);
-    s = fmaf(bf_hi(w.z), __uint_as_float(b.y), s);
-    s = fmaf(bf_lo(w.w), __uint_as_float(b.z), s);
-    s = fmaf(bf_hi(w.w), __uint_as_float(b.w), s);
-    return s;
-#else
-    return dot8(w, ld_shared16(xs + v));
-#endif
-}
-
-// Rows [0, static rows) are split evenly over the blocks; MK_DYN phases (dyn set) hand out the rest as tiles.
-__device__ __forceinline__ int gemv_static_rows(const GemvDesc& d) {
-#if MK_DYN
-    if (d.dyn != nullptr) return (int)((long long)(d.nrows / d.align) * MK_DYN_STATIC_PCT / 100) * d.align;
-#endif
-    return d.nrows;
-}
 
 // Block b's share [r0, r1) of `nrows` rows, split in units of `align` rows.
 __device__ __forceinline__ void row_range_of(int b, int nrows, int align, int& r0, int& r1) {
@@ -269,7 +230,7 @@ __device__ __forceinline__ void gemv_accumulate(const GemvPlan& p, W w, const Ge
         if (u < p.u && v < p.nvec) {
             const vec16 wv = w(u);
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc.c[t] += dot8_in(wv, xs, t * MK_XLDV + v - v0);
+            for (int t = 0; t < MK_NT; ++t) acc.c[t] += dot8(wv, ld_shared16(xs + t * MK_XLDV + v - v0));
         }
     }
 #endif
@@ -391,34 +352,21 @@ __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan
 __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
-    block_row_range(gemv_static_rows(d), d.align, r0, r1);
+    block_row_range(d.nrows, d.align, r0, r1);
     const int nkq = gemv_pass_chunks(p);
     gemv_ring_head(d, p, r0, min(p.round, max(0, r1 - r0)), 0, nkq, tid_x() & 31, tid_x() >> 5,
                    smem_addr(ring + (tid_x() & ~31)), evict_first_policy());
 }
 #endif
 
-#if MK_DYN && MK_STAGES > 0
-// One ticket of a dynamic phase: tile index, or -1 once all are taken. Every launch draws exactly ntiles + grid
-// tickets per phase (each block stops at its first miss), so ticket % (ntiles + grid) numbers this launch's
-// draws from 0 and the counter never needs a reset (the host zeroes it only after an error).
-__device__ __forceinline__ int gemv_draw(u64* counter, int ntiles, u64 per_launch) {
-    const u64 t = atomicAdd(counter, 1ull) % per_launch;
-    return t < (u64)ntiles ? (int)t : -1;
-}
-#endif
-
-// Multiply this block's rows by xs (shared memory, [MK_NT][MK_XLD] xin_t, window 0 staged by the caller); after
+// Multiply this block's rows by xs (shared memory, [MK_NT][MK_XLD] bf16, window 0 staged by the caller); after
 // each round of rows, call `finish(row0, nrows, rowval, ld)` where rowval[t * ld + i] is row row0 + i's value for
 // token t. Phases wider than MK_XW run each round in passes; `stage(k0, k1)` stages input [k0, k1) (and ends
 // with a block barrier). `ring` is the shared-memory weight ring (MK_STAGES > 0 builds only); the next pass's or
-// range's first units are issued while the current one's last units are multiplied (a dynamic tile's: before the
-// reduction, once drawn). MK_DYN builds (ring only): after its
-// static rounds, a block of a dynamic phase (d.dyn) takes tiles from the shared ticket counter until none is
-// left; the next ticket is drawn during a range's reduction. A row's value does not depend on which block
-// computes it.
+// round's first units are issued while the current one's last units are multiplied. A row's value does not
+// depend on which block computes it.
 template <class Finish, class Stage>
-__device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, float* rowval, vec16* ring,
+__device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, float* rowval, vec16* ring,
                          bool head_issued, Finish finish, Stage stage) {
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
@@ -426,7 +374,7 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     const int cpp = gemv_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     int r0, r1;
-    block_row_range(gemv_static_rows(d), d.align, r0, r1);
+    block_row_range(d.nrows, d.align, r0, r1);
 #if MK_STAGES > 0
     const u64 policy = evict_first_policy();
     const u32 ring0 = smem_addr(ring + warp * 32);  // this warp's base of slot 0
@@ -443,33 +391,12 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     bool pre = head_issued;
     int base = 0;
 #endif
-#if MK_DYN && MK_STAGES > 0
-    __shared__ int s_tile;  // the next tile drawn for this block (-1: none left)
-    const bool dyn = d.dyn != nullptr;
-    const int srows = gemv_static_rows(d);
-    const int tunit = MK_MMA ? GEMV_IR : d.align;  // d.align (1 or 2) divides GEMV_IR
-    const int trows = max(tunit, min(MK_DYN_TILE_BYTES / (d.K * 2), p.round) / tunit * tunit);
-    const int ntiles = dyn ? (d.nrows - srows + trows - 1) / trows : 0;
-    const u64 per_launch = (u64)ntiles + (u64)nblocks();
-    if (dyn && tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
-    if (dyn && nr <= 0) {  // no static rows for this block: start with a tile
-        __syncthreads();
-        const int tile = s_tile;
-        __syncthreads();
-        pre = false;
-        if (tile >= 0) {
-            rs = srows + tile * trows;
-            nr = min(trows, d.nrows - rs);
-            if (tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
-        }
-    }
-#endif
 #ifdef MK_PHASE_TIMING
     if (tid_x() == 0 && nr > 0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();  // a block without rows: none
 #endif
     while (nr > 0) {
-        // This block's next static round (a dynamic tile is drawn later and never streamed ahead).
-        int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
+        // This block's next round.
+        const int next_rs = rs + nr, next_nr = min(p.round, r1 - next_rs);
         for (int q = 0; q < npass; ++q) {
             const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
             const int v0 = c0 * gemv_chunk_vecs(p);
@@ -558,18 +485,6 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
 #ifdef MK_PHASE_TIMING
         if (tid_x() == 0) mk_gemv_t[1] = global_timer_ns();  // every warp is done with this round's weights
 #endif
-#if MK_DYN && MK_STAGES > 0
-        bool took_tile = false;
-        if (dyn && next_nr <= 0) {
-            const int tile = s_tile;
-            next_nr = 0;
-            if (tile >= 0) {
-                next_rs = srows + tile * trows;
-                next_nr = min(trows, d.nrows - next_rs);
-                took_tile = true;
-            }
-        }
-#endif
 #if MK_STAGES > 0
         if (next_nr > 0 && !pre) {  // its first weights stream in during this range's reduction and epilogue
             gemv_ring_head(d, p, next_rs, next_nr, 0, min(cpp, p.nk), lane, warp, ring0, policy);
@@ -585,9 +500,6 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
             rowval[t * p.round + r] = s;
         }
         __syncthreads();
-#if MK_DYN && MK_STAGES > 0
-        if (took_tile && tid_x() == 0) s_tile = gemv_draw(d.dyn, ntiles, per_launch);
-#endif
         finish(rs, nr, rowval, p.round);
         __syncthreads();
         rs = next_rs;
@@ -595,23 +507,7 @@ __device__ void gemv_run(const GemvDesc& d, const xin_t* xs_in, float* part, flo
     }
 }
 
-// Pull the first `max_bytes` of this block's rows of a coming GEMV phase into L2 while the grid waits.
-__device__ void gemv_prefetch(const GemvDesc& d, int max_bytes) {
-    if (max_bytes <= 0 || d.nrows <= 0) return;
-    const int lines_per_row = (d.K * 2 + 127) / 128;
-    int r0, r1;
-    block_row_range(gemv_static_rows(d), d.align, r0, r1);
-    const long long total = (long long)(r1 - r0) * lines_per_row;
-    const long long budget = max_bytes / 128;
-    const int n = (int)(total < budget ? total : budget);
-    for (int li = tid_x(); li < n; li += MK_THREADS) {
-        const int row = r0 + li / lines_per_row;
-        const int off = (li % lines_per_row) * 128;
-        prefetch_l2((const char*)gemv_row(d, row) + off);
-    }
-}
-
-// Variant 1: pull bytes [skip, skip + max_bytes) of block `b`'s share of a coming GEMV phase into L2, counted in
+// Pull bytes [skip, skip + max_bytes) of block `b`'s share of a coming GEMV phase into L2, counted in
 // whole rows (each row is contiguous; segments and the gate/up interleave are resolved per row). The
 // threads of this block each issue bulk requests of at most MK_PF_PIECE bytes.
 __device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, int max_bytes) {
@@ -619,7 +515,7 @@ __device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, in
     const int row_bytes = d.K * 2;
     const int pieces = (row_bytes + MK_PF_PIECE - 1) / MK_PF_PIECE;
     int r0, r1;
-    row_range_of(b, gemv_static_rows(d), d.align, r0, r1);
+    row_range_of(b, d.nrows, d.align, r0, r1);
     const int first = r0 + skip_bytes / row_bytes;
     const int last = min(r1, first + max(1, max_bytes / row_bytes));
     for (int it = tid_x(); it < (last - first) * pieces; it += MK_THREADS) {

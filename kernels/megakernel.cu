@@ -11,17 +11,12 @@
 // into L2. The grid must be co-resident: the host sizes it from the occupancy query and launches it
 // cooperatively.
 //
-// Compile-time switches (kernels/build.py Tuning): MK_VARIANT 0 is the previous kernel (sleeping barrier
-// spin, per-line prefetch of the block's own rows); 1 spins without sleeping, prefetches with bulk requests
-// on sm_90 and lets the blocks idle during the DeltaNet / attention phases prefetch for every block.
-// MK_STAGES > 0 streams GEMV weights through a shared-memory ring (cp.async, several items per warp in
-// flight, no registers held) and issues each phase's first items before the barrier that precedes it.
-// MK_DYN (ring builds) splits most rows of the big GEMV phases statically and hands out the rest as tiles from
-// a ticket counter per phase of the step (sync[1 + KVH * GQ_PAIRS + slot]), so blocks that stream faster take more.
-// MK_FP32_ACT (default 1) keeps the residual stream and the logits in fp32 and rounds every other intermediate
-// to bf16 once, where it is stored, instead of at every step the bf16 reference rounds (0: the bf16 numerics);
-// MK_FP32_IN also stages the GEMV inputs in shared memory as fp32 (needs smaller partial-sum buffers).
-// MK_PHASE_TIMING records per-block globaltimer stamps per phase (kernels/phase_timing.py reads them).
+// Compile-time switches (kernels/build.py Tuning): MK_STAGES > 0 streams GEMV weights through a shared-memory
+// ring (cp.async, several items per warp in flight, no registers held) and issues each phase's first items
+// before the barrier that precedes it (0: registers, where shared memory is short). MK_MMA multiplies on the
+// tensor cores. MK_FP32_ACT (default 1) keeps the residual stream and the logits in fp32 and rounds every other
+// intermediate to bf16 once, where it is stored, instead of at every step the bf16 reference rounds (0: the
+// bf16 numerics). MK_PHASE_TIMING records per-block globaltimer stamps per phase (kernels/phase_timing.py).
 //
 // Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test.
 #include "common.cuh"
@@ -29,17 +24,8 @@
 #include "model.cuh"
 #include "phases.cuh"
 
-#ifndef MK_PF_BYTES
-#define MK_PF_BYTES 32768  // next-phase weights each block pulls into L2 while waiting at a barrier
-#endif
-#ifndef MK_HEAD_OVER_MIXER
-#define MK_HEAD_OVER_MIXER 1  // the output projection's first loads stream during the DeltaNet / attention phase
-#endif
-#ifndef MK_MIXER_PREFETCH
-#define MK_MIXER_PREFETCH 1  // the DeltaNet / attention phase's state or keys and values start towards L2 first
-#endif
 #ifndef MK_PF_IDLE_BYTES
-#define MK_PF_IDLE_BYTES 131072  // same, around a DeltaNet or attention phase (most blocks are idle)
+#define MK_PF_IDLE_BYTES 131072  // next-phase weights each idle block pulls into L2 around a DeltaNet / attention phase
 #endif
 
 // Per-block state of the step, in shared memory: kept out of registers, which the GEMV loop needs.
@@ -152,16 +138,6 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             bs.gemv = 0;
             break;
     }
-#if MK_DYN
-    // The big phases hand out their last rows as tiles; counter slot: the phase's place in the step.
-    if (bs.gemv && phase != PH_DN_OUT && phase != PH_ATT_OUT) {
-        const int nl = (int)tb.gi(G_NUM_LAYERS);
-        const int slot = phase == PH_LM_HEAD ? 5 * (nl + 1)
-                         : phase == PH_MTP_FC ? 5 * (nl + 1) + 1
-                                              : 5 * l + (phase == PH_MLP_IN ? 3 : phase == PH_MLP_DOWN ? 4 : 0);
-        bs.desc.dyn = tb.sync + 1 + MK_KVH * MK_GQ_PAIRS + slot;  // after the attention arrival counters
-    }
-#endif
 }
 
 // Block 0, after the last barrier: greedy tokens out, argmax keys reset, position advanced; greedy verify
@@ -269,7 +245,7 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
         for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) {
             const int t = i / MK_H;
-            hid[i] = xin_to_bf(sm.xs[t * MK_XLD + i - t * MK_H]);
+            hid[i] = sm.xs[t * MK_XLD + i - t * MK_H];
         }
     }
     // The one copy of the GEMV loop, for every weight-streaming phase.
@@ -327,9 +303,7 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
     // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights: its
     // inputs start towards L2 first, then the loads of the output projection after it.
     if (next_phase == PH_DN_REC || next_phase == PH_ATT) {
-#if MK_VARIANT != 0 && MK_MIXER_PREFETCH
         prefetch_mixer_inputs(tb, bs.si, next_phase, next_layer);
-#endif
         next_step = step + 2;
         schedule(tb, bs.si, next_step, nl, next_phase, next_layer);
     }
@@ -338,21 +312,10 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
         bs.planned = next_step;
     }
     __syncthreads();
-#if MK_VARIANT == 0
-    int budget = MK_PF_BYTES;
-    if (phase == PH_DN_IN || phase == PH_ATT_IN || (!had && (phase == PH_DN_REC || phase == PH_ATT)))
-        budget = MK_PF_IDLE_BYTES;
-    if (bs.gemv) gemv_prefetch(bs.desc, budget);
-#else
-    // The barrier that starts the next GEMV's own loads (ring head, own-share prefetch): with MK_HEAD_OVER_MIXER the
-    // one after the mixer's input projections, so they stream during the DeltaNet / attention phase (it does not
-    // use the ring) and are not issued again after it; without, the one after that phase, whose own loads then
-    // do not queue behind them.
-    const bool before_mixer = phase == PH_DN_IN || phase == PH_ATT_IN;
-    const bool after_mixer = phase == PH_DN_REC || phase == PH_ATT;
-    const bool own_now = MK_HEAD_OVER_MIXER ? !after_mixer : !before_mixer;
 #if MK_STAGES > 0
-    if (bs.gemv && own_now) {
+    // The next GEMV's ring head is issued at the barrier after the mixer's input projections, so that it streams
+    // during the DeltaNet / attention phase (which does not use the ring), and not again after that phase.
+    if (bs.gemv && phase != PH_DN_REC && phase != PH_ATT) {
         gemv_issue_first_head(bs.desc, carve_smem(smem_raw).ring);
         if (tid_x() == 0) bs.head = 1;
     }
@@ -367,15 +330,9 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
             // idle blocks, so that most of the output projection is in L2 when the few busy blocks finish.
             const int nidle = nb - busy;
             for (int b = bid_x() - busy; b < nb; b += nidle)
-                gemv_prefetch_share(bs.desc, b, GEMV_HEAD_BYTES + MK_PF_BYTES, MK_PF_IDLE_BYTES);
-        } else if (own_now) {
-            // The start of this block's own share of the next GEMV, so that its first loads after the barrier hit
-            // L2 (early finishers keep HBM busy while the last blocks finish). The ring head just issued covers
-            // about the first GEMV_HEAD_BYTES: start after it.
-            gemv_prefetch_share(bs.desc, bid_x(), GEMV_HEAD_BYTES, MK_PF_BYTES);
+                gemv_prefetch_share(bs.desc, b, GEMV_HEAD_BYTES, MK_PF_IDLE_BYTES);
         }
     }
-#endif
     return grid_wait(tb.sync, target, tb.ctrl, (u64)tb.gi(G_TIMEOUT_NS), step, &bs.flag);
 }
 

@@ -36,8 +36,8 @@ struct Tables {
     const u64* g;   // globals: G_*
     const u64* lt;  // per layer: L_COUNT slots each
     int* ctrl;      // CTRL_*
-    u64* sync;      // [0] barrier counter, [1 + kvh] attention chunk arrival counts, [1 + KVH + slot] MK_DYN tickets
-                    // (slot: 5 per layer, the MTP layer's after the model's, then lm_head and the MTP fc)
+    u64* sync;      // [MK_SYNC_BARRIER] the grid barrier, [MK_SYNC_ARRIVALS + kvh * MK_GQ_PAIRS + pass] attention
+                    // chunk arrivals (kernels/plan.py lays them out)
     template <class T>
     __device__ __forceinline__ T* gp(int slot) const { return (T*)ld_tab(g + slot); }
     template <class T>

@@ -8,7 +8,7 @@
 #include "model.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
-#define XS_BYTES (((MK_NT * MK_XLD * (int)sizeof(xin_t)) + 15) / 16 * 16)
+#define XS_BYTES (((MK_NT * MK_XLD * (int)sizeof(bf16_t)) + 15) / 16 * 16)
 static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * GEMV_KL * GEMV_SUB * 8),
               "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
@@ -26,7 +26,7 @@ static_assert(RING_BYTES % SMEM_ALIGN == 0, "the regions after the ring keep its
 
 struct Smem {
     vec16* ring;    // GEMV weight ring (MK_STAGES > 0), first: 128-byte aligned
-    xin_t* xs;      // [MK_NT][MK_XLD] staged GEMV input (a window of MK_XW values when K > MK_XW)
+    bf16_t* xs;      // [MK_NT][MK_XLD] staged GEMV input (a window of MK_XW values when K > MK_XW)
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
@@ -36,7 +36,7 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
     base += (SMEM_ALIGN - (off & (SMEM_ALIGN - 1))) & (SMEM_ALIGN - 1);
     Smem s;
     s.ring = (vec16*)base;
-    s.xs = (xin_t*)(base + RING_BYTES);
+    s.xs = (bf16_t*)(base + RING_BYTES);
     s.part = (float*)(base + RING_BYTES + XS_BYTES);
     s.rowval = s.part + PART_FLOATS;
     s.red = s.rowval + PART_FLOATS;
@@ -63,11 +63,11 @@ __host__ __device__ constexpr bool rms_staged_fits(int e) {  // e: bytes per raw
     const long long row = (long long)MK_H * e, base = (RMS_SPAN_BYTES - MK_NT * row) / 16 * 16;
     if (base < 0) return false;
     for (int t = 0; t < MK_NT; ++t)
-        if ((long long)t * MK_XLD * sizeof(xin_t) + (long long)MK_H * sizeof(xin_t) > base + t * row) return false;
+        if ((long long)t * MK_XLD * sizeof(bf16_t) + (long long)MK_H * sizeof(bf16_t) > base + t * row) return false;
     return true;
 }
 template <bool BF>
-__device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], const float* w1, xin_t* xs, float* red,
+__device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], const float* w1, bf16_t* xs, float* red,
                                              int off, int v0, int v1) {
     constexpr int NVEC = MK_H / 8;
     constexpr int VPT = (NVEC + MK_THREADS - 1) / MK_THREADS;
@@ -142,11 +142,6 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
                     ld_cg_act8(src[t], vi, BF, vt[j]);
                 }
             }
-#if MK_FP32_IN
-            float* xf = xs + (t * MK_XLDV + off + vi - v0) * 8;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xf[e] = (vt[j][e] * r) * wv[j][e];
-#else
             u32 o[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
@@ -154,33 +149,22 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
             vec16 out;
             out.x = o[0], out.y = o[1], out.z = o[2], out.w = o[3];
             ((vec16*)xs)[t * MK_XLDV + off + vi - v0] = out;
-#endif
         }
     }
     __syncthreads();
 }
-__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, xin_t* xs,
+__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, bf16_t* xs,
                               float* red, int off, int v0, int v1) {
     if (src_bf) rmsnorm_rows<true>(src, w1, xs, red, off, v0, v1);
     else rmsnorm_rows<false>(src, w1, xs, red, off, v0, v1);
 }
 
-// Copy of input vectors [v0, v1) of a bf16 activation [MK_NT][K] written earlier in this launch (widened to fp32:
-// MK_FP32_IN).
+// Copy of input vectors [v0, v1) of a bf16 activation [MK_NT][K] written earlier in this launch.
 // The window goes global -> shared by cp.async (no registers; every copy of a thread in flight at once, one L2
 // round trip instead of one per vector: a 4-token window of 8192 values is 11 vectors per thread). Waiting for
 // all groups also waits for the weight ring's first units, which the GEMV needs next anyway.
-__device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) {
+__device__ void stage_copy(const bf16_t* src, int K, bf16_t* xs, int v0, int v1) {
     const int w = v1 - v0, n = MK_NT * w;
-#if MK_FP32_IN
-    for (int i = tid_x(); i < n; i += MK_THREADS) {
-        const int t = i / w, v = i - t * w;
-        float f[8];
-        unpack8(ld_cg16(src + (long long)t * K + (v0 + v) * 8), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xs[(t * MK_XLDV + v) * 8 + e] = f[e];
-    }
-#else
     const u32 base = smem_addr(xs);
     for (int i = tid_x(); i < n; i += MK_THREADS) {
         const int t = i / w, v = i - t * w;
@@ -188,7 +172,6 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
     }
     cp_async_commit();
     cp_async_wait<0>();
-#endif
     __syncthreads();
 }
 
@@ -203,7 +186,7 @@ __device__ void stage_copy(const bf16_t* src, int K, xin_t* xs, int v0, int v1) 
 // One thread per 8 values, every token and head at once: the lanes of a head are GN_VH consecutive lanes of one
 // warp, which sum the squares by shuffles (the same order for every tokens-per-launch build). Reads the norm
 // weight 16 bytes at a time: like every weight the kernel streams, it must be 16-byte aligned.
-__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, bf16_t* xs, int k0, int k1) {
     constexpr int N = MK_NT * MK_HV * GN_VH;
     constexpr int B = GN_B;  // batches of a warp whose loads are in flight together (two loads each)
     const int lane = tid_x() & 31;
@@ -240,17 +223,12 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
                 unpack8(*(const vec16*)(w + j * 8), wf);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) y[e] = RBI(wf[e] * RBI(o[e] * r)) * silu_fast(zz[e]);
-#if MK_FP32_IN
-#pragma unroll
-                for (int e = 0; e < 8; ++e) xs[t * MK_XLD + e0 - k0 + e] = y[e];
-#else
                 vec16 out;
                 out.x = pack_bf2(y[0], y[1]);
                 out.y = pack_bf2(y[2], y[3]);
                 out.z = pack_bf2(y[4], y[5]);
                 out.w = pack_bf2(y[6], y[7]);
                 ((vec16*)xs)[t * MK_XLDV + (e0 - k0) / 8] = out;
-#endif
             }
         }
     }
@@ -258,7 +236,7 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
 }
 #else
 // Other head widths: one warp per (token, head).
-__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, xin_t* xs, int k0, int k1) {
+__device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16_t* w, bf16_t* xs, int k0, int k1) {
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
         const int t = th / MK_HV, hv = th - t * MK_HV;
@@ -275,7 +253,7 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
             if (e < k0 || e >= k1) continue;
             const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
             const float y = RBI(bf2f(__ldg(w + i)) * n);
-            xs[t * MK_XLD + e - k0] = to_xin(y * silu_fast(bf2f(ld_cg_bf(z + base + i))));
+            xs[t * MK_XLD + e - k0] = f2bf(y * silu_fast(bf2f(ld_cg_bf(z + base + i))));
         }
     }
     __syncthreads();
@@ -293,7 +271,6 @@ __device__ __forceinline__ GemvDesc desc_plain(const bf16_t* w, int K, int nrows
     d.K = K;
     d.nrows = nrows;
     d.align = 1;
-    d.dyn = nullptr;
     return d;
 }
 __device__ __forceinline__ GemvDesc desc_dn_in(const Tables& tb, int l) {  // in_proj_qkv | _z | _b | _a
@@ -638,8 +615,8 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
-static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(xin_t), "the new keys and values exceed the GEMV input buffer");
-// The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS): MK_FP32_IN builds shrink both.
+static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
+// The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS).
 static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
 
@@ -794,7 +771,7 @@ __device__ void att_merge(const Tables& tb, int kvh, int pass, int np, int nch, 
 // The phase with items of np <= NP pairs (NP sizes the per-lane accumulators; shared memory keeps the
 // MK_ATT_PAIRS strides).
 template <int NP>
-__device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, xin_t* xs, int* s_last,
+__device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* xs, int* s_last,
                                 int np) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const int pos = si.pos, L = pos + MK_NT;
@@ -1001,7 +978,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 
 // Short context gives items of one pair (att_pass_pairs): that case compiles on its own, with one pair's
 // accumulators, the rest with MK_ATT_PAIRS'.
-__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, xin_t* xs,
+__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* xs,
                                 int* s_last) {
     const int np = att_pass_pairs(si);
     if (np == 1) return attention_items<1>(tb, si, layer, scratch, xs, s_last, 1);

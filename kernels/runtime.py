@@ -150,10 +150,9 @@ class MegakernelRunner:
             built = compile_module(spec)
         self._check_resident(built, spec)
         # Barrier counter, attention arrival counters (one per key/value head and pass, at most its query heads x
-        # tokens passes: heads x tokens in all), one ticket counter per phase slot (Tuning.dynamic): five per layer
-        # (the MTP layer's too), lm_head, the MTP fc.
+        # tokens passes: heads x tokens in all).
         c = self.config
-        n_sync = 1 + c.num_attention_heads * n_tokens + 5 * (c.num_hidden_layers + 1) + 2
+        n_sync = 1 + c.num_attention_heads * n_tokens
         sync = torch.zeros(n_sync, dtype=torch.int64, device=self.device)
         build = self._builds[n_tokens] = _Build(spec, built, sync)
         return build
@@ -620,13 +619,10 @@ class MegakernelRunner:
             "smem_bytes": spec.smem_bytes,
             "compile_s": round(build.built.compile_s, 2),
             "dn_split": spec.dn_split,
-            "variant": spec.tuning.variant,
             "stages": spec.stages,
             "part_rows": spec.part_rows,
             "window": spec.window,
             "fp32_act": spec.tuning.fp32_act,
-            "fp32_gemv_in": spec.tuning.fp32_gemv_in,
-            "dynamic": spec.tuning.dynamic,
             "mma": spec.tuning.mma,
             "smem_limit": spec.smem_limit,
             **build.built.resources("mk_decode"),

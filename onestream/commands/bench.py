@@ -36,8 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--sweep",
         action="store_true",
-        help="also time kernel variants (bf16 activations, fp32 GEMV inputs, dynamic row scheduling) and per-phase "
-        "timing builds of the default and the dynamic kernel",
+        help="also time the tensor-core GEMV and the per-phase timing build of the default kernel",
     )
     decode.add_argument(
         "--variant",
@@ -53,9 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="also time the builds (default and dynamic rows; with --sweep every untimed variant) against each "
-        "other on the 27B shapes, one chain each per round in rotating order, to separate their difference "
-        "from run-to-run spread",
+        help="also time the builds that are not timing builds (the default, the tensor-core GEMV with --sweep, "
+        "each --variant) against each other on the 27B shapes, one chain each per round in rotating order, to "
+        "separate their difference from run-to-run spread",
     )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
@@ -145,11 +144,9 @@ def run_alternated(args: argparse.Namespace, tunings: dict, ceilings: Any, bytes
     """`--alternate`: the builds that time the plain kernel (not the phase-timing ones), rounds alternating."""
     from onestream.kernels.alternate import format_alternated
     from onestream.kernels.benchmark import alternated_builds
-    from onestream.kernels.build import Tuning
     from onestream.kernels.random_model import config_27b, random_model
 
     builds = {label: t for label, t in tunings.items() if not t.phase_timing}
-    builds.setdefault("dynamic rows (80 % static, 96 KB tiles)", Tuning(dynamic=True))
     model = random_model(config_27b(args.layers), seed=7)
     alternated = alternated_builds(
         model, builds, context=args.context, steps=args.steps, rounds=args.alternate
