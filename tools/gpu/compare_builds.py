@@ -1,0 +1,244 @@
+"""Compare the machine code of the shipped megakernel builds between two source trees, without a GPU.
+
+    python tools/gpu/compare_builds.py BASE [NEW] [--out DIR] [--jobs N]
+
+BASE and NEW are repository trees (a folder, or a git ref that is exported to a temporary folder; NEW defaults
+to this checkout). Each tree's own Python assembles the CUDA text of every shipped build (kernels/build.py: its
+defines, its sources) and nvcc compiles it to PTX for the build's architecture. Where both sides' PTX is the
+same (comments aside), ptxas makes the same SASS of it. Where it is not, ptxas and cuobjdump give the SASS of
+both, and DIR/<build>.diff holds the unified diff of the two disassemblies per kernel (addresses stripped, so
+an inserted instruction shows once). Results are cached in DIR by the hash of the generated text.
+
+The shipped builds: the default (scalar FMA) GEMV and the tensor-core GEMV (`ONESTREAM_MK_GEMV=tensor`), at 1, 4
+and 8 tokens per launch, for the 27B shapes and the embedded model, on sm_90 (H200: 132 SMs, 227 KB of shared
+memory per block) and sm_86 (RTX 3090: 82 SMs, 99 KB); the per-phase timing builds of `onestream bench` (27B,
+sm_90); and the bf16-activation build (`ONESTREAM_MK_FP32_ACT=0`). cuobjdump and nvdisasm come from PATH or the
+pip packages nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import difflib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHS = {"sm_90": (132, 227 * 1024), "sm_86": (82, 99 * 1024)}  # SMs, opt-in shared memory per block
+PACKAGE_PARTS = ("kernels", "worker", "cluster", "protos")
+
+# Run inside each tree's package: writes <name>.cu for every build into argv[1] and prints the names as JSON. It
+# uses only names both the old and the new kernels/build.py have (KernelSpec, Tuning, assemble_source).
+EMIT = r"""
+import json, sys
+from pathlib import Path
+from onestream.kernels.build import KernelSpec, Tuning, assemble_source
+from onestream.kernels.random_model import config_27b
+from onestream.worker.config import ModelConfig
+
+out = Path(sys.argv[1])
+archs = json.loads(sys.argv[2])
+import onestream.worker
+models = {
+    "27b": config_27b(),
+    "embedded": ModelConfig.from_dir(Path(onestream.worker.__file__).parent / "assets" / "default_model"),
+}
+builds = {}
+for model, config in models.items():
+    for arch, (sms, smem) in archs.items():
+        for t in (1, 4, 8):
+            for gemv in ("scalar", "tensor"):
+                builds[f"{model}-{arch}-T{t}-{gemv}"] = (config, arch, t, dict(mma=gemv == "tensor"))
+for t in (1, 4, 8):
+    for gemv in ("scalar", "tensor"):
+        builds[f"27b-sm_90-T{t}-{gemv}-timing"] = (models["27b"], "sm_90", t, dict(mma=gemv == "tensor", phase_timing=True))
+for t in (1, 4):
+    builds[f"27b-sm_90-T{t}-scalar-bf16act"] = (models["27b"], "sm_90", t, dict(mma=False, fp32_act=False))
+names = {}
+for name, (config, arch, t, fields) in builds.items():
+    sms, smem = archs[arch]
+    spec = KernelSpec(config, num_sms=sms, tokens_per_launch=t, tuning=Tuning(**fields), smem_limit=smem)
+    (out / f"{name}.cu").write_text(assemble_source(spec))
+    names[name] = arch
+print(json.dumps(names))
+"""
+
+
+def tool(name: str) -> str:
+    """A CUDA binary utility from PATH, else from its pip package (nvidia/cu*/bin beside this Python's packages)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in map(Path, sys.path):
+        for candidate in sorted(base.glob(f"nvidia/cu*/bin/{name}")):
+            return str(candidate)
+    raise SystemExit(f"{name} not found: put it on PATH or pip install nvidia-cuda-{name}")
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """A folder holding `ref`: the folder itself, or the commit's files exported with git archive."""
+    if Path(ref).is_dir():
+        return Path(ref).resolve()
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def emit_sources(tree: Path, work: Path) -> dict[str, str]:
+    """The generated CUDA text of every build, by that tree's own build code: {build name: arch}."""
+    pkg = work / "pkg"
+    shutil.copytree(tree / "onestream", pkg / "onestream")
+    for part in PACKAGE_PARTS:
+        if (tree / part).is_dir():
+            os.symlink(tree / part, pkg / "onestream" / part)
+    src = work / "src"
+    src.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONESTREAM_MK_")}
+    env["PYTHONPATH"] = str(pkg)
+    proc = subprocess.run(
+        [sys.executable, "-c", EMIT, str(src), json.dumps(ARCHS)],
+        cwd=pkg,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: generating the sources failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def nvcc_ptx(source: Path, arch: str, cache: Path) -> Path:
+    """The PTX of the source for `arch` (cached by the text's hash), its comment lines dropped: they name the
+    temporary file and the compiler, not the program."""
+    key = hashlib.sha256(source.read_bytes() + arch.encode()).hexdigest()[:24]
+    ptx = cache / f"{key}.ptx"
+    if not ptx.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "mk.ptx"
+            cmd = ["nvcc", f"-arch={arch}", "--std=c++17", "-ftz=true", "-ptx", "-o", str(raw), str(source)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"nvcc failed for {source.name}:\n{proc.stdout}{proc.stderr}")
+            lines = [line for line in raw.read_text().splitlines() if not line.lstrip().startswith("//")]
+        ptx.write_text("\n".join(lines) + "\n")
+    return ptx
+
+
+def disassemble(ptx: Path, arch: str) -> str:
+    """SASS of the PTX's kernels (ptxas for `arch`, then cuobjdump), addresses stripped (cached beside the PTX)."""
+    sass = ptx.with_suffix(".sass")
+    if not sass.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "mk.cubin"
+            subprocess.run(
+                ["ptxas", f"-arch={arch}", str(ptx), "-o", str(cubin)], check=True, capture_output=True
+            )
+            env = {**os.environ, "PATH": f"{Path(tool('nvdisasm')).parent}:{os.environ.get('PATH', '')}"}
+            dump = subprocess.run(
+                [tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env
+            ).stdout
+        lines = [re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).rstrip() for line in dump.splitlines()]
+        sass.write_text("\n".join(line for line in lines if line.strip()) + "\n")
+    return sass.read_text()
+
+
+def functions(sass: str) -> dict[str, list[str]]:
+    """The disassembly split per function."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return out
+
+
+def compare(base: Path, new: Path, out: Path, jobs: int) -> int:
+    """Every build: the same PTX (then ptxas makes the same SASS), or the SASS diff of its kernels."""
+    out.mkdir(parents=True, exist_ok=True)
+    cache = out / "cache"
+    cache.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {side: emit_sources(tree, Path(tmp) / side) for side, tree in (("base", base), ("new", new))}
+        common = [n for n in names["base"] if n in names["new"]]
+        missing = sorted(set(names["base"]) ^ set(names["new"]))
+
+        def source(side: str, name: str) -> Path:
+            return Path(tmp) / side / "src" / f"{name}.cu"
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            ptx_jobs = {
+                (side, n): pool.submit(nvcc_ptx, source(side, n), names["base"][n], cache)
+                for n in common
+                for side in ("base", "new")
+            }
+            ptx = {job: f.result() for job, f in ptx_jobs.items()}
+            same_text = {n for n in common if source("base", n).read_text() == source("new", n).read_text()}
+            differ = [n for n in common if ptx[("base", n)].read_text() != ptx[("new", n)].read_text()]
+            sass_jobs = {
+                (side, n): pool.submit(disassemble, ptx[(side, n)], names["base"][n])
+                for n in differ
+                for side in ("base", "new")
+            }
+            sass = {job: f.result() for job, f in sass_jobs.items()}
+    report, differing = [], 0
+    for n in common:
+        if n not in differ:
+            how = "the same generated source" if n in same_text else "the generated sources differ"
+            report.append(f"{n}: PTX identical ({how}), so the SASS is too")
+            continue
+        a, b = functions(sass[("base", n)]), functions(sass[("new", n)])
+        changed = sorted(f for f in a.keys() | b.keys() if a.get(f) != b.get(f))
+        if not changed:
+            report.append(f"{n}: PTX differs, SASS identical ({len(a)} functions)")
+            continue
+        differing += 1
+        diff, parts = [], []
+        for f in changed:
+            lines = list(
+                difflib.unified_diff(a.get(f, []), b.get(f, []), f"base/{f}", f"new/{f}", lineterm="", n=2)
+            )
+            diff += lines
+            minus = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+            plus = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
+            parts.append(f"{f} (-{minus} +{plus} of {len(a.get(f, []))} lines)")
+        (out / f"{n}.diff").write_text("\n".join(diff) + "\n")
+        report.append(f"{n}: SASS DIFFERS in {', '.join(parts)}: {out / (n + '.diff')}")
+    for n in missing:
+        report.append(f"{n}: only in {'base' if n in names['base'] else 'new'}")
+    text = "\n".join(report)
+    (out / "report.txt").write_text(text + "\n")
+    print(text)
+    print(f"{len(common) - differing} of {len(common)} builds have identical SASS")
+    return 1 if differing or missing else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("base", help="base tree: a folder or a git ref (e.g. main)")
+    parser.add_argument("new", nargs="?", default=str(REPO), help="new tree (default: this checkout)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/onestream-compare-builds"))
+    parser.add_argument("--jobs", type=int, default=2, help="compilations at once")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = export_tree(args.base, Path(tmp) / "base")
+        new = export_tree(args.new, Path(tmp) / "new")
+        return compare(base, new, args.out, args.jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
