@@ -15,9 +15,9 @@ import torch
 from onestream.worker.backend import ReferenceBackend
 from onestream.worker.model import StepOutput
 
-from .build import Tuning
 from .layout import MAX_TOKENS_PER_LAUNCH
 from .runtime import DEFAULT_TIMEOUT_S, MegakernelRunner
+from .tuning import Tuning
 
 
 class MegakernelBackend(ReferenceBackend):

@@ -47,7 +47,7 @@ class VerifyRow:
     tokens: int
     plain_ms: float | None = None  # one launch of T tokens, no recorded states
     verify_ms: float | None = None  # one verify launch: states recorded per token, greedy accept (T >= 2)
-    build: dict[str, Any] = field(default_factory=dict)  # MegakernelRunner.describe(T)
+    build: dict[str, Any] = field(default_factory=dict)  # DiagnosticRunner.describe(T)
     breakdown: str = ""  # per-phase stamps of a plain launch (phase-timing builds)
     verify_breakdown: str = ""  # the same for a verify launch
     error: str = ""
@@ -201,7 +201,7 @@ def bench_verify(
                     row.verify_ms = ms
                 else:
                     row.plain_ms = ms
-                if runner.spec.tuning.phase_timing:  # the last launch's stamps
+                if runner.plan.tuning.phase_timing:  # the last launch's stamps
                     text = format_breakdown(
                         summarise(runner.phase_stamps(), step_phases(model.config), runner.gemv_stamps()), ms
                     )
@@ -270,15 +270,15 @@ def bench_27b(
 ) -> tuple[VerifyResult, DraftResult]:
     """Parts (a) and (b) on one random bf16 model of `config` (given an MTP head if it has none), with the
     kernel builds of `tuning` (default: the default Tuning)."""
+    from .diagnostics import DiagnosticRunner
     from .random_model import random_model
-    from .runtime import MegakernelRunner
 
     if not config.has_mtp:
         config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     model = random_model(config, seed=7)
     verify = VerifyResult(name, config.num_hidden_layers, context, launches, repeats, weight_bytes(model))
     try:
-        runner = MegakernelRunner(model, tuning=tuning)
+        runner = DiagnosticRunner(model, tuning=tuning)
     except Exception as e:
         verify.error = f"the megakernel cannot be built: {_failure(e)}"
         return verify, DraftResult(error=verify.error)

@@ -18,10 +18,11 @@ import torch
 from onestream.worker.config import ModelConfig
 
 from .alternate import AlternatedResult, alternate
-from .build import Tuning
+from .diagnostics import DiagnosticRunner
 from .phase_timing import format_breakdown, step_phases, summarise
 from .random_model import random_model
 from .runtime import MegakernelRunner
+from .tuning import Tuning
 
 READ_KERNEL = r"""
 extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n, unsigned* out) {
@@ -173,7 +174,7 @@ def alternated_builds(
     runners: list[MegakernelRunner] = []
     for label, tuning in tunings.items():
         try:
-            runner = MegakernelRunner(model, tuning=tuning)
+            runner = DiagnosticRunner(model, tuning=tuning)
             own = state.clone()
             runner.greedy_chain(first, own, 2)  # warm-up: module load, tables
         except Exception as e:
@@ -315,7 +316,7 @@ def bench_model(
     for label, tuning in tunings.items():
         suffix = "" if label == "default" else f" [{label}]"
         try:
-            runner = MegakernelRunner(model, tuning=tuning)
+            runner = DiagnosticRunner(model, tuning=tuning)
         except Exception as e:
             runner, error = None, f"failed: {type(e).__name__}: {e}"[:300]
         if result is None:

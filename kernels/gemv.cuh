@@ -80,6 +80,11 @@ static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the
 __shared__ u64 mk_gemv_t[2];
 #endif
 
+// Every weight kind streams bf16 rows (the plan's MK_WFMT_*: 0 is bf16); another format needs its own GEMV.
+static_assert(MK_WFMT_DN_IN == 0 && MK_WFMT_DN_OUT == 0 && MK_WFMT_ATT_IN == 0 && MK_WFMT_ATT_OUT == 0 &&
+                  MK_WFMT_MLP_IN == 0 && MK_WFMT_MLP_DOWN == 0 && MK_WFMT_LM_HEAD == 0 && MK_WFMT_MTP_FC == 0,
+              "only bf16 weights have a GEMV");
+
 struct GemvDesc {
     const bf16_t* seg[GEMV_MAX_SEGS];  // row segments (segment s holds rows [end[s-1], end[s]))
     int end[GEMV_MAX_SEGS];

@@ -1,7 +1,8 @@
 """Slot numbers shared by the host and the CUDA sources: parameter tables, control block, phases, errors.
 
-This module is the one definition; `preamble_defines()` turns it into `#define`s that kernels/build.py puts in
-front of the CUDA source, so the two sides cannot drift apart.
+This module is the one definition; `preamble_defines()` turns it into `#define`s that a build's plan
+(kernels/plan.py) puts in front of the CUDA source, so the two sides cannot drift apart. What depends on the
+build (the shared-memory carve, the counters, the step list, the history length) is the plan's.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class L(IntEnum):
     KNORM = 22  # fp32 (1 + w)
     KCACHE = 23  # bf16 [nKV, capacity, hd] (the reference state's tensor)
     VCACHE = 24
-    # Keep-states launches: the conv window (bf16 [T + 1, C, kernel - 1]) and the recurrent state (fp32
-    # [T + 1, Hv, dk, dv]) before the first token and after each token.
+    # Keep-states launches: the conv window (bf16 [E, C, kernel - 1]) and the recurrent state (fp32 [E, Hv, dk, dv])
+    # after each token but the last: E = KernelPlan.history_entries, T - 1.
     HIST_CONV = 25
     HIST_REC = 26
     KV_CAP = (

@@ -72,7 +72,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         bs.err = err;
         bs.head = 0;
         bs.planned = -1;
-        grid_barrier_init(tb.sync, &bs.target);
+        grid_barrier_init(tb.sync + MK_SYNC_BARRIER, &bs.target);
     }
     __syncthreads();
     return bs.err == 0;
@@ -261,34 +261,40 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     return true;
 }
 
-// Steps of a launch: five phases per layer, lm_head and finalize; MTP steps: fc, the MTP layer, lm_head, finalize.
-__device__ __forceinline__ int num_steps(const StepInfo& si, int nl) { return si.mode == MODE_MTP ? 8 : 5 * nl + 2; }
+// The plan's step list (kernels/plan.py launch_steps): MK_LAYER_STEPS phases per layer (MK_LINEAR_PHASE_k or
+// MK_FULL_PHASE_k by the layer's kind), then the MK_FINAL_STEPS final phases; MTP steps: the MTP fc, the MTP layer
+// (a full-attention layer on table row nl), the final phases.
+static_assert(MK_LAYER_STEPS == 5 && MK_FINAL_STEPS == 2, "schedule() maps steps to the plan's phases");
+static_assert(MK_LINEAR_PHASE_3 == MK_FULL_PHASE_3 && MK_LINEAR_PHASE_4 == MK_FULL_PHASE_4, "a shared MLP");
+#define MK_MTP_STEPS (1 + MK_LAYER_STEPS + MK_FINAL_STEPS)
+__device__ __forceinline__ int num_steps(const StepInfo& si, int nl) {
+    return si.mode == MODE_MTP ? MK_MTP_STEPS : MK_LAYER_STEPS * nl + MK_FINAL_STEPS;
+}
 
 // The step as a flat schedule of (phase, layer) pairs.
 __device__ __forceinline__ void schedule(const Tables& tb, const StepInfo& si, int step, int nl, int& phase,
                                          int& layer) {
     if (si.mode == MODE_MTP) {
-        if (step == 0 || step >= 6) {
-            phase = step == 0 ? PH_MTP_FC : step == 6 ? PH_LM_HEAD : PH_FINALIZE;
+        if (step == 0 || step >= 1 + MK_LAYER_STEPS) {
+            phase = step == 0 ? PH_MTP_FC : step == 1 + MK_LAYER_STEPS ? MK_FINAL_PHASE_0 : MK_FINAL_PHASE_1;
             layer = nl;
             return;
         }
-        // The MTP layer is a full-attention layer: the same five phases as the model's, on table row nl.
-        step = 5 * nl + step - 1;
+        step = MK_LAYER_STEPS * nl + step - 1;  // the MTP layer's phases, on table row nl
     }
-    if (step >= 5 * nl + (si.mode == MODE_MTP ? 5 : 0)) {
-        phase = step == 5 * nl ? PH_LM_HEAD : PH_FINALIZE;
+    if (step >= MK_LAYER_STEPS * nl + (si.mode == MODE_MTP ? MK_LAYER_STEPS : 0)) {
+        phase = step == MK_LAYER_STEPS * nl ? MK_FINAL_PHASE_0 : MK_FINAL_PHASE_1;
         layer = 0;
         return;
     }
-    layer = step / 5;
-    const int k = step - layer * 5;
+    layer = step / MK_LAYER_STEPS;
+    const int k = step - layer * MK_LAYER_STEPS;
     const bool linear = layer < nl && tb.li(layer, L_KIND) == LAYER_LINEAR;
-    if (k == 0) phase = linear ? PH_DN_IN : PH_ATT_IN;
-    else if (k == 1) phase = linear ? PH_DN_REC : PH_ATT;
-    else if (k == 2) phase = linear ? PH_DN_OUT : PH_ATT_OUT;
-    else if (k == 3) phase = PH_MLP_IN;
-    else phase = PH_MLP_DOWN;
+    if (k == 0) phase = linear ? MK_LINEAR_PHASE_0 : MK_FULL_PHASE_0;
+    else if (k == 1) phase = linear ? MK_LINEAR_PHASE_1 : MK_FULL_PHASE_1;
+    else if (k == 2) phase = linear ? MK_LINEAR_PHASE_2 : MK_FULL_PHASE_2;
+    else if (k == 3) phase = MK_LINEAR_PHASE_3;
+    else phase = MK_LINEAR_PHASE_4;
 }
 
 // Between two phases: arrive at the grid barrier, start the next weight-streaming phase's loads (ring head,
@@ -299,7 +305,7 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
     int next_phase, next_layer;
     schedule(tb, bs.si, step + 1, nl, next_phase, next_layer);
     int next_step = step + 1;
-    const u64 target = grid_arrive(tb.sync, &bs.target);
+    const u64 target = grid_arrive(tb.sync + MK_SYNC_BARRIER, &bs.target);
     // After the mixer's input projections comes the DeltaNet / attention phase, which streams no weights: its
     // inputs start towards L2 first, then the loads of the output projection after it.
     if (next_phase == PH_DN_REC || next_phase == PH_ATT) {
@@ -333,7 +339,7 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
                 gemv_prefetch_share(bs.desc, b, GEMV_HEAD_BYTES, MK_PF_IDLE_BYTES);
         }
     }
-    return grid_wait(tb.sync, target, tb.ctrl, (u64)tb.gi(G_TIMEOUT_NS), step, &bs.flag);
+    return grid_wait(tb.sync + MK_SYNC_BARRIER, target, tb.ctrl, (u64)tb.gi(G_TIMEOUT_NS), step, &bs.flag);
 }
 
 #ifdef MK_PHASE_TIMING
@@ -370,7 +376,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
         // The row after a decode step's phases: the SM each block runs on (is a block's speed its SM's?).
         u64* tm = tb.gp<u64>(G_TIMING);
         if (tm != nullptr)
-            tm[MK_TIMING_FIELDS * ((long long)(5 * (int)tb.gi(G_NUM_LAYERS) + 2) * nblocks() + bid_x())] = sm_id();
+            tm[MK_TIMING_FIELDS * ((long long)(MK_LAYER_STEPS * (int)tb.gi(G_NUM_LAYERS) + MK_FINAL_STEPS) * nblocks() +
+                                   bid_x())] = sm_id();
     }
 #endif
     for (int step = 0; step < nsteps; ++step) {

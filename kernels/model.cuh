@@ -30,6 +30,8 @@ static_assert(MK_DV % MK_DN_SPLIT == 0, "linear_value_head_dim must split evenly
 static_assert(MK_THREADS % (MK_DV / MK_DN_SPLIT) == 0, "DeltaNet slice width must divide the block size");
 static_assert(MK_CONVK >= 2, "linear_conv_kernel_dim must be at least 2");
 static_assert(MK_NT >= 1 && MK_NT <= CTRL_TOKEN_OUT - CTRL_TOKEN_IN, "1..8 tokens per launch");
+static_assert(MK_SYNC_BARRIER < MK_SYNC_ARRIVALS && MK_SYNC_COUNT == MK_SYNC_ARRIVALS + MK_KVH * MK_GQ_PAIRS,
+              "the counters: the grid barrier, then an arrival counter per key/value head and pass of its pairs");
 
 // ---- tables -------------------------------------------------------------------------------------
 struct Tables {

@@ -15,17 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 from onestream.worker.config import ModelConfig
 
-_LINEAR = ("dn_in", "dn_rec", "dn_out", "mlp_in", "mlp_down")
-_FULL = ("att_in", "attention", "att_out", "mlp_in", "mlp_down")
+from .layout import Phase
+from .plan import launch_steps
+
+# The name a breakdown gives each phase.
+PHASE_NAMES = {phase: phase.name.lower() for phase in Phase} | {Phase.ATT: "attention"}
 
 
 def step_phases(config: ModelConfig) -> list[str]:
-    """The phase name of every step of the kernel's schedule (megakernel.cu `schedule`), in order."""
-    full = set(config.full_attention_layers)
-    names: list[str] = []
-    for layer in range(config.num_hidden_layers):
-        names += _FULL if layer in full else _LINEAR
-    return [*names, "lm_head", "finalize"]
+    """The phase name of every step of a main-model launch, in order (the plan's step list)."""
+    return [PHASE_NAMES[step.phase] for step in launch_steps(config)]
 
 
 @dataclass

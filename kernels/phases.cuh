@@ -8,38 +8,38 @@
 #include "model.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
-#define XS_BYTES (((MK_NT * MK_XLD * (int)sizeof(bf16_t)) + 15) / 16 * 16)
+// The carve is the plan's (kernels/plan.py KernelPlan.carve: MK_SMEM_*, byte offsets from a 128-byte boundary of
+// the shared window, whatever the static shared memory before it: a ring slot off that boundary would split each
+// warp's cp.async into twice the L2 sector requests). These check what the code below relies on.
 static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * GEMV_KL * GEMV_SUB * 8),
               "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
-// block_sum_n of every token (a multiple of 4 floats: the regions after it stay 16-byte aligned)
-#define RED_FLOATS ((MK_NT * MK_NWARPS > 64 ? MK_NT * MK_NWARPS + 3 : 64) & ~3)
-static_assert(RED_FLOATS % 4 == 0 && RED_FLOATS >= MK_NT * MK_NWARPS, "reduction scratch size");
-#define RING_BYTES (MK_STAGES * MK_UMAX * MK_THREADS * 16)
-// The carve starts at a 128-byte boundary of the shared window, whatever the static shared memory before it. A
-// ring slot off that boundary splits each warp's cp.async into twice the L2 sector requests: the static block
-// state of multi-token builds (272 bytes) did that to every verify launch, which then read each weight sector twice
-// from L2 and streamed 25 % slower (ncu, run 11).
-#define SMEM_ALIGN 128
-#define MK_SMEM_BYTES (SMEM_ALIGN + RING_BYTES + XS_BYTES + 2 * PART_FLOATS * 4 + RED_FLOATS * 4)
-static_assert(RING_BYTES % SMEM_ALIGN == 0, "the regions after the ring keep its alignment");
+static_assert(MK_SMEM_XS == MK_STAGES * MK_UMAX * MK_THREADS * 16, "the weight ring comes first, whole");
+static_assert(MK_SMEM_XS % MK_SMEM_ALIGN == 0, "the regions after the ring keep its alignment");
+static_assert(MK_SMEM_PART - MK_SMEM_XS >= MK_NT * MK_XLD * (int)sizeof(bf16_t) && MK_SMEM_PART % 16 == 0,
+              "the staged input's rows");
+static_assert(MK_SMEM_ROWVAL - MK_SMEM_PART == PART_FLOATS * 4 && MK_SMEM_RED - MK_SMEM_ROWVAL == PART_FLOATS * 4,
+              "a round's partial sums and row values");
+static_assert(MK_SMEM_END - MK_SMEM_RED >= MK_NT * MK_NWARPS * 4 && MK_SMEM_END % 16 == 0,
+              "block_sum_n of every token");
+static_assert(MK_SMEM_BYTES == MK_SMEM_ALIGN + MK_SMEM_END, "a launch gives the carve and its alignment slack");
 
 struct Smem {
     vec16* ring;    // GEMV weight ring (MK_STAGES > 0), first: 128-byte aligned
-    bf16_t* xs;      // [MK_NT][MK_XLD] staged GEMV input (a window of MK_XW values when K > MK_XW)
+    bf16_t* xs;     // [MK_NT][MK_XLD] staged GEMV input (a window of MK_XW values when K > MK_XW)
     float* part;    // GEMV partials; scratch of the DeltaNet and attention phases
     float* rowval;  // GEMV row values of one round
     float* red;     // block reductions
 };
 __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
     const unsigned off = (unsigned)__cvta_generic_to_shared(base);
-    base += (SMEM_ALIGN - (off & (SMEM_ALIGN - 1))) & (SMEM_ALIGN - 1);
+    base += (MK_SMEM_ALIGN - (off & (MK_SMEM_ALIGN - 1))) & (MK_SMEM_ALIGN - 1);
     Smem s;
     s.ring = (vec16*)base;
-    s.xs = (bf16_t*)(base + RING_BYTES);
-    s.part = (float*)(base + RING_BYTES + XS_BYTES);
-    s.rowval = s.part + PART_FLOATS;
-    s.red = s.rowval + PART_FLOATS;
+    s.xs = (bf16_t*)(base + MK_SMEM_XS);
+    s.part = (float*)(base + MK_SMEM_PART);
+    s.rowval = (float*)(base + MK_SMEM_ROWVAL);
+    s.red = (float*)(base + MK_SMEM_RED);
     return s;
 }
 
@@ -58,7 +58,7 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 // in the prologue), placed so that token t's output reaches no raw row of a token >= t; a block barrier between
 // tokens keeps the earlier tokens' rows until they are read. Where they do not fit (T = 8 on the 27B shapes), and
 // for the MTP fc's halves, the pass reloads from L2.
-#define RMS_SPAN_BYTES (XS_BYTES + 2 * PART_FLOATS * 4)
+#define RMS_SPAN_BYTES (MK_SMEM_RED - MK_SMEM_XS)
 __host__ __device__ constexpr bool rms_staged_fits(int e) {  // e: bytes per raw value
     const long long row = (long long)MK_H * e, base = (RMS_SPAN_BYTES - MK_NT * row) / 16 * 16;
     if (base < 0) return false;
@@ -302,6 +302,8 @@ __device__ __forceinline__ GemvDesc desc_gate_up(const Tables& tb, int l) {  // 
 }
 
 // ---- epilogues ----------------------------------------------------------------------------------
+// Keep-states launches record the DeltaNet state after every token but the last (the plan's history entries).
+static_assert(MK_HIST_ENTRIES == MK_NT - 1, "history entries");
 #define EPI_DN_IN 0     // DeltaNet projections: conv + SiLU (updating the window), z, beta, g
 #define EPI_STORE 1     // out[t * ld_out + r] = bf16(v)
 #define EPI_RESIDUAL 2  // h[t][r] = src[t][r] + v (bf16 builds: bf16(src + bf16(v))); src: h or the embedding rows
@@ -320,7 +322,7 @@ struct Epi {
     float* gdecay;
     const bf16_t* convw;  // [C][kernel]
     bf16_t* conv_state;   // [C][kernel - 1], oldest first
-    bf16_t* hist_conv;    // keep-states launches: [MK_NT - 1][C][kernel - 1], the window after each token but the last
+    bf16_t* hist_conv;    // keep-states launches: [MK_HIST_ENTRIES][C][kernel - 1], the window after each token but the last
     const float* neg_a;   // -exp(A_log)
     const float* dt_bias;
     float* logits;  // EPI_LM_HEAD
@@ -482,7 +484,9 @@ __device__ __forceinline__ float warp_load_sumsq(const bf16_t* src, float (&x)[P
 #define DN_RG (MK_THREADS / DN_SW)
 #define DN_RPT ((MK_DK + DN_RG - 1) / DN_RG)
 #define DN_KPL ((MK_DK + 31) / 32)  // q / k values per lane in the l2 norm
-static_assert(2 * MK_NT * MK_DK + MK_THREADS + DN_SW + MK_NT * DN_SW + 2 * MK_NT <= PART_FLOATS,
+// The plan sizes the scratch (MK_DN_SCRATCH_FLOATS) as phase_dn_rec lays it out, within the partial sums.
+static_assert(MK_DN_SCRATCH_FLOATS == 2 * MK_NT * MK_DK + MK_THREADS + DN_SW + MK_NT * DN_SW + 2 * MK_NT &&
+                  MK_DN_SCRATCH_FLOATS <= PART_FLOATS,
               "DeltaNet scratch exceeds shared memory");
 
 // Work items of the recurrence; blocks [items, grid) have none.
@@ -616,12 +620,14 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
 static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
-// The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS).
-static_assert(2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD <= 2 * PART_FLOATS,
+// The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
+// (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
+static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD &&
+                  MK_ATT_SCRATCH_FLOATS <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
-
-// Chunks of a pair that the merge holds: its factors and its denominator in the scratch (att_merge).
-#define MK_ATT_MERGE_CHUNKS (2 * PART_FLOATS - 1)
+// Chunks of a pair that the merge holds (the plan's limit, which the host checks first): its factors and its
+// denominator in the scratch (att_merge).
+static_assert(MK_ATT_MERGE_CHUNKS >= 1 && MK_ATT_MERGE_CHUNKS + 1 <= 2 * PART_FLOATS, "the merge's scratch");
 
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
 // out[0..HD) (fp32 holding bf16 values).
@@ -960,7 +966,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         // Arrival: the last of the nch items of this (key/value head, pass) merges its pairs over all chunks.
         __threadfence();
         __syncthreads();
-        u64* arrivals = tb.sync + 1 + kvh * MK_GQ_PAIRS + pass;
+        u64* arrivals = tb.sync + MK_SYNC_ARRIVALS + kvh * MK_GQ_PAIRS + pass;
         if (tid == 0) {
             const u64 prev = atomicAdd(arrivals, 1ull);
             *s_last = (prev == (u64)(nch - 1));

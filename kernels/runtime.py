@@ -18,7 +18,7 @@ import torch
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
 from onestream.worker.state import DeltaNetHistory
 
-from .build import BuiltModule, KernelSpec, Tuning, compile_module
+from .build import BuiltModule, compile_module
 from .layout import (
     CTRL_FLAG_ACCEPT,
     CTRL_FLAG_FEEDBACK,
@@ -29,12 +29,13 @@ from .layout import (
     MAX_TOKENS_PER_LAUNCH,
     MODE_MAIN,
     MODE_MTP,
-    TIMING_FIELDS,
     G,
     KernelErrorCode,
     L,
     ctrl_slots,
 )
+from .plan import KernelPlan
+from .tuning import Tuning
 
 DEFAULT_TIMEOUT_S = 2.0
 UPLOAD_RING = 32  # pinned control-block uploads in flight before one is reused (launches do not sync)
@@ -56,9 +57,9 @@ class StepResult:
 
 @dataclass
 class _Build:
-    """The kernels compiled for one number of tokens per launch, and that build's barrier/ticket counters."""
+    """The kernels compiled for one number of tokens per launch, and that build's counters (plan.sync)."""
 
-    spec: KernelSpec
+    plan: KernelPlan
     built: BuiltModule
     sync: torch.Tensor
 
@@ -70,7 +71,8 @@ def _ptr(t: torch.Tensor | None) -> int:
 class MegakernelRunner:
     """The megakernel for one model on one GPU: builds per tokens-per-launch (compiled on first use), the
     parameter tables, the scratch buffers they share, and the launches: main-model steps of 1..8 tokens
-    (decode, verify with recorded DeltaNet states and greedy acceptance) and MTP head steps."""
+    (decode, verify with recorded DeltaNet states and greedy acceptance) and MTP head steps. The test hooks and
+    the timing read-back are kernels/diagnostics.py's `DiagnosticRunner`."""
 
     def __init__(
         self,
@@ -98,9 +100,9 @@ class MegakernelRunner:
         self._builds: dict[int, _Build] = {}
         # The default build now: shape and resource errors surface here.
         first = self._build(tokens_per_launch)
-        self.spec, self.built, self.sync = first.spec, first.built, first.sync
-        self.threads = self.spec.tuning.threads
-        self.smem = self.spec.smem_bytes
+        self.plan, self.built, self.sync = first.plan, first.built, first.sync
+        self.threads = self.plan.tuning.threads
+        self.smem = self.plan.smem_bytes
         self.grid = self.props.multi_processor_count  # one block per SM: the kernel's work split assumes it
         self._params = self._small_params()
         self.buf = self._scratch()
@@ -118,18 +120,12 @@ class MegakernelRunner:
         self._hist: torch.Tensor | None = None
         self._att_part: torch.Tensor | None = None  # flash-decoding partials, sized by the largest cache
         self._att_part_chunks = 0
-        # Keep-states launches record DeltaNet states here (entry j: after token j, for every token but the last); the
-        # DeltaNetHistory handed to the state views these buffers until the next keep-states launch.
+        # Keep-states launches record DeltaNet states here (plan.history_entries per launch: entry j is the state
+        # after token j); the DeltaNetHistory handed to the state views these buffers until the next such launch.
         self._hist_conv: dict[int, torch.Tensor] = {}
         self._hist_rec: dict[int, torch.Tensor] = {}
         self._hist_owner: Any = None  # weak reference to the state last given a history in these buffers
-        # Debug builds (Tuning.phase_timing): per (phase of the step, block) stamps, ns (layout.TIMING_FIELDS).
-        self._timing: torch.Tensor | None = None
-        if self.spec.tuning.phase_timing:
-            steps = 5 * self.config.num_hidden_layers + 2  # and one more row: each block's SM
-            self._timing = torch.zeros(
-                (steps + 1, self.grid, TIMING_FIELDS), dtype=torch.int64, device=self.device
-            )
+        self._timing: torch.Tensor | None = None  # per-block stamps of timing builds (DiagnosticRunner)
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -138,43 +134,39 @@ class MegakernelRunner:
         build = self._builds.get(n_tokens)
         if build is not None:
             return build
-        spec = KernelSpec(
+        plan = KernelPlan(
             self.config, self.props.multi_processor_count, n_tokens, self.tuning, smem_limit=self.smem_limit
         )
-        if spec.smem_bytes > spec.smem_limit:
+        if plan.smem_bytes > plan.smem_limit:
             raise MegakernelError(
-                f"the kernel needs {spec.smem_bytes} bytes of shared memory per block for {n_tokens} token(s) "
-                f"per launch; {self.props.name} allows {spec.smem_limit}"
+                f"the kernel needs {plan.smem_bytes} bytes of shared memory per block for {n_tokens} token(s) "
+                f"per launch; {self.props.name} allows {plan.smem_limit}"
             )
         with torch.cuda.device(self.device):
-            built = compile_module(spec)
-        self._check_resident(built, spec)
-        # Barrier counter, attention arrival counters (one per key/value head and pass, at most its query heads x
-        # tokens passes: heads x tokens in all).
-        c = self.config
-        n_sync = 1 + c.num_attention_heads * n_tokens
-        sync = torch.zeros(n_sync, dtype=torch.int64, device=self.device)
-        build = self._builds[n_tokens] = _Build(spec, built, sync)
+            built = compile_module(plan)
+        self._check_resident(built, plan)
+        sync = torch.zeros(plan.sync.count, dtype=torch.int64, device=self.device)
+        build = self._builds[n_tokens] = _Build(plan, built, sync)
         return build
 
     def prepare(self, n_tokens: int) -> None:
         """Build the kernels for `n_tokens` tokens per launch now rather than at their first launch."""
         self._build(n_tokens)
 
-    def _check_resident(self, built: BuiltModule, spec: KernelSpec) -> None:
+    def _check_resident(self, built: BuiltModule, plan: KernelPlan) -> None:
         import cupy
 
         for name in ("mk_decode", "mk_phase"):
-            built.kernel(name).max_dynamic_shared_size_bytes = spec.smem_bytes
+            built.kernel(name).max_dynamic_shared_size_bytes = plan.smem_bytes
         kernel = built.kernel("mk_decode")
-        threads = spec.tuning.threads
+        threads = plan.tuning.threads
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.kernel.ptr, threads, spec.smem_bytes
+            kernel.kernel.ptr, threads, plan.smem_bytes
         )
         if per_sm < 1:
             raise MegakernelError(
                 f"mk_decode cannot be resident: {threads} threads x {kernel.num_regs} registers and "
-                f"{spec.smem_bytes} bytes of shared memory per block exceed one SM"
+                f"{plan.smem_bytes} bytes of shared memory per block exceed one SM"
             )
 
     def _small_params(self) -> dict[str, torch.Tensor]:
@@ -214,7 +206,7 @@ class MegakernelRunner:
         bf, f32 = torch.bfloat16, torch.float32
         att_in_rows = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         shapes = {
-            "h": ((nt, c.hidden_size), f32 if self.spec.tuning.fp32_act else bf),  # the residual stream
+            "h": ((nt, c.hidden_size), f32 if self.plan.tuning.fp32_act else bf),  # the residual stream
             "xbuf": ((nt, c.linear_qkv_dim), bf),
             "zbuf": ((nt, c.linear_value_dim), bf),
             "beta": ((nt, c.linear_num_value_heads), f32),
@@ -244,20 +236,20 @@ class MegakernelRunner:
         launch) to hold `needed` positions, and make room to record `keep_tokens` tokens' DeltaNet states.
         Every cache keeps its own capacity (its per-head stride in the layer table). `tokens`: the launch's
         tokens, whose build must hold the attention chunks of `needed` positions."""
-        spec = self._build(tokens).spec
-        if spec.att_chunks(needed) > spec.att_merge_chunks:
+        plan = self._build(tokens).plan
+        if plan.att_chunks(needed) > plan.att_merge_chunks:
             raise ContextLengthError(
-                f"megakernel: {needed} positions need {spec.att_chunks(needed)} attention chunks; the "
-                f"{tokens}-token build merges at most {spec.att_merge_chunks} "
-                f"({spec.att_merge_chunks * spec.tuning.att_chunk} positions)"
+                f"megakernel: {needed} positions need {plan.att_chunks(needed)} attention chunks; the "
+                f"{tokens}-token build merges at most {plan.att_merge_chunks} "
+                f"({plan.att_merge_chunks * plan.tuning.att_chunk} positions)"
             )
         caches = self._caches(state)
         main = [state.kv[i] for i in self.config.full_attention_layers]
         for cache in [state.mtp_kv] if mtp else main:
             cache.reserve(needed)
-        self._reserve_history(keep_tokens)
+        self._reserve_history(self._build(keep_tokens).plan.history_entries if keep_tokens else 0)
         capacity = max((cache.capacity for cache in caches), default=state.max_len)
-        chunks = self.spec.att_chunks(capacity)
+        chunks = plan.att_chunks(capacity)
         if self._att_part_chunks < chunks:
             self._att_part_chunks = chunks
             c = self.config
@@ -281,8 +273,7 @@ class MegakernelRunner:
         self._write_tables(state, caches)
         self._bound = key
 
-    def _reserve_history(self, n_tokens: int) -> None:
-        entries = n_tokens - 1  # the state after the last token is the live state
+    def _reserve_history(self, entries: int) -> None:
         if not self.config.linear_attention_layers or entries <= 0:
             return
         have = next(iter(self._hist_rec.values())).shape[0] if self._hist_rec else 0
@@ -398,7 +389,7 @@ class MegakernelRunner:
                 (self.grid,),
                 (self.threads,),
                 args,
-                shared_mem=build.spec.smem_bytes if smem is None else smem,
+                shared_mem=build.plan.smem_bytes if smem is None else smem,
             )
 
     def _table_args(self, build: _Build) -> tuple:
@@ -503,12 +494,13 @@ class MegakernelRunner:
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], tokens, accepted, inputs)
 
     def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory | None:
-        if n_tokens < 2:
+        entries = self._build(n_tokens).plan.history_entries
+        if entries < 1:
             return None  # nothing to roll back to: the only position after the first token is the live one
         history = DeltaNetHistory(
             start + 1,
-            {i: t[: n_tokens - 1] for i, t in self._hist_conv.items()},
-            {i: t[: n_tokens - 1] for i, t in self._hist_rec.items()},
+            {i: t[:entries] for i, t in self._hist_conv.items()},
+            {i: t[:entries] for i, t in self._hist_rec.items()},
         )
         self._hist_owner = weakref.ref(state)
         return history
@@ -556,77 +548,6 @@ class MegakernelRunner:
         state.advance(torch.tensor([first_token, *generated[:-1]], dtype=torch.int64, device=state.device))
         state.history = None
         return generated
-
-    def run_phase(self, phase: int, layer: int, state: Any, pos: int, tokens: list[int]) -> None:
-        """Launch one phase alone (the per-phase tests); raises on a kernel-reported error."""
-        self.bind(state, pos + self.tokens_per_launch, tokens=self.tokens_per_launch)
-        self._set_ctrl(pos, tokens)
-        self._launch("mk_phase", self.tokens_per_launch, (np.int32(phase), np.int32(layer)))
-        self._check(self.ctrl.cpu())
-
-    def barrier_test(self, rounds: int, skip_block: int, timeout_s: float) -> tuple[int, list[int]]:
-        """Run the barrier alone; returns (error code, arrivals per round)."""
-        arrivals = torch.zeros(rounds, dtype=torch.int32, device=self.device)
-        self.reset()
-        self._launch_raw(
-            self._build(self.tokens_per_launch),
-            "mk_barrier_test",
-            (
-                np.uint64(_ptr(self.ctrl)),
-                np.uint64(_ptr(self.sync)),
-                np.uint64(_ptr(arrivals)),
-                np.int32(rounds),
-                np.int32(skip_block),
-                np.int64(int(timeout_s * 1e9)),
-            ),
-            smem=0,
-        )
-        ctrl = self.ctrl.cpu()
-        code = int(ctrl[self.ctrl_slots["CTRL_ERR"]])
-        self.reset()
-        return code, [int(x) for x in arrivals.cpu()]
-
-    def phase_stamps(self) -> np.ndarray:
-        """The last launch's per-phase stamps, [phases of a step, grid, (start, end)] in ns (timing builds)."""
-        return self._stamps()[:, :, :2].copy()
-
-    def gemv_stamps(self) -> np.ndarray:
-        """The last launch's GEMV stamps, [phases of a step, grid, (stream start, last round's stream end)] in ns;
-        0 where the block ran no GEMV in the phase (timing builds)."""
-        return self._stamps()[:, :, 2:].copy()
-
-    def _stamps(self) -> np.ndarray:
-        if self._timing is None:
-            raise MegakernelError("phase stamps need a runner built with Tuning(phase_timing=True)")
-        torch.cuda.synchronize(self.device)
-        return self._timing[:-1].cpu().numpy()
-
-    def block_sms(self) -> np.ndarray:
-        """The SM each block of the last launch ran on, [grid] (timing builds)."""
-        if self._timing is None:
-            raise MegakernelError("block SM ids need a runner built with Tuning(phase_timing=True)")
-        torch.cuda.synchronize(self.device)
-        return self._timing[-1, :, 0].cpu().numpy()
-
-    def describe(self, n_tokens: int | None = None) -> dict[str, Any]:
-        """The build for `n_tokens` tokens per launch (default: the runner's): grid, shared memory, ring, registers."""
-        build = self._build(self.tokens_per_launch if n_tokens is None else n_tokens)
-        spec = build.spec
-        return {
-            "tokens_per_launch": spec.tokens_per_launch,
-            "grid": self.grid,
-            "threads": spec.tuning.threads,
-            "smem_bytes": spec.smem_bytes,
-            "compile_s": round(build.built.compile_s, 2),
-            "dn_split": spec.dn_split,
-            "stages": spec.stages,
-            "part_rows": spec.part_rows,
-            "window": spec.window,
-            "fp32_act": spec.tuning.fp32_act,
-            "mma": spec.tuning.mma,
-            "smem_limit": spec.smem_limit,
-            **build.built.resources("mk_decode"),
-        }
 
 
 def _smem_optin(props: Any, device: torch.device) -> int:

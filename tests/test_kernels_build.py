@@ -8,22 +8,20 @@ import re
 import numpy as np
 import pytest
 import torch
-from onestream.kernels.build import (
-    AUTO_STAGES,
-    FP32_ACT_ENV,
-    GEMV_ENV,
-    SMEM_OVER_BREAKS,
-    SMEM_PREFER,
-    KernelSpec,
-    Tuning,
-    assemble_source,
-    dn_split,
-    gemv_chunks,
-    ptxas_report,
-    tuning_from_env,
+from onestream.kernels.build import assemble_source, ptxas_report
+from onestream.kernels.layout import (
+    LAYER_FULL,
+    LAYER_LINEAR,
+    MAX_TOKENS_PER_LAUNCH,
+    MODE_MTP,
+    G,
+    L,
+    Phase,
+    ctrl_slots,
+    preamble_defines,
 )
-from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH, G, L, Phase, ctrl_slots, preamble_defines
 from onestream.kernels.phase_timing import (
+    PHASE_NAMES,
     attention_items,
     deltanet_items,
     format_breakdown,
@@ -32,15 +30,28 @@ from onestream.kernels.phase_timing import (
     step_phases,
     summarise,
 )
+from onestream.kernels.plan import (
+    AUTO_STAGES,
+    FINAL_PHASES,
+    LAYER_PHASES,
+    LAYER_STEPS,
+    SMEM_OVER_BREAKS,
+    WEIGHT_KINDS,
+    KernelPlan,
+    WeightFormat,
+    dn_split,
+    gemv_chunks,
+)
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+from onestream.kernels.tuning import FP32_ACT_ENV, GEMV_ENV, SMEM_PREFER, Tuning, tuning_from_env
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.testing import tiny_config
 
 
 def test_assembled_source_is_self_contained_and_carries_the_shapes() -> None:
-    spec = KernelSpec(config_27b(), num_sms=132)
+    spec = KernelPlan(config_27b(), num_sms=132)
     src = assemble_source(spec)
     assert not re.search(r'^\s*#\s*include\s+"', src, re.M)  # headers inlined: the cache key sees every line
     assert "#pragma once" not in src
@@ -80,26 +91,26 @@ def test_deltanet_split_fills_the_grid_with_block_sized_slices() -> None:
 def test_unsupported_shapes_are_named(overrides: dict, message: str) -> None:
     config = tiny_config(**overrides)
     with pytest.raises(UnsupportedModelError, match=message):
-        KernelSpec(config, num_sms=132)
+        KernelPlan(config, num_sms=132)
 
 
 def test_tokens_per_launch_is_bounded() -> None:
     with pytest.raises(UnsupportedModelError, match="tokens per launch"):
-        KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=9)
-    assert KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=8).defines()["MK_NT"] == 8
+        KernelPlan(tiny_config(), num_sms=132, tokens_per_launch=9)
+    assert KernelPlan(tiny_config(), num_sms=132, tokens_per_launch=8).defines()["MK_NT"] == 8
 
 
 def test_shared_memory_of_one_token_fits_ampere_and_hopper() -> None:
-    spec = KernelSpec(config_27b(), num_sms=132)
+    spec = KernelPlan(config_27b(), num_sms=132)
     assert spec.smem_bytes <= 99 * 1024  # the sm_86 per-block limit (sm_90: 227 KB)
     # Several tokens per launch stage several activation rows: it grows with T.
-    assert KernelSpec(config_27b(), num_sms=132, tokens_per_launch=2).smem_bytes > spec.smem_bytes
+    assert KernelPlan(config_27b(), num_sms=132, tokens_per_launch=2).smem_bytes > spec.smem_bytes
 
 
 def test_more_tokens_per_launch_fit_by_narrowing_partials_and_the_staged_window() -> None:
     hopper = 227 * 1024
     specs = [
-        KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        KernelPlan(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
         for t in range(1, MAX_TOKENS_PER_LAUNCH + 1)
     ]
     one = specs[0]
@@ -111,7 +122,7 @@ def test_more_tokens_per_launch_fit_by_narrowing_partials_and_the_staged_window(
     assert specs[3].stages == AUTO_STAGES and specs[3].window < one.window  # T = 4: the full ring, a window
     # A small model keeps the full ring and its whole inputs at every T.
     for t in range(1, MAX_TOKENS_PER_LAUNCH + 1):
-        small = KernelSpec(tiny_config(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        small = KernelPlan(tiny_config(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
         assert small.stages == AUTO_STAGES and small.smem_bytes <= hopper
         c = small.config
         assert small.window >= max(2 * c.hidden_size, c.intermediate_size, c.linear_value_dim)
@@ -199,23 +210,23 @@ def test_bench_variants_and_tuning_overrides_parse(capsys: pytest.CaptureFixture
 
 
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:
-    ampere = KernelSpec(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
+    ampere = KernelPlan(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
     # Without the L1 preference both pick the same rows and window, so the ring is the only difference.
-    hopper = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(smem_prefer=0), smem_limit=227 * 1024)
+    hopper = KernelPlan(config_27b(), num_sms=132, tuning=Tuning(smem_prefer=0), smem_limit=227 * 1024)
     assert ampere.stages == 0 and ampere.defines()["MK_STAGES"] == 0
     assert hopper.stages == AUTO_STAGES and hopper.defines()["MK_STAGES"] == AUTO_STAGES
     t = hopper.tuning
     assert hopper.smem_bytes == ampere.smem_bytes + AUTO_STAGES * t.umax * t.threads * 16 <= 227 * 1024
-    forced = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(stages=0), smem_limit=227 * 1024)
+    forced = KernelPlan(config_27b(), num_sms=132, tuning=Tuning(stages=0), smem_limit=227 * 1024)
     assert forced.stages == 0 and forced.smem_bytes == ampere.smem_bytes
 
 
 def test_activation_precision_switch_reaches_the_source() -> None:
-    assert Tuning().fp32_act and KernelSpec(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 1
-    bf16 = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=False))
+    assert Tuning().fp32_act and KernelPlan(tiny_config(), num_sms=132).defines()["MK_FP32_ACT"] == 1
+    bf16 = KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=False))
     assert bf16.defines()["MK_FP32_ACT"] == 0
     # The two precisions are different programs: the source text differs only in the switch.
-    a = assemble_source(KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=True)))
+    a = assemble_source(KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(fp32_act=True)))
     b = assemble_source(bf16)
     diff = [(x, y) for x, y in zip(a.splitlines(), b.splitlines(), strict=True) if x != y]
     assert diff == [("#define MK_FP32_ACT 1", "#define MK_FP32_ACT 0")]
@@ -239,9 +250,9 @@ def test_environment_settings_are_read_at_the_edge_not_by_tuning(monkeypatch: py
 
 def test_tensor_core_gemv_switch_checks_its_knobs_and_keeps_a_whole_item_per_round() -> None:
     hopper = 227 * 1024
-    assert KernelSpec(config_27b(), num_sms=132).defines()["MK_MMA"] == 0  # the scalar GEMV is the default
+    assert KernelPlan(config_27b(), num_sms=132).defines()["MK_MMA"] == 0  # the scalar GEMV is the default
     for t in (1, 4, 8):
-        spec = KernelSpec(
+        spec = KernelPlan(
             config_27b(), num_sms=132, tokens_per_launch=t, tuning=Tuning(mma=True), smem_limit=hopper
         )
         d = spec.defines()
@@ -255,19 +266,18 @@ def test_tensor_core_gemv_switch_checks_its_knobs_and_keeps_a_whole_item_per_rou
 
 
 def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
-    """phases.cuh sizes shared memory as SMEM_ALIGN (128: the carve starts at a 128-byte boundary) + the ring +
-    XS_BYTES (token rows of MK_XW + 32 values when MK_NT > 1) + partials and row values + RED_FLOATS (max(64, tokens x
-    warps)); the host must ask for the same."""
+    """The plan's carve: 128 bytes of alignment slack + the ring + the staged input (token rows of MK_XW + 32
+    values when MK_NT > 1) + partials and row values + the reductions (max(64, tokens x warps) floats)."""
     hopper = 227 * 1024
     for t in (1, 2, 8):
-        spec = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
+        spec = KernelPlan(config_27b(), num_sms=132, tokens_per_launch=t, smem_limit=hopper)
         pad = 32 if t > 1 else 0
         red = max(64, t * spec.tuning.threads // 32)
         ring = spec.stages * spec.tuning.umax * spec.tuning.threads * 16
         xs = -(-(t * (spec.window + pad) * 2) // 16) * 16
         assert spec.smem_bytes == 128 + ring + xs + 2 * t * spec.part_rows * 4 + red * 4
     # 10 warps x 7 tokens = 70 floats of reduction scratch, rounded to 72: the whole stays 16-byte aligned.
-    odd = KernelSpec(
+    odd = KernelPlan(
         config_27b(), num_sms=132, tokens_per_launch=7, tuning=Tuning(threads=320), smem_limit=hopper
     )
     assert odd.smem_bytes % 16 == 0
@@ -275,29 +285,20 @@ def test_several_tokens_pad_the_staged_rows_and_the_reduction_scratch() -> None:
 
 def test_too_few_partial_rows_for_a_tensor_core_item_is_an_error() -> None:
     with pytest.raises(UnsupportedModelError, match="part_rows=256"):
-        KernelSpec(config_27b(), num_sms=132, tuning=Tuning(mma=True, part_rows=256)).defines()
+        KernelPlan(config_27b(), num_sms=132, tuning=Tuning(mma=True, part_rows=256)).defines()
 
 
 def test_too_few_partial_rows_for_the_mixer_scratch_is_an_error_not_a_compile_failure() -> None:
     with pytest.raises(UnsupportedModelError, match="part_rows=256 leaves the attention / DeltaNet"):
-        KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(part_rows=256)).defines()
+        KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(part_rows=256)).defines()
 
 
 def test_the_attention_merge_holds_the_chunks_its_scratch_has_room_for() -> None:
-    spec = KernelSpec(tiny_config(), num_sms=132, tuning=Tuning(part_rows=512), tokens_per_launch=1)
+    spec = KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(part_rows=512), tokens_per_launch=1)
     assert spec.att_merge_chunks == 2 * 512 - 1  # one pair's factors and its denominator in 2 x 512 floats
     for tokens in range(1, 9):
-        default = KernelSpec(config_27b(), num_sms=132, tokens_per_launch=tokens, smem_limit=227 * 1024)
+        default = KernelPlan(config_27b(), num_sms=132, tokens_per_launch=tokens, smem_limit=227 * 1024)
         assert default.att_merge_chunks * default.tuning.att_chunk >= 262144  # Qwen3.5's whole context
-
-
-def test_step_phases_follow_the_layer_kinds() -> None:
-    config = config_27b(4)
-    names = step_phases(config)
-    assert len(names) == 5 * 4 + 2 and names[-2:] == ["lm_head", "finalize"]
-    for layer in range(4):
-        kind = names[5 * layer + 1]
-        assert kind == ("attention" if layer in config.full_attention_layers else "dn_rec")
 
 
 def test_phase_breakdown_from_stamps() -> None:
@@ -369,11 +370,11 @@ def test_attention_item_labels_follow_the_kernels_split() -> None:
     """phases.cuh gives a 4-token launch at context 64 one (query head, token) pair per item (96 items fit the 132
     blocks), a single token 24; at long context the chunks fill the grid and items take 3 pairs."""
     config = config_27b(4)
-    pairs = KernelSpec(config, 132, 4).att_pairs
+    pairs = KernelPlan(config, 132, 4).att_pairs
     four = attention_items(config, 4, 64, 132, pairs, 128)
     assert len(four) == 96 and four[:2] == ["kv0 c0 q0t0", "kv0 c0 q0t1"] and four[-1] == "kv3 c0 q5t3"
-    assert len(attention_items(config, 1, 64, 132, KernelSpec(config, 132, 1).att_pairs, 128)) == 24
-    long = attention_items(config, 1, 4000, 132, KernelSpec(config, 132, 1).att_pairs, 128)
+    assert len(attention_items(config, 1, 64, 132, KernelPlan(config, 132, 1).att_pairs, 128)) == 24
+    long = attention_items(config, 1, 4000, 132, KernelPlan(config, 132, 1).att_pairs, 128)
     assert len(long) == 4 * 32 * 2 and long[0] == "kv0 c0 q0t0,q1t0,q2t0"
     assert deltanet_items(config, 2)[:3] == ["hv0 slice0", "hv0 slice1", "hv1 slice0"]
 
@@ -406,12 +407,12 @@ def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:
     costs more than SMEM_OVER_BREAKS GEMV breaks."""
     hopper = 227 * 1024
     assert (
-        KernelSpec(config_27b(), num_sms=132, smem_limit=hopper).smem_bytes <= SMEM_PREFER
+        KernelPlan(config_27b(), num_sms=132, smem_limit=hopper).smem_bytes <= SMEM_PREFER
     )  # the default T = 1
     # A 3-stage ring at T = 1: 2048 partial-sum rows per round keep it under (one more break than 4096 rows).
-    deep = KernelSpec(config_27b(), num_sms=132, tuning=Tuning(stages=3), smem_limit=hopper)
+    deep = KernelPlan(config_27b(), num_sms=132, tuning=Tuning(stages=3), smem_limit=hopper)
     assert deep.smem_bytes <= SMEM_PREFER and deep.part_rows == 2048 and deep.window == 17408
-    unpreferred = KernelSpec(
+    unpreferred = KernelPlan(
         config_27b(), num_sms=132, tuning=Tuning(stages=3, smem_prefer=0), smem_limit=hopper
     )
     assert unpreferred.smem_bytes > SMEM_PREFER and unpreferred.part_rows == 4096
@@ -419,9 +420,84 @@ def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:
         unpreferred._breaks(unpreferred.part_rows, unpreferred.window) + SMEM_OVER_BREAKS
     )
     # Four tokens on the tensor cores: staying under would cost too many breaks, so the fit goes over.
-    mma4 = KernelSpec(
+    mma4 = KernelPlan(
         config_27b(), num_sms=132, tokens_per_launch=4, tuning=Tuning(mma=True), smem_limit=hopper
     )
     assert mma4.smem_bytes > SMEM_PREFER
     with pytest.raises(ValueError, match="smem_prefer"):
         Tuning(smem_prefer=-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_the_cuda_reads_the_plans_layout(tokens: int) -> None:
+    """The defines are the plan's numbers: the shared-memory carve (regions in order, each whole, 16-byte
+    aligned), the counters, the history length, the attention limits and the step structure."""
+    plan = KernelPlan(config_27b(), num_sms=132, tokens_per_launch=tokens, smem_limit=227 * 1024)
+    d, carve, t = plan.defines(), plan.carve, plan.tuning
+    assert d["MK_SMEM_BYTES"] == plan.smem_bytes == carve.total == 128 + carve.end
+    assert (d["MK_SMEM_XS"], d["MK_SMEM_PART"], d["MK_SMEM_ROWVAL"], d["MK_SMEM_RED"], d["MK_SMEM_END"]) == (
+        carve.xs,
+        carve.part,
+        carve.rowval,
+        carve.red,
+        carve.end,
+    )
+    assert carve.xs == plan.stages * t.umax * t.threads * 16
+    assert carve.part - carve.xs >= tokens * plan.window * 2
+    assert carve.rowval - carve.part == carve.red - carve.rowval == tokens * plan.part_rows * 4
+    assert all(offset % 16 == 0 for offset in carve)
+    c = plan.config
+    pairs = c.num_attention_heads // c.num_key_value_heads * tokens
+    assert (d["MK_SYNC_BARRIER"], d["MK_SYNC_ARRIVALS"], d["MK_SYNC_COUNT"]) == (
+        0,
+        1,
+        1 + c.num_key_value_heads * pairs,
+    )
+    assert d["MK_HIST_ENTRIES"] == plan.history_entries == tokens - 1
+    assert d["MK_ATT_MERGE_CHUNKS"] == plan.att_merge_chunks
+    att, dn = plan.scratch_floats
+    assert (d["MK_ATT_SCRATCH_FLOATS"], d["MK_DN_SCRATCH_FLOATS"]) == (att, dn)
+    assert att <= 2 * tokens * plan.part_rows and dn <= tokens * plan.part_rows
+    for kind, name in ((LAYER_LINEAR, "LINEAR"), (LAYER_FULL, "FULL")):
+        assert [d[f"MK_{name}_PHASE_{k}"] for k in range(LAYER_STEPS)] == list(LAYER_PHASES[kind])
+    assert [d[f"MK_FINAL_PHASE_{k}"] for k in range(d["MK_FINAL_STEPS"])] == list(FINAL_PHASES)
+    assert all(d[f"MK_WFMT_{kind.upper()}"] == 0 for kind in WEIGHT_KINDS)  # bf16 everywhere
+    src = assemble_source(plan)
+    for name in (
+        "MK_SMEM_BYTES",
+        "MK_SYNC_COUNT",
+        "MK_ATT_MERGE_CHUNKS",
+        "MK_HIST_ENTRIES",
+        "MK_LAYER_STEPS",
+    ):
+        assert f"#define {name} {d[name]}\n" in src
+        assert src.count(f"#define {name} ") == 1  # defined once: no second derivation in the sources
+
+
+def test_the_step_list_is_the_plans() -> None:
+    """One list of phases per launch: the kernel's step count (MK_LAYER_STEPS per layer, then the final
+    phases), the timing breakdown's names and the MTP launch all come from it."""
+    config = config_27b(8, mtp=True)
+    plan = KernelPlan(config, num_sms=132)
+    steps = plan.steps()
+    d = plan.defines()
+    assert len(steps) == d["MK_LAYER_STEPS"] * config.num_hidden_layers + d["MK_FINAL_STEPS"]
+    assert [s.phase for s in steps[-2:]] == [Phase.LM_HEAD, Phase.FINALIZE]
+    for layer in range(config.num_hidden_layers):
+        mixer = steps[LAYER_STEPS * layer + 1]
+        assert mixer.layer == layer
+        assert mixer.phase == (Phase.ATT if layer in config.full_attention_layers else Phase.DN_REC)
+    assert step_phases(config) == [PHASE_NAMES[s.phase] for s in steps]
+    mtp = plan.steps(MODE_MTP)
+    assert [s.phase for s in mtp] == [Phase.MTP_FC, *LAYER_PHASES[LAYER_FULL], *FINAL_PHASES]
+    assert all(s.layer == config.num_hidden_layers for s in mtp)
+
+
+def test_weight_formats_name_known_kinds_and_only_bf16_builds() -> None:
+    plan = KernelPlan(tiny_config(), num_sms=132, weight_formats=(("mlp_in", WeightFormat.BF16),))
+    assert (
+        plan.weight_format("mlp_in") is WeightFormat.BF16
+        and plan.weight_format("lm_head") is WeightFormat.BF16
+    )
+    with pytest.raises(UnsupportedModelError, match="unknown weight kind 'gate'"):
+        KernelPlan(tiny_config(), num_sms=132, weight_formats=(("gate", WeightFormat.BF16),))

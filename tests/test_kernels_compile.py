@@ -9,8 +9,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from onestream.kernels.build import KernelSpec, Tuning, nvcc_compile, ptxas_report
+from onestream.kernels.build import nvcc_compile, ptxas_report
+from onestream.kernels.plan import KernelPlan
 from onestream.kernels.random_model import config_27b
+from onestream.kernels.tuning import Tuning
 from onestream.worker.testing import tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -24,7 +26,7 @@ KERNELS = {"mk_decode", "mk_phase", "mk_barrier_test"}
 @pytest.mark.parametrize("shape", ["tiny", "27b"])
 def test_sources_compile(shape: str, arch: str) -> None:
     config = tiny_config() if shape == "tiny" else config_27b()
-    spec = KernelSpec(config, num_sms=SMS[arch], smem_limit=SMEM[arch])
+    spec = KernelPlan(config, num_sms=SMS[arch], smem_limit=SMEM[arch])
     report = ptxas_report(nvcc_compile(spec, arch))
     assert report.keys() >= KERNELS, report
     for name in KERNELS:
@@ -46,7 +48,7 @@ def test_sources_compile(shape: str, arch: str) -> None:
 def test_shipped_switches_compile(tuning: Tuning, arch: str) -> None:
     """The switches a shipped build sets (the bench's timing build, the bf16 numerics, the tensor-core GEMV with
     its weight ring on sm_90 and its register path on sm_86) build for the 27B shapes."""
-    spec = KernelSpec(config_27b(), num_sms=SMS[arch], tuning=tuning, smem_limit=SMEM[arch])
+    spec = KernelPlan(config_27b(), num_sms=SMS[arch], tuning=tuning, smem_limit=SMEM[arch])
     report = ptxas_report(nvcc_compile(spec, arch))
     assert report["mk_decode"]["registers"] * spec.tuning.threads <= 65536, report["mk_decode"]
     print(f"\n{tuning} {arch}: stages {spec.stages} {report['mk_decode']}")

@@ -23,11 +23,12 @@ HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and cupy")]
 
 if HAS_GPU:
-    from onestream.kernels.build import Tuning
+    from onestream.kernels.diagnostics import DiagnosticRunner
     from onestream.kernels.layout import KernelErrorCode, Phase
     from onestream.kernels.phase_timing import format_breakdown, step_phases, summarise
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+    from onestream.kernels.tuning import Tuning
     from onestream.worker.errors import ContextLengthError
     from onestream.worker.layers.deltanet import prepare_qk, recurrent_delta_step
     from onestream.worker.testing import tiny_config
@@ -47,7 +48,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def setup(request):
     config = tiny_config() if request.param == "tiny" else config_27b(4)
     model = random_model(config, seed=1234)
-    runner = MegakernelRunner(model)
+    runner = DiagnosticRunner(model)
     print(f"\n[{request.param}] runner: {runner.describe()}")
     yield request.param, model, runner
     del runner, model
@@ -231,7 +232,7 @@ def test_full_steps_match_forward_step_after_prefill(setup, numerics):
     name, model, runner = setup
     fp32_act = numerics != "bf16 activations"
     if fp32_act:
-        assert runner.spec.tuning.fp32_act
+        assert runner.plan.tuning.fp32_act
         ref32_model = copy.deepcopy(model).float()
     else:
         runner = MegakernelRunner(model, tuning=Tuning(fp32_act=False))
@@ -350,7 +351,7 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
     first = torch.randint(0, c.vocab_size, (1,), device="cuda")
     others = {
         "register buffers": MegakernelRunner(model, tuning=Tuning(stages=0)),
-        "timing": MegakernelRunner(model, tuning=Tuning(phase_timing=True)),
+        "timing": DiagnosticRunner(model, tuning=Tuning(phase_timing=True)),
         # Many GEMV rounds and passes (27B shapes: 6 lm_head rounds, 5 passes over the MLP down projection's
         # input), no idle-block prefetch: the weight stream runs on across every break.
         "many rounds and passes": MegakernelRunner(
@@ -377,7 +378,7 @@ def test_kernel_variants_agree_bit_for_bit_and_timing_stamps_cover_every_phase(s
     assert (stamps[:, :, 1] >= gemv[:, :, 1])[ran].all()
     rows = summarise(stamps, names, gemv)
     assert all((r.stream_us is not None) == (r.name in _STREAMING) for r in rows)
-    print(f"\n[{name}] runner stages {runner.spec.stages}; one step:\n{format_breakdown(rows)}")
+    print(f"\n[{name}] runner stages {runner.plan.stages}; one step:\n{format_breakdown(rows)}")
     assert sum(r.count for r in rows) == len(names)
 
 
@@ -387,7 +388,7 @@ def test_tensor_core_and_scalar_gemv_agree(setup):
     logits stay within bf16 rounding of the scalar build's over 3 chained steps, and its ring, register and
     many-breaks builds agree bit for bit, as the scalar path's do."""
     name, model, runner = setup
-    assert not runner.spec.tuning.mma
+    assert not runner.plan.tuning.mma
     c = model.config
     prompt = torch.randint(0, c.vocab_size, (19,), device="cuda")
     base = model.new_state(64)
@@ -424,7 +425,7 @@ def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
     the next is refused before it launches, and the state is unchanged."""
     model = random_model(tiny_config(), seed=21)
     runner = MegakernelRunner(model, tuning=Tuning(part_rows=512, fp32_act=False))  # bf16, like the reference
-    spec = runner._build(1).spec
+    spec = runner._build(1).plan
     limit = spec.att_merge_chunks * spec.tuning.att_chunk
     assert spec.att_merge_chunks == 1023
     state = model.new_state(limit + 8)
@@ -460,7 +461,7 @@ def test_embedded_model_teacher_forced_kld_and_greedy_decode():
 
     path = _embedded_model_dir()
     model = load_model(path, dtype=BF16, device="cuda")
-    runner = MegakernelRunner(model)
+    runner = DiagnosticRunner(model)
     text = (
         "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
         * 6

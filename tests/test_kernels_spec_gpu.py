@@ -19,9 +19,9 @@ HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and cupy")]
 
 if HAS_GPU:
-    from onestream.kernels.build import Tuning
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.runtime import MegakernelError, MegakernelRunner
+    from onestream.kernels.tuning import Tuning
     from onestream.worker.errors import StateError
     from onestream.worker.testing import tiny_config
 

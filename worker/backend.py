@@ -205,7 +205,7 @@ def create_backend(
         return ReferenceBackend(loaded)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
-        from onestream.kernels.build import tuning_from_env  # type: ignore[import-not-found]
+        from onestream.kernels.tuning import tuning_from_env  # type: ignore[import-not-found]
 
         return MegakernelBackend(loaded, tuning=tuning_from_env())  # the operator's $ONESTREAM_MK_* settings
     except Exception as e:  # auto falls back on any build failure, and says why

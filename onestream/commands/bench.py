@@ -72,8 +72,8 @@ def run_decode(args: argparse.Namespace) -> int:
         print("onestream bench decode: needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2
     from onestream.kernels.benchmark import as_json, bench_model, format_results, measure_ceilings
-    from onestream.kernels.build import tuning_from_env
     from onestream.kernels.random_model import config_27b
+    from onestream.kernels.tuning import tuning_from_env
 
     try:
         default = tuning_from_env()  # the build a card would run here ($ONESTREAM_MK_*)
@@ -190,7 +190,7 @@ def _drafts_per_cycle(text: str) -> int:
 def tuning_changes(text: str) -> dict[str, Any]:
     """The Tuning fields named in "key=value,key=value" (ints; booleans as 0/1/true/false), checked by building a
     Tuning from the defaults with them."""
-    from onestream.kernels.build import Tuning
+    from onestream.kernels.tuning import Tuning
 
     types = {f.name: f.type for f in dataclasses.fields(Tuning)}
     changes: dict[str, Any] = {}
@@ -222,7 +222,7 @@ _OWN_BUILDS = ("default", "tensor-core GEMV", "phase timing")
 
 
 def _variant(text: str) -> tuple[str, Any]:
-    from onestream.kernels.build import Tuning
+    from onestream.kernels.tuning import Tuning
 
     label, sep, fields = text.partition(":")
     label = label.strip()
@@ -332,7 +332,7 @@ def run_spec(args: argparse.Namespace) -> int:
     print(bs.format_report(result), flush=True)
     if not args.skip_27b:
         tokens = sorted({1, *args.tokens})
-        from onestream.kernels.build import tuning_from_env
+        from onestream.kernels.tuning import tuning_from_env
 
         gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
         if args.phase_timing:

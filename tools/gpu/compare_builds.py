@@ -35,12 +35,17 @@ REPO = Path(__file__).resolve().parents[2]
 ARCHS = {"sm_90": (132, 227 * 1024), "sm_86": (82, 99 * 1024)}  # SMs, opt-in shared memory per block
 PACKAGE_PARTS = ("kernels", "worker", "cluster", "protos")
 
-# Run inside each tree's package: writes <name>.cu for every build into argv[1] and prints the names as JSON. It
-# uses only names both the old and the new kernels/build.py have (KernelSpec, Tuning, assemble_source).
+# Run inside each tree's package: writes <name>.cu for every build into argv[1] and prints the names as JSON.
+# Trees from before kernels/plan.py have KernelSpec and Tuning in kernels/build.py.
 EMIT = r"""
 import json, sys
 from pathlib import Path
-from onestream.kernels.build import KernelSpec, Tuning, assemble_source
+from onestream.kernels.build import assemble_source
+try:
+    from onestream.kernels.plan import KernelPlan as KernelSpec
+    from onestream.kernels.tuning import Tuning
+except ImportError:
+    from onestream.kernels.build import KernelSpec, Tuning
 from onestream.kernels.random_model import config_27b
 from onestream.worker.config import ModelConfig
 

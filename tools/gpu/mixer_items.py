@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-from onestream.kernels.build import KernelSpec
 from onestream.kernels.phase_timing import (
     attention_items,
     deltanet_items,
@@ -20,6 +19,7 @@ from onestream.kernels.phase_timing import (
     item_times,
     step_phases,
 )
+from onestream.kernels.plan import KernelPlan
 from timing_launches import CONTEXT, timed_launches  # this folder (the script's directory is on sys.path)
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     config, runner = run.config, run.runner
     names = step_phases(config)
     spec = runner.describe(tokens)
-    att_pairs = KernelSpec(config, runner.grid, tokens, runner.tuning).att_pairs  # per item at most
+    att_pairs = KernelPlan(config, runner.grid, tokens, runner.tuning).att_pairs  # per item at most
     print(f"T={tokens}, {gemv} GEMV, {layers} layers, context {CONTEXT}, {launches} launches; build {spec}")
     labels = attention_items(config, tokens, CONTEXT, runner.grid, att_pairs, runner.tuning.att_chunk)
     print(format_item_times(item_times(run.stamps, names, "attention", labels), "attention"))

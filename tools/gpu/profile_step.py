@@ -11,9 +11,9 @@ import sys
 
 import torch
 from onestream.kernels.benchmark import prefilled
-from onestream.kernels.build import Tuning
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelRunner
+from onestream.kernels.tuning import Tuning
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 from onestream.kernels.benchmark import prefilled
-from onestream.kernels.build import Tuning
+from onestream.kernels.diagnostics import DiagnosticRunner
 from onestream.kernels.random_model import config_27b, random_model
-from onestream.kernels.runtime import MegakernelRunner
+from onestream.kernels.tuning import Tuning
 from onestream.worker.config import ModelConfig
 
 CONTEXT = 64
@@ -24,7 +24,7 @@ WARMUP = 2
 @dataclass
 class TimedLaunches:
     config: ModelConfig
-    runner: Any  # MegakernelRunner
+    runner: Any  # DiagnosticRunner
     stamps: list[np.ndarray]  # per launch: [steps, blocks, (start, end)] ns
     sms: list[np.ndarray]  # per launch: the SM of each block
 
@@ -32,7 +32,7 @@ class TimedLaunches:
 def timed_launches(layers: int, gemv: str, tokens: int, launches: int) -> TimedLaunches:
     config = config_27b(layers)
     model = random_model(config, seed=7)
-    runner = MegakernelRunner(model, tuning=Tuning(mma=gemv == "mma", phase_timing=True))
+    runner = DiagnosticRunner(model, tuning=Tuning(mma=gemv == "mma", phase_timing=True))
     runner.prepare(tokens)
     state, _, _ = prefilled(model, CONTEXT, CONTEXT + tokens + 8, seed=11)
     stamps, sms = [], []

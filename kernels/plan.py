@@ -1,0 +1,476 @@
+"""One plan per megakernel build: the host-side description that the CUDA sources, the runner and the
+timing read-back all read, so that no number is computed on both sides.
+
+`KernelPlan(config, num_sms, tokens_per_launch, tuning, smem_limit)` fits the shared memory (partial-sum rows,
+weight-ring depth, staged-input window), lays out the dynamic shared memory region by region, the counters
+(the grid barrier, the attention arrival counters) and the history buffers, lists the phases of a launch
+(`steps`), bounds the attention merge and the mixer phases' scratch, and keeps a storage format per weight
+matrix kind (bf16 only so far). `defines()` turns it into the `-D` constants the CUDA sources take; their
+static_asserts check the values against what the code relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import NamedTuple
+
+from onestream.worker.config import ModelConfig
+from onestream.worker.errors import UnsupportedModelError
+
+from .layout import (
+    LAYER_FULL,
+    LAYER_LINEAR,
+    MAX_TOKENS_PER_LAUNCH,
+    MODE_MAIN,
+    MODE_MTP,
+    Phase,
+    preamble_defines,
+)
+from .tuning import Tuning
+
+# Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB): 2 streams faster than
+# 3 at every tokens-per-launch (docs/benchmarks.md).
+AUTO_STAGES = 2
+# What going over smem_prefer costs, in GEMV breaks: a break costs about 1.1 us and the smaller L1 about
+# 0.12 ms per step.
+SMEM_OVER_BREAKS = 100
+STAGE_FALLBACKS = (AUTO_STAGES, 0)  # tried in order when shared memory is short (many tokens per launch)
+MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
+WINDOW_STEP = (
+    2048  # staged-input window widths tried: the widest input, then multiples of this (a whole chunk)
+)
+SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it split each cp.async in two
+
+# The phases of one layer by kind, and those after the last layer: the step list of every launch.
+LAYER_PHASES = {
+    LAYER_LINEAR: (Phase.DN_IN, Phase.DN_REC, Phase.DN_OUT, Phase.MLP_IN, Phase.MLP_DOWN),
+    LAYER_FULL: (Phase.ATT_IN, Phase.ATT, Phase.ATT_OUT, Phase.MLP_IN, Phase.MLP_DOWN),
+}
+LAYER_STEPS = 5
+FINAL_PHASES = (Phase.LM_HEAD, Phase.FINALIZE)
+
+
+class WeightFormat(Enum):
+    """How a weight matrix kind is stored for the GEMV (the quantized formats come with their GEMV)."""
+
+    BF16 = "bf16"
+
+
+WEIGHT_FORMAT_CODES = {WeightFormat.BF16: 0}  # MK_WFMT_<KIND> values
+# The weight matrix kinds the GEMV streams, one format each: DeltaNet in/out projections, attention in/out
+# projections, MLP gate+up and down, the lm_head, the MTP fc.
+WEIGHT_KINDS = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head", "mtp_fc")
+
+
+class Step(NamedTuple):
+    phase: Phase
+    layer: int  # layer table row (the MTP layer: num_hidden_layers); 0 for the final phases
+
+
+class SyncLayout(NamedTuple):
+    """Slots of a build's int64 counter buffer."""
+
+    barrier: int  # the grid barrier (monotonic; a multiple of the grid between launches)
+    arrivals: (
+        int  # first attention arrival counter: arrivals + kv head * (query heads per kv head x T) + pass
+    )
+    count: int  # counters in all
+
+
+class SmemCarve(NamedTuple):
+    """Byte offsets of the dynamic shared-memory regions from the aligned start (the ring is at 0)."""
+
+    xs: int  # staged GEMV input, [T][MK_XLD] bf16
+    part: int  # GEMV partial sums (T x part_rows floats); the DeltaNet scratch
+    rowval: int  # GEMV row values of a round (the same size); with part, the attention scratch
+    red: int  # block reductions
+    end: int
+    total: int  # bytes a launch must give: the alignment slack and the regions
+
+
+def launch_steps(config: ModelConfig, mode: int = MODE_MAIN) -> list[Step]:
+    """The phases of one launch, in order: a main-model step runs every layer's LAYER_STEPS phases (its kind's),
+    then the final ones; an MTP step the MTP fc, the MTP layer (a full-attention layer on table row
+    num_hidden_layers), then the final ones. megakernel.cu's `schedule` maps a step to the same pair from the
+    plan's MK_*_PHASE_* defines."""
+    if mode == MODE_MTP:
+        mtp = config.num_hidden_layers
+        return [
+            Step(Phase.MTP_FC, mtp),
+            *(Step(p, mtp) for p in LAYER_PHASES[LAYER_FULL]),
+            *(Step(p, mtp) for p in FINAL_PHASES),
+        ]
+    full = set(config.full_attention_layers)
+    out = [
+        Step(p, layer)
+        for layer in range(config.num_hidden_layers)
+        for p in LAYER_PHASES[LAYER_FULL if layer in full else LAYER_LINEAR]
+    ]
+    return out + [Step(p, 0) for p in FINAL_PHASES]
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything one build of the megakernel is laid out by: made from the model config, the tokens per launch
+    T, the tuning and the target GPU; the CUDA sources read it as defines (`defines`), and the runner, the
+    timing read-back and the shared-memory fit read the same object."""
+
+    config: ModelConfig
+    num_sms: int
+    tokens_per_launch: int = 1
+    tuning: Tuning = field(default_factory=Tuning)
+    smem_limit: int = 99 * 1024  # opt-in shared memory per block of the target GPU (sm_86 99 KB, sm_90 227)
+    # The storage format of each weight matrix kind the GEMV streams (WEIGHT_KINDS): bf16 unless named here.
+    # Only bf16 is built so far: another format is refused until its GEMV exists.
+    weight_formats: tuple[tuple[str, WeightFormat], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_supported(self.config, self.tokens_per_launch, self.tuning)
+        for kind, fmt in self.weight_formats:
+            if kind not in WEIGHT_KINDS:
+                raise UnsupportedModelError(
+                    f"megakernel: unknown weight kind {kind!r} (one of {WEIGHT_KINDS})"
+                )
+            if fmt is not WeightFormat.BF16:
+                raise UnsupportedModelError(f"megakernel: {kind} weights in {fmt.value}: only bf16 is built")
+
+    def weight_format(self, kind: str) -> WeightFormat:
+        return dict(self.weight_formats).get(kind, WeightFormat.BF16)
+
+    def steps(self, mode: int = MODE_MAIN) -> list[Step]:
+        """The phases of one launch of this build, in order (`launch_steps`)."""
+        return launch_steps(self.config, mode)
+
+    # ---- counters, history ----------------------------------------------------------------------------
+    @property
+    def sync(self) -> SyncLayout:
+        """The int64 counters of a build: the grid barrier, then one attention arrival counter per key/value
+        head and pass of its (query head, token) pairs (at most one pass per pair)."""
+        c = self.config
+        pairs = c.num_attention_heads // c.num_key_value_heads * self.tokens_per_launch
+        return SyncLayout(barrier=0, arrivals=1, count=1 + c.num_key_value_heads * pairs)
+
+    @property
+    def history_entries(self) -> int:
+        """DeltaNet states a keep-states launch records per layer: after every token but the last (the live state
+        holds that one, and the state before the first token, the pending one, is never rolled back to)."""
+        return self.tokens_per_launch - 1
+
+    @property
+    def stages(self) -> int:
+        """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
+        return self._fitted[1]
+
+    @property
+    def window(self) -> int:
+        """Input values per token staged in shared memory (MK_XW): the widest GEMV input where it fits, else
+        a narrower window that the wide phases cross in passes (results do not change)."""
+        return self._fitted[2]
+
+    @property
+    def part_rows(self) -> int:
+        """GEMV partial-sum rows per round: the tuning's, halved
+        while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
+        return self._fitted[0]
+
+    @cached_property  # every launch reads smem_bytes: the search below costs about 0.4 ms of Python
+    def _fitted(self) -> tuple[int, int, int]:
+        """(partial-sum rows, ring stages, window) that fit shared memory: the deepest ring that fits at all,
+        then the (window, rows) pair whose GEMV phases break least often into rounds and passes (each break
+        waits for the whole block, and a pass break re-stages the input), widest window first on ties; a fit above
+        Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
+        top = self.tuning.part_rows
+        options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
+        windows = self._windows()
+        least = self._least_part_rows()
+        if top < least:
+            raise UnsupportedModelError(
+                f"megakernel: part_rows={top} leaves a GEMV round less than one {gemv_item_rows(self.tuning)}-row "
+                f"item of the widest input; it needs at least {least}"
+            )
+        for stages in options:
+            fits = []
+            for window in windows:
+                rows = top
+                while rows >= least:
+                    smem = self._carve(rows, stages, window).total
+                    if self._scratch_fits(rows) and smem <= self.smem_limit:
+                        over = smem > self.tuning.smem_prefer
+                        score = self._breaks(rows, window) + (SMEM_OVER_BREAKS if over else 0)
+                        fits.append((score, -window, -rows))
+                    rows //= 2
+            if fits:
+                _, window, rows = min(fits)
+                return -rows, stages, -window
+        if not self._scratch_fits(top):
+            raise UnsupportedModelError(
+                f"megakernel: part_rows={top} leaves the attention / DeltaNet phases' scratch (the partial-sum "
+                "buffers) too small for these shapes"
+            )
+        return top, options[-1], windows[-1]  # does not fit: the runner reports the shortfall
+
+    def _breaks(self, part_rows: int, window: int) -> int:
+        """Rounds x passes per step of a block's share of every GEMV phase (mirrors gemv.cuh's gemv_plan)."""
+        t = self.tuning
+        item_rows = gemv_item_rows(t)
+        total = 0
+        for k, rows, count in self._gemv_phases():
+            nk = gemv_chunks(k, t)
+            per_round = max(item_rows, part_rows // nk // item_rows * item_rows)
+            per_pass = max(1, window // gemv_chunk_width_of(k, t))
+            share = -(-rows // self.num_sms)
+            rounds = -(-share // per_round)
+            passes = -(-nk // per_pass)
+            total += count * rounds * passes
+        return total
+
+    def _gemv_phases(self) -> list[tuple[int, int, int]]:
+        """(input width, rows, phases per step) of every weight-streaming phase (the MTP fc: none per step)."""
+        c = self.config
+        n_full = len(c.full_attention_layers)
+        n_lin = c.num_hidden_layers - n_full
+        dn_in = (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + 2 * c.linear_value_dim
+            + 2 * c.linear_num_value_heads
+        )
+        att_in = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+        return [
+            (c.hidden_size, dn_in, n_lin),
+            (c.linear_value_dim, c.hidden_size, n_lin),
+            (c.hidden_size, att_in, n_full),
+            (c.num_attention_heads * c.head_dim, c.hidden_size, n_full),
+            (c.hidden_size, 2 * c.intermediate_size, c.num_hidden_layers),
+            (c.intermediate_size, c.hidden_size, c.num_hidden_layers),
+            (c.hidden_size, c.vocab_size, 1),
+            (2 * c.hidden_size, c.hidden_size, 0),
+        ]
+
+    def _least_part_rows(self) -> int:
+        """Fewest partial-sum rows per token: MIN_PART_ROWS, or more where a round of the widest input would
+        hold less than one item's rows (tensor-core items: 8 rows of many chunks each)."""
+        need = max(
+            gemv_chunks(k, self.tuning) * gemv_item_rows(self.tuning) for k, _, _ in self._gemv_phases()
+        )
+        rows = MIN_PART_ROWS
+        while rows < need:
+            rows *= 2
+        return rows
+
+    def _windows(self) -> list[int]:
+        """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
+        narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit); none wider than max_window
+        (the narrowest where max_window is below it)."""
+        c = self.config
+        kmax = max(k for k, _, _ in self._gemv_phases())
+        least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
+        steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
+        out = sorted({kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8}, reverse=True)
+        cap = self.tuning.max_window
+        return out if cap is None else [w for w in out if w <= cap] or out[-1:]
+
+    def _scratch_fits(self, rows: int) -> bool:
+        """Whether the attention and DeltaNet phases' scratch fits the partial-sum buffers they borrow."""
+        att, dn = self.scratch_floats
+        return att <= 2 * self.tokens_per_launch * rows and dn <= self.tokens_per_launch * rows
+
+    @property
+    def scratch_floats(self) -> tuple[int, int]:
+        """Floats of shared-memory scratch of the attention phase (in the partial sums and row values) and of the
+        DeltaNet recurrence (in the partial sums): phases.cuh lays them out in these sizes."""
+        c, t, nt = self.config, self.tuning, self.tokens_per_launch
+        warps = t.threads // 32
+        att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + nt * c.head_dim
+        dn_sw = c.linear_value_head_dim // max(1, self.dn_split)
+        dn = 2 * nt * c.linear_key_head_dim + t.threads + dn_sw + nt * dn_sw + 2 * nt
+        return att, dn
+
+    @property
+    def dn_split(self) -> int:
+        """Column slices per DeltaNet value head: as many work items as the grid has blocks, slices >= 16
+        columns, each slice width dividing the block size."""
+        return dn_split(self.config, self.num_sms, self.tuning.threads)
+
+    @property
+    def att_pairs(self) -> int:
+        c = self.config
+        pairs = c.num_attention_heads // c.num_key_value_heads * self.tokens_per_launch
+        return max(1, min(self.tuning.att_pairs, pairs))
+
+    def defines(self) -> dict[str, int | float]:
+        """The plan as the CUDA sources read it: shapes, tuning, the fitted sizes, the shared-memory carve, the
+        step structure, the counter layout and the limits (their static_asserts check these values)."""
+        c, t = self.config, self.tuning
+        carve, sync = self.carve, self.sync
+        att_scratch, dn_scratch = self.scratch_floats
+        shapes: dict[str, int | float] = {
+            "MK_H": c.hidden_size,
+            "MK_NH": c.num_attention_heads,
+            "MK_KVH": c.num_key_value_heads,
+            "MK_HD": c.head_dim,
+            "MK_ROT": c.rotary_dim,
+            "MK_I": c.intermediate_size,
+            "MK_HK": c.linear_num_key_heads,
+            "MK_HV": c.linear_num_value_heads,
+            "MK_DK": c.linear_key_head_dim,
+            "MK_DV": c.linear_value_head_dim,
+            "MK_CONVK": c.linear_conv_kernel_dim,
+            "MK_V": c.vocab_size,
+            "MK_EPS": float(c.rms_norm_eps),
+            "MK_NT": self.tokens_per_launch,
+            "MK_THREADS": t.threads,
+            "MK_UMAX": t.umax,
+            "MK_PART_ROWS": self.part_rows,
+            "MK_XW": self.window,
+            "MK_DN_SPLIT": self.dn_split,
+            "MK_ATT_PAIRS": self.att_pairs,
+            "MK_ATT_CHUNK": t.att_chunk,
+            "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
+            "MK_STAGES": self.stages,
+            "MK_FP32_ACT": int(t.fp32_act),
+            "MK_MMA": int(t.mma),
+            "MK_MMA_SUB": t.mma_sub,
+            "MK_SMEM_ALIGN": SMEM_ALIGN,
+            "MK_SMEM_XS": carve.xs,
+            "MK_SMEM_PART": carve.part,
+            "MK_SMEM_ROWVAL": carve.rowval,
+            "MK_SMEM_RED": carve.red,
+            "MK_SMEM_END": carve.end,
+            "MK_SMEM_BYTES": carve.total,
+            "MK_ATT_SCRATCH_FLOATS": att_scratch,
+            "MK_DN_SCRATCH_FLOATS": dn_scratch,
+            "MK_ATT_MERGE_CHUNKS": self.att_merge_chunks,
+            "MK_HIST_ENTRIES": self.history_entries,
+            "MK_SYNC_BARRIER": sync.barrier,
+            "MK_SYNC_ARRIVALS": sync.arrivals,
+            "MK_SYNC_COUNT": sync.count,
+            "MK_LAYER_STEPS": LAYER_STEPS,
+            "MK_FINAL_STEPS": len(FINAL_PHASES),
+        }
+        for kind, name in ((LAYER_LINEAR, "LINEAR"), (LAYER_FULL, "FULL")):
+            for k, phase in enumerate(LAYER_PHASES[kind]):
+                shapes[f"MK_{name}_PHASE_{k}"] = int(phase)
+        for k, phase in enumerate(FINAL_PHASES):
+            shapes[f"MK_FINAL_PHASE_{k}"] = int(phase)
+        for kind in WEIGHT_KINDS:
+            shapes[f"MK_WFMT_{kind.upper()}"] = WEIGHT_FORMAT_CODES[self.weight_format(kind)]
+        if t.phase_timing:
+            shapes["MK_PHASE_TIMING"] = 1
+        return {**preamble_defines(), **shapes}
+
+    # ---- shared memory ------------------------------------------------------------------------------------
+    @property
+    def carve(self) -> SmemCarve:
+        """The dynamic shared memory of a block, region by region (phases.cuh `carve_smem` reads the offsets)."""
+        rows, stages, window = self._fitted
+        return self._carve(rows, stages, window)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block (the kernel checks it gets at least this)."""
+        return self.carve.total
+
+    def _carve(self, part_rows: int, stages: int, window: int) -> SmemCarve:
+        """Regions from the 128-byte aligned start: the weight ring (first: cp.async slots stay aligned), the
+        staged input (MK_NT rows of MK_XLD bf16; rows 64 bytes apart beyond the window when several tokens are
+        staged, so that they start in different banks), the partial sums and the row values of one round, and
+        the block reductions (a multiple of 4 floats, at least one per token and warp)."""
+        nt, t = self.tokens_per_launch, self.tuning
+        ring = stages * t.umax * t.threads * 16
+        xld = window + (64 // 2 if nt > 1 else 0)
+        part_bytes = nt * part_rows * 4
+        red_floats = max(64, -(-nt * (t.threads // 32) // 4) * 4)
+        xs = ring
+        part = xs + -(-nt * xld * 2 // 16) * 16
+        rowval = part + part_bytes
+        red = rowval + part_bytes
+        end = red + red_floats * 4
+        return SmemCarve(xs=xs, part=part, rowval=rowval, red=red, end=end, total=SMEM_ALIGN + end)
+
+    @property
+    def att_merge_chunks(self) -> int:
+        """Flash-decoding chunks of one (query head, token) pair that the attention merge holds (its factors and
+        denominator live in the partial sums and row values); longer contexts are refused."""
+        return 2 * self.tokens_per_launch * self.part_rows - 1
+
+    def att_chunks(self, capacity: int) -> int:
+        """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""
+        return max(1, -(-capacity // self.tuning.att_chunk))
+
+
+def gemv_item_rows(tuning: Tuning) -> int:
+    """Rows one GEMV item multiplies: 8 on the tensor cores (the mma's n), else 1."""
+    return 8 if tuning.mma else 1
+
+
+def _lanes_and_sub(tuning: Tuning) -> tuple[int, int]:
+    """gemv.cuh's GEMV_KL (lanes along K per row) and GEMV_SUB (items per chunk)."""
+    return (4, tuning.mma_sub) if tuning.mma else (32, 1)
+
+
+def gemv_chunk_width(tuning: Tuning) -> int:
+    """Input elements of a whole GEMV chunk at most (gemv.cuh: MK_UMAX loads of 8 per lane, per sub-item)."""
+    lanes, sub = _lanes_and_sub(tuning)
+    return tuning.umax * lanes * sub * 8
+
+
+def gemv_chunks(k: int, tuning: Tuning) -> int:
+    """Chunks (partial sums) per row of a GEMV over k inputs: gemv.cuh's gemv_plan."""
+    lanes, sub = _lanes_and_sub(tuning)
+    loads = -(-(k // 8) // lanes)
+    return -(-loads // (tuning.umax * sub))
+
+
+def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
+    """Input elements of one chunk of a GEMV over k inputs (its loads per lane shrink to fit k)."""
+    lanes, sub = _lanes_and_sub(tuning)
+    loads = -(-(k // 8) // lanes)
+    per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
+    return per_lane * lanes * sub * 8
+
+
+def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:
+    dv, hv = config.linear_value_head_dim, config.linear_num_value_heads
+
+    def fits(split: int) -> bool:
+        return dv % split == 0 and threads % (dv // split) == 0
+
+    split = 1
+    while split <= dv and not fits(split):
+        split *= 2
+    if split > dv:
+        return 0
+    while fits(split * 2) and dv // (split * 2) >= 16 and hv * split * 2 <= num_sms:
+        split *= 2
+    return split
+
+
+def check_supported(config: ModelConfig, tokens_per_launch: int, tuning: Tuning) -> None:
+    """Raise `UnsupportedModelError` naming the dimension the kernel cannot handle."""
+    c = config
+    problems = []
+    for name, value in (
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("linear value width (heads x dim)", c.linear_value_dim),
+        ("attention width (heads x head_dim)", c.num_attention_heads * c.head_dim),
+    ):
+        if value % 8:
+            problems.append(f"{name}={value} is not a multiple of 8 (16-byte bf16 loads)")
+    if c.head_dim % 8 or c.head_dim > 256:
+        problems.append(f"head_dim={c.head_dim} must be a multiple of 8 and at most 256")
+    if c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+        problems.append(f"rotary dims {c.rotary_dim} must be even and within head_dim")
+    if dn_split(c, 1 << 30, tuning.threads) == 0:
+        problems.append(
+            f"linear_value_head_dim={c.linear_value_head_dim} has no power-of-two slice dividing the block size "
+            f"{tuning.threads}"
+        )
+    if not 1 <= tokens_per_launch <= MAX_TOKENS_PER_LAUNCH:
+        problems.append(f"tokens per launch must be 1..{MAX_TOKENS_PER_LAUNCH}, got {tokens_per_launch}")
+    if c.linear_conv_kernel_dim < 2:
+        problems.append(f"linear_conv_kernel_dim={c.linear_conv_kernel_dim} must be at least 2")
+    if problems:
+        raise UnsupportedModelError("megakernel: " + "; ".join(problems))

@@ -1,0 +1,93 @@
+"""The knobs of one megakernel build, and where an operator's environment settings become one.
+
+`Tuning` holds speed knobs (they never change results, except where a field says so) and the two numerics
+choices a shipped build makes: the activation precision and the GEMV. A Tuning never reads the environment:
+`tuning_from_env` resolves $ONESTREAM_MK_* at the edge (the back-end creation, the CLI commands).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Tuning.smem_prefer: the 196 KB carveout less the 1 KB reserved per block and the static block state.
+SMEM_PREFER = 196 * 1024 - 1024 - 512
+
+FP32_ACT_ENV = "ONESTREAM_MK_FP32_ACT"
+GEMV_ENV = "ONESTREAM_MK_GEMV"
+
+
+def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> Tuning:
+    """The Tuning an operator's $ONESTREAM_MK_* settings select, with `fields` set over them. Read at the edge (the
+    back-end creation, the CLI commands), never in a Tuning default: $ONESTREAM_MK_FP32_ACT "0" (or "false")
+    selects the bf16 numerics, $ONESTREAM_MK_GEMV "tensor" the tensor-core GEMV (for deployments that decode
+    speculatively nearly always: plain and verify launches then share that summation order). A value outside
+    those raises ValueError naming the variable."""
+    env = os.environ if environ is None else environ
+    fp32_act = env.get(FP32_ACT_ENV, "1").strip().lower()
+    if fp32_act not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {fp32_act!r}")
+    gemv = env.get(GEMV_ENV, "scalar").strip().lower()
+    if gemv not in ("scalar", "tensor", ""):
+        raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {gemv!r}")
+    chosen: dict[str, Any] = {
+        "fp32_act": fp32_act not in ("0", "false"),
+        "mma": gemv == "tensor",
+    }
+    return Tuning(**{**chosen, **fields})
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax,
+    att_chunk, mma and mma_sub), and the activation precision `fp32_act`, which does."""
+
+    threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
+    umax: int = 8  # 16-byte loads per lane per GEMV item
+    part_rows: int = 4096  # rows per GEMV round (shared-memory partials)
+    # Widest staged GEMV input window per token (None: the widest that fits). A narrower window only adds passes
+    # over K (tests use it to cross many pass breaks); the kernel takes at least the hidden size.
+    max_window: int | None = None
+    # Dynamic shared memory the fit stays within unless that costs more than SMEM_OVER_BREAKS breaks (0: no
+    # preference). On sm_90 a block at or below it leaves the SM the 196 KB carveout (after the 1 KB the
+    # runtime reserves per block and the static block state), so 60 KB of L1 instead of 28, which the weight
+    # stream measured faster with.
+    smem_prefer: int = SMEM_PREFER
+    att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
+    # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
+    # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
+    # bit-identical results to T single steps.
+    att_chunk: int = 128
+    # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
+    # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
+    # blocks finish).
+    pf_idle_bytes: int = 192 * 1024
+    # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
+    # double buffer; None = AUTO_STAGES (2) where the GPU's shared memory holds the ring (sm_90), else 0.
+    stages: int | None = None
+    phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
+    # Numerics (changes results): True keeps the residual stream and the logits in fp32 and rounds the other
+    # intermediates to bf16 once, where they are stored (closer to the fp32 reference); False rounds every
+    # value the bf16 reference keeps in bf16.
+    fp32_act: bool = True
+    # GEMV on the tensor cores (mma.sync, items of 8 rows, so the cost of a load barely grows with the tokens per
+    # launch) instead of the scalar FMA path. Off by default: slower at T = 1, faster from T = 2 on (docs/
+    # benchmarks.md); plain and speculative decoding must share one summation order, so a deployment picks one
+    # for both. Changes results (another summation order), the same way for every tokens-per-launch build.
+    mma: bool = False
+    mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
+
+    def __post_init__(self) -> None:
+        if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
+            raise ValueError(f"max_window must be a positive multiple of 8, got {self.max_window}")
+        if self.smem_prefer < 0:
+            raise ValueError(f"smem_prefer must be >= 0, got {self.smem_prefer}")
+        if self.mma and self.umax != 8 and self.stages != 0:
+            raise ValueError(
+                f"the tensor-core GEMV's weight ring keeps an item's 8 rows one per plane: umax must be 8, got "
+                f"{self.umax} (or stages=0)"
+            )
+        if self.mma_sub < 1:
+            raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
