@@ -1,7 +1,7 @@
 """Alternated timing of kernel builds: separates a build's effect from run-to-run spread.
 
-Two builds timed in separate runs (or one after the other, once each) differ by several percent with no change
-at all (run 4: 56-63 tok/s for builds that should be within 1 % of each other). Here every build is timed once
+Two builds timed in separate runs (or one after the other, once each) can differ by several percent with no
+change at all (docs/benchmarks.md has such a run). Here every build is timed once
 per round, the order rotating from round to round, all on the same model, state and context; the spread of a
 build's rounds shows the noise its difference from another build must exceed.
 """

@@ -146,9 +146,9 @@ def _launch_ms(launch: Callable[[], Any], launches: int, repeats: int) -> float:
 def _rewind_position(state: Any, length: int) -> None:
     """Put the state's host position (and token ids) back to `length` after a timed launch, so that every launch
     of a series runs at the same positions: a series of T-token launches that advanced would end at T times the
-    context growth of a T = 1 series, and past a chunk boundary its attention phase does more work (run 13 compared
-    T = 4 at positions 64..264 with T = 1 at 64..116). The device tensors keep what the launch wrote; their values
-    do not change a launch's work."""
+    context growth of a T = 1 series, and past a chunk boundary its attention phase does more work, so the two
+    would not time the same context. The device tensors keep what the launch wrote; their values do not change a
+    launch's work."""
     state.length = length
     state._truncate_tokens(length)
 

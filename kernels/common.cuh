@@ -47,8 +47,8 @@ __device__ __forceinline__ float bf_lo(u32 p) { return __uint_as_float(p << 16);
 __device__ __forceinline__ float bf_hi(u32 p) { return __uint_as_float(p & 0xffff0000u); }
 
 // Round to nearest even, as torch's float -> bfloat16 conversion does: the sm_80 conversion instruction (one
-// instruction where the integer rounding took six: every block runs the norm prologues' conversions for every
-// token, run 16). NaN stays NaN (the canonical 0x7fff).
+// instruction where the integer rounding takes six; every block runs the norm prologues' conversions for every
+// token). NaN stays NaN (the canonical 0x7fff).
 __device__ __forceinline__ bf16_t f2bf(float f) {
     bf16_t r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));

@@ -293,8 +293,7 @@ __device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16
 // The shared-memory weight ring: MK_STAGES slots per warp, each MK_UMAX planes of 32 16-byte units per warp (plane u of
 // slot s for warp w at ring[(s * MK_UMAX + u) * MK_THREADS + w * 32]). Lane l copies and reads back unit l of each
 // plane itself, so no synchronisation is needed between copy and use. The copies do not occupy registers, so
-// MK_STAGES units per warp are in flight (the register path: one or two). (A warp-cooperative layout for the
-// tensor-core GEMV, one contiguous row stretch per load instruction, measured 1.8x slower: run 9, commit faa0307.)
+// MK_STAGES units per warp are in flight (the register path: one or two).
 
 #if MK_MMA
 // The tensor-core ring is filled row by row: plane i of a slot holds row i of the item, and copy instruction i
@@ -315,7 +314,7 @@ __device__ __forceinline__ void gemv_issue_async(const GemvDesc& d, const GemvPl
     const int vb = gemv_vec(p, it.chunk, it.sub, 0, 0), v = vb + lane;
     const bool ok = lane < p.u * GEMV_KL && v < p.nvec;
     // Lane i finds row i's address once; the copies take it by shuffle (gemv_row reads the descriptor, which
-    // lives in local memory: eight lookups per unit in a row cost the stream 45 %, run 13).
+    // lives in local memory: eight lookups per unit in a row would slow the stream by nearly half).
     const int own_row = it.rg * GEMV_IR + (lane & (GEMV_IR - 1));
     const unsigned long long row_addr = (unsigned long long)gemv_row(d, rs + min(own_row, nr - 1));
 #pragma unroll

@@ -219,8 +219,8 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
                                           unsigned char* smem_raw) {
     const Smem sm = carve_smem(smem_raw);
     const StepInfo& si = bs.si;
-    // Planned before the barrier (between_phases) unless this is the launch's first phase. Planning again cost every
-    // phase a dependent trip to the tables in L2 (about 1.3 us inside the megakernel: run 16).
+    // Planned before the barrier (between_phases) unless this is the launch's first phase: planning here would cost
+    // every phase a dependent trip to the tables in L2, which the weight stream makes slow (about a microsecond).
     if (tid_x() == 0 && bs.planned != step) plan_gemv(tb, si, phase, l, bs);
     __syncthreads();
     switch (phase) {

@@ -50,11 +50,10 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 // in the staged window [v0, v1) go to xs (the norm always sums the whole row, so every window sees the same
 // values).
 //
-// Inside the megakernel a dependent trip to L2 costs about 1.3 us (the weight stream fills the queues: run 16's
-// stamps), so the norm makes one: every token's rows and the weight (once for all tokens) are loaded together; the
-// rows go on to shared memory as they are summed, and the normalising pass after the block reduction reads them
-// from there. Reloading them from L2 token by token, with the weight reloaded per token, took 5.8 us at T = 4
-// (1.9 us at T = 1, where the row stays in registers). The raw rows sit at the end of the span xs..rowval (free
+// Inside the megakernel a dependent trip to L2 costs about a microsecond (the weight stream fills the queues), so
+// the norm makes one: every token's rows and the weight (once for all tokens) are loaded together; the rows go on
+// to shared memory as they are summed, and the normalising pass after the block reduction reads them from there
+// instead of reloading them from L2 token by token. The raw rows sit at the end of the span xs..rowval (free
 // in the prologue), placed so that token t's output reaches no raw row of a token >= t; a block barrier between
 // tokens keeps the earlier tokens' rows until they are read. Where they do not fit (T = 8 on the 27B shapes), and
 // for the MTP fc's halves, the pass reloads from L2.
@@ -684,8 +683,8 @@ __device__ __forceinline__ int att_chunks(const StepInfo& si) {
 }
 
 // (Query head, token) pairs per item at this step: the fewest (at most MK_ATT_PAIRS) whose items still fit the
-// grid. A block's time in the phase grows with its pairs while other blocks idle (run 10: 3 pairs 25.8 us, 1 pair
-// 16.6 us at context 64); at long context, where the chunks alone fill the grid, an item takes MK_ATT_PAIRS.
+// grid: a block's time in the phase grows with its pairs while other blocks idle. At long context, where the
+// chunks alone fill the grid, an item takes MK_ATT_PAIRS.
 // Results do not depend on it: each pair's sums run in the same order whichever item computes it.
 __device__ __forceinline__ int att_pass_pairs(const StepInfo& si) {
     const int fit = nblocks() / (MK_KVH * att_chunks(si));  // passes per (key/value head, chunk) the grid holds
@@ -703,9 +702,9 @@ __device__ __forceinline__ int att_items(const StepInfo& si) {
 // pair loads the chunks' maxima 32 at a time, takes their maximum M, keeps each chunk's factor exp(m - M) in
 // shared memory (-1: a chunk with no key for the pair) and chains the denominators through shuffles; then every
 // thread chains the numerators of its values, 8 chunks' loads in flight at once. The sums are those of a chunk
-// loop per value, so whichever pass merges a pair, its output has the same bits. (Until run 14 one block per
-// key/value head merged all its pairs, element by element with one load in flight; at T = 4 past the first chunk
-// the phase took 57 us, against 20 us within it.)
+// loop per value, so whichever pass merges a pair, its output has the same bits. Splitting the merge by pass and
+// keeping loads in flight keeps it short past the first chunk (one block per key/value head, one load at a time,
+// made that phase three times longer).
 __device__ void att_merge(const Tables& tb, int kvh, int pass, int np, int nch, int maxch, float* scratch) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
@@ -816,9 +815,8 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
         // New positions of this chunk: normed, rotated key and raw value. Every pass's item of the chunk computes
         // them into shared memory and attends to them there, so that none waits for another block; only the pass-0
-        // item writes them to the cache (for later launches), where every item used to store the same bits and read
-        // them back. The last warps take a token each (the first np warps normalise the queries meanwhile). Neither
-        // change moved the phase's time (run 13); its 3x at T = 4 there came from the benchmark's longer context.
+        // item writes them to the cache (for later launches). The last warps take a token each (the first np warps
+        // normalise the queries meanwhile).
         const int kv_warps = max(1, MK_NWARPS - np), kw = MK_NWARPS - 1 - warp;
         if (kw < kv_warps) {
             for (int t = kw; t < MK_NT; t += kv_warps) {

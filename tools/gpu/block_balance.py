@@ -3,7 +3,7 @@
 run (GPU machine, from the link tree of check_kernels.sh):
     python3 tools/gpu/block_balance.py LAYERS scalar|mma T LAUNCHES [OUT_DIR]
 Every weight-streaming phase gives each block the same bytes (to a row), yet the slowest block ends several
-microseconds after the first (run 10: about 1.35 ms of finishing spread per step). If the same SMs are slow in
+microseconds after the first (over a millisecond of finishing spread per step). If the same SMs are slow in
 every launch, shares weighted by SM would recover most of it; if the slow blocks change from launch to launch,
 only run-time balancing can. This prints, per phase kind: the spread, how much of a block's relative speed the
 other half of the launches predicts (split-half correlation, by block and by SM), and the critical path that

@@ -4,8 +4,8 @@ run (GPU machine, from the link tree of check_kernels.sh):
     PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/mixer_items.py LAYERS scalar|mma T LAUNCHES
 Block b runs item b, so a timing build's per-block stamps give each item's start (after the phase's first block),
 busy time and end, averaged over the phase's layers and LAUNCHES launches; blocks without an item are one "idle" row.
-Run 14 used it to find that run 13's slow 4-token attention phase came from the context of its benchmark, not from
-the items: at context 64 a 4-token launch's items ran 18 us against 16 us for one token.
+It tells a slow phase whose items run long from one whose items start late (or whose benchmark ran at a
+longer context).
 """
 
 from __future__ import annotations
