@@ -200,20 +200,8 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// Block-wide sum in a fixed order (deterministic). `scratch` holds MK_NWARPS floats; every thread gets the sum.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    const int lane = tid_x() & 31, warp = tid_x() >> 5;
-    v = warp_sum(v);
-    __syncthreads();  // scratch may still be read by a previous call
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < MK_NWARPS; ++w) s += scratch[w];
-    return s;
-}
-
-// Block-wide sums of N values per thread at once, each in block_sum's order (one pair of barriers for all N).
+// Block-wide sums of N values per thread at once, each in a fixed order (deterministic): lanes by shuffles, then
+// warps in order (one pair of barriers for all N).
 // `scratch` holds N * MK_NWARPS floats; every thread gets the sums.
 template <int N>
 __device__ __forceinline__ void block_sum_n(float (&v)[N], float* scratch) {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import difflib
+import fnmatch
 import hashlib
 import json
 import os
@@ -39,6 +40,8 @@ PACKAGE_PARTS = ("kernels", "worker", "cluster", "protos")
 # Trees from before kernels/plan.py have KernelSpec and Tuning in kernels/build.py.
 EMIT = r"""
 import json, sys
+# Only this tree's files: an editable install's finder would resolve a module this tree lacks from the checkout.
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 from pathlib import Path
 from onestream.kernels.build import assemble_source
 try:
@@ -156,12 +159,12 @@ def disassemble(ptx: Path, arch: str) -> str:
     return sass.read_text()
 
 
-def functions(sass: str) -> dict[str, list[str]]:
-    """The disassembly split per function."""
+def functions(text: str, header: str) -> dict[str, list[str]]:
+    """A listing split per function: lines after each line matching `header` (whose group 1 names it)."""
     out: dict[str, list[str]] = {}
     current = None
-    for line in sass.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
+    for line in text.splitlines():
+        m = re.match(header, line)
         if m:
             current = m.group(1)
             out[current] = []
@@ -170,8 +173,42 @@ def functions(sass: str) -> dict[str, list[str]]:
     return out
 
 
-def compare(base: Path, new: Path, out: Path, jobs: int) -> int:
-    """Every build: the same PTX (then ptxas makes the same SASS), or the SASS diff of its kernels."""
+SASS_FUNCTION = r"\s*Function : (\S+)"
+PTX_FUNCTION = r"^(?:\.visible |\.weak )?(?:\.entry|\.func)\s+(?:\([^)]*\)\s*)?(\w+)"
+_PTX_NAME = re.compile(r"%(?:rd|rs|r|p|fd|f|h|hh)\d+|\$L__\w+")
+
+
+def canonical_ptx(lines: list[str]) -> list[str]:
+    """A function's PTX with its virtual registers and labels reduced to their kind (%r, %rd, %p, ..., $L) and
+    the register declarations dropped: what is left is the instruction stream, its opcodes, immediates,
+    offsets and branch structure, so that one instruction more or fewer shows as itself instead of renumbering
+    every register after it. ptxas allocates the registers; the SASS comparison checks that."""
+    return [
+        _PTX_NAME.sub(lambda m: "$L" if m.group(0).startswith("$") else re.sub(r"\d+", "", m.group(0)), line)
+        for line in lines
+        if not line.strip().startswith(".reg ")
+    ]
+
+
+def _diff(a: dict[str, list[str]], b: dict[str, list[str]], label: str) -> tuple[list[str], list[str]]:
+    """Unified diff lines and a per-function summary of two listings split per function."""
+    diff, parts = [], []
+    for f in sorted(a.keys() | b.keys()):
+        if a.get(f) == b.get(f):
+            continue
+        lines = list(
+            difflib.unified_diff(a.get(f, []), b.get(f, []), f"base/{f}", f"new/{f}", lineterm="", n=2)
+        )
+        diff += lines
+        minus = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+        plus = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
+        parts.append(f"{f} -{minus} +{plus} of {len(a.get(f, []))} {label} lines")
+    return diff, parts
+
+
+def compare(base: Path, new: Path, out: Path, jobs: int, sass_patterns: list[str]) -> int:
+    """Every build: its PTX (raw, then with registers and labels renamed), and for the builds named by
+    `sass_patterns` (fnmatch; where the PTX differs) the SASS of every kernel."""
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "cache"
     cache.mkdir(exist_ok=True)
@@ -189,45 +226,50 @@ def compare(base: Path, new: Path, out: Path, jobs: int) -> int:
                 for n in common
                 for side in ("base", "new")
             }
-            ptx = {job: f.result() for job, f in ptx_jobs.items()}
+            ptx = {job: f.result().read_text() for job, f in ptx_jobs.items()}
             same_text = {n for n in common if source("base", n).read_text() == source("new", n).read_text()}
-            differ = [n for n in common if ptx[("base", n)].read_text() != ptx[("new", n)].read_text()]
+            differ = [n for n in common if ptx[("base", n)] != ptx[("new", n)]]
+            wanted = [n for n in differ if any(fnmatch.fnmatch(n, pat) for pat in sass_patterns)]
             sass_jobs = {
-                (side, n): pool.submit(disassemble, ptx[(side, n)], names["base"][n])
-                for n in differ
+                (side, n): pool.submit(disassemble, ptx_jobs[(side, n)].result(), names["base"][n])
+                for n in wanted
                 for side in ("base", "new")
             }
             sass = {job: f.result() for job, f in sass_jobs.items()}
-    report, differing = [], 0
+    report, exact = [], 0
     for n in common:
         if n not in differ:
+            exact += 1
             how = "the same generated source" if n in same_text else "the generated sources differ"
             report.append(f"{n}: PTX identical ({how}), so the SASS is too")
             continue
-        a, b = functions(sass[("base", n)]), functions(sass[("new", n)])
-        changed = sorted(f for f in a.keys() | b.keys() if a.get(f) != b.get(f))
-        if not changed:
-            report.append(f"{n}: PTX differs, SASS identical ({len(a)} functions)")
-            continue
-        differing += 1
-        diff, parts = [], []
-        for f in changed:
-            lines = list(
-                difflib.unified_diff(a.get(f, []), b.get(f, []), f"base/{f}", f"new/{f}", lineterm="", n=2)
+        a = {f: canonical_ptx(x) for f, x in functions(ptx[("base", n)], PTX_FUNCTION).items()}
+        b = {f: canonical_ptx(x) for f, x in functions(ptx[("new", n)], PTX_FUNCTION).items()}
+        diff, parts = _diff(a, b, "PTX")
+        if not parts:
+            line = f"{n}: PTX identical up to register and label names"
+        else:
+            (out / f"{n}.ptx.diff").write_text("\n".join(diff) + "\n")
+            line = f"{n}: PTX differs ({'; '.join(parts)}): {out / (n + '.ptx.diff')}"
+        if n in wanted:
+            sdiff, sparts = _diff(
+                functions(sass[("base", n)], SASS_FUNCTION),
+                functions(sass[("new", n)], SASS_FUNCTION),
+                "SASS",
             )
-            diff += lines
-            minus = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
-            plus = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
-            parts.append(f"{f} (-{minus} +{plus} of {len(a.get(f, []))} lines)")
-        (out / f"{n}.diff").write_text("\n".join(diff) + "\n")
-        report.append(f"{n}: SASS DIFFERS in {', '.join(parts)}: {out / (n + '.diff')}")
+            if sparts:
+                (out / f"{n}.sass.diff").write_text("\n".join(sdiff) + "\n")
+                line += f"; SASS differs ({'; '.join(sparts)}): {out / (n + '.sass.diff')}"
+            else:
+                line += "; SASS identical"
+        report.append(line)
     for n in missing:
         report.append(f"{n}: only in {'base' if n in names['base'] else 'new'}")
     text = "\n".join(report)
     (out / "report.txt").write_text(text + "\n")
     print(text)
-    print(f"{len(common) - differing} of {len(common)} builds have identical SASS")
-    return 1 if differing or missing else 0
+    print(f"{exact} of {len(common)} builds have identical PTX")
+    return 0 if exact == len(common) and not missing else 1
 
 
 def main() -> int:
@@ -238,11 +280,17 @@ def main() -> int:
     parser.add_argument("new", nargs="?", default=str(REPO), help="new tree (default: this checkout)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/onestream-compare-builds"))
     parser.add_argument("--jobs", type=int, default=2, help="compilations at once")
+    parser.add_argument(
+        "--sass",
+        default="27b-sm_90-T1-scalar,27b-sm_90-T4-tensor",
+        help="builds (comma-separated fnmatch patterns, '*' for all) whose SASS is compared where their PTX differs "
+        "(ptxas takes minutes per 27B build); default: the T = 1 step and the T = 4 tensor-core verify",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = export_tree(args.base, Path(tmp) / "base")
         new = export_tree(args.new, Path(tmp) / "new")
-        return compare(base, new, args.out, args.jobs)
+        return compare(base, new, args.out, args.jobs, [p for p in args.sass.split(",") if p])
 
 
 if __name__ == "__main__":
