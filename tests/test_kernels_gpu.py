@@ -407,6 +407,23 @@ def test_tensor_core_and_scalar_gemv_agree(setup):
     assert err < 1e-2
 
 
+@torch.no_grad()
+def test_runner_sizes_counters_and_history_by_the_plan(setup):
+    """The runner allocates each build's counters and the DeltaNet history from the build's plan (T - 1 states
+    per keep-states launch)."""
+    _, model, runner = setup
+    c = model.config
+    for t in (1, 4):
+        build = runner._build(t)
+        assert build.sync.numel() == build.plan.sync.count
+    state = model.new_state(64)
+    model.forward_step(torch.randint(0, c.vocab_size, (9,), device="cuda"), state, logits="last")
+    runner.step(torch.randint(0, c.vocab_size, (3,), device="cuda"), state, keep_states=True)
+    entries = runner._build(3).plan.history_entries
+    assert entries == 2
+    assert all(t.shape[0] == entries for t in state.history.recurrent.values())
+
+
 def test_bad_token_is_an_error_not_a_crash(setup):
     _, model, runner = setup
     state = model.new_state(16)
