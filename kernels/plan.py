@@ -48,7 +48,8 @@ LAYER_PHASES = {
     LAYER_LINEAR: (Phase.DN_IN, Phase.DN_REC, Phase.DN_OUT, Phase.MLP_IN, Phase.MLP_DOWN),
     LAYER_FULL: (Phase.ATT_IN, Phase.ATT, Phase.ATT_OUT, Phase.MLP_IN, Phase.MLP_DOWN),
 }
-LAYER_STEPS = 5
+# Phases per layer, the same for both kinds (megakernel.cu's schedule relies on it).
+LAYER_STEPS = len(LAYER_PHASES[LAYER_LINEAR])
 FINAL_PHASES = (Phase.LM_HEAD, Phase.FINALIZE)
 
 
@@ -73,9 +74,9 @@ class SyncLayout(NamedTuple):
     """Slots of a build's int64 counter buffer."""
 
     barrier: int  # the grid barrier (monotonic; a multiple of the grid between launches)
-    arrivals: (
-        int  # first attention arrival counter: arrivals + kv head * (query heads per kv head x T) + pass
-    )
+    # The first attention arrival counter: a (key/value head, pass) has arrivals + head * (query heads per key/value
+    # head x T) + pass.
+    arrivals: int
     count: int  # counters in all
 
 
