@@ -1,7 +1,7 @@
 """Shared test setup: every test sees the kernel's default numerics and GEMV, whatever the shell exports.
 
-The megakernel's environment settings ($ONESTREAM_MK_FP32_ACT, $ONESTREAM_MK_FP32_IN, $ONESTREAM_MK_GEMV) choose
-the `Tuning` that the back-end creation and the CLI resolve (kernels/build.py `tuning_from_env`); tests that
+The megakernel's environment settings ($ONESTREAM_MK_FP32_ACT, $ONESTREAM_MK_GEMV) choose the `Tuning` that
+the back-end creation and the CLI resolve (kernels/tuning.py `tuning_from_env`); tests that
 create a back end must not get a tensor-core build behind their back. Tests of the settings set them again with
 monkeypatch.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-KERNEL_ENV = ("ONESTREAM_MK_FP32_ACT", "ONESTREAM_MK_FP32_IN", "ONESTREAM_MK_GEMV")
+KERNEL_ENV = ("ONESTREAM_MK_FP32_ACT", "ONESTREAM_MK_GEMV")
 
 
 @pytest.fixture(scope="session", autouse=True)
