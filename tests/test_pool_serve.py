@@ -3,6 +3,7 @@ API keys; SIGTERM drains (the in-flight stream finishes) and the process exits c
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -93,6 +94,7 @@ def test_serve_prints_its_addresses_serves_rereads_keys_on_sighup_and_drains_on_
     serve: Serve, keys_path: Path
 ) -> None:
     grpc_address = serve.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
+    http_address = serve.wait_for_line(r"HTTP\s+http://(\S+)/v1", 10).group(1)
     metrics_address = serve.wait_for_line(r"metrics\s+http://(\S+)/metrics", 10).group(1)
     serve.wait_for_line(r"card\s+\S+/0/cpu-0", 10)
     serve.wait_for_line(r"API keys\s+2 keys of 2 users", 10)
@@ -113,6 +115,8 @@ def test_serve_prints_its_addresses_serves_rereads_keys_on_sighup_and_drains_on_
         assert events[-1].finished.usage.generated_tokens > 0
         with urllib.request.urlopen(f"http://{metrics_address}/sd", timeout=10) as response:
             assert b'"card"' in response.read()
+        with urllib.request.urlopen(f"http://{http_address}/v1/models", timeout=10) as response:
+            assert json.load(response)["data"][0]["id"] == "tiny"
 
         in_flight = client.generate(make_request("x", session_id="long", max_tokens=500, ignore_eos=True))
         first = next(e for e in in_flight if e.WhichOneof("event") == "chunk")
