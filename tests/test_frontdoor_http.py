@@ -278,6 +278,21 @@ def test_messages_and_their_stream_agree_and_count_tokens_matches(claude: anthro
     assert final.usage.output_tokens == message.usage.output_tokens
 
 
+def test_thinking_comes_back_as_thinking_blocks(claude: anthropic.Anthropic) -> None:
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "def add(a, b):"}],
+    }
+    message = claude.messages.create(**request)
+    assert [block.type for block in message.content] == ["thinking"] and message.content[0].thinking
+    with claude.messages.stream(**request) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert set(deltas) == {"thinking_delta"} and final.content[0].thinking == message.content[0].thinking
+
+
 def test_a_stop_sequence_is_named(claude: anthropic.Anthropic) -> None:
     message = claude.messages.create(
         model=MODEL,
@@ -490,6 +505,7 @@ BAD_INPUT = [
     ("/chat/completions", CHAT | {"logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("/chat/completions", CHAT | {"stop": [1]}, 400, "stop[0]"),
     ("/chat/completions", CHAT | {"logprobs": True}, 400, "logprobs"),
+    ("/chat/completions", CHAT | {"chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs.tools"),
     (
         "/chat/completions",
         CHAT

@@ -17,6 +17,7 @@ from .toolcalls import JSON, OPEN, XML, ToolCallParser
 
 REQUIRED = object()  # tool_choice "required": some call, the model names it
 _PROBE = "onestream_probe_tool"
+RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class ChatTemplate:
         `continue_final`: a final assistant message is the start of the answer, which the model continues."""
         if tools and self.tool_format is None:
             raise bad_field("tools", "this model's chat template does not render tools")
+        for key in RESERVED_KWARGS & set(template_kwargs):
+            raise bad_field(f"chat_template_kwargs.{key}", "is the request's own; set it there")
         start = ""
         if continue_final and len(messages) > 1 and messages[-1]["role"] == "assistant":
             if messages[-1].get("tool_calls"):
