@@ -115,7 +115,10 @@ def test_serve_prints_its_addresses_serves_rereads_keys_on_sighup_and_drains_on_
         assert events[-1].finished.usage.generated_tokens > 0
         with urllib.request.urlopen(f"http://{metrics_address}/sd", timeout=10) as response:
             assert b'"card"' in response.read()
-        with urllib.request.urlopen(f"http://{http_address}/v1/models", timeout=10) as response:
+        models = urllib.request.Request(
+            f"http://{http_address}/v1/models", headers={"Authorization": f"Bearer {KEYS['cli']}"}
+        )
+        with urllib.request.urlopen(models, timeout=10) as response:
             assert json.load(response)["data"][0]["id"] == "tiny"
 
         in_flight = client.generate(make_request("x", session_id="long", max_tokens=500, ignore_eos=True))

@@ -29,6 +29,12 @@ class RouterClient:
         self.channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
         self.stub = pb_grpc.OneStreamStub(self.channel)
 
+    async def model_info(self, metadata: Metadata = ()) -> pb.ModelInfo:
+        try:
+            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from e
+
     def generate(self, request: pb.GenerateRequest, metadata: Metadata = ()) -> Turn:
         return Turn(self.stub.Generate(request, metadata=metadata))
 
