@@ -101,6 +101,7 @@ class SessionRecord:
     session_id: str
     cached_tokens: int
     cached_bytes: int
+    last_used: float = 0.0  # unix seconds (a router that adopts the card binds the newest copy)
 
 
 class _EndOfStream:
@@ -150,6 +151,8 @@ class CardActor:
             incarnation=uuid.uuid4().hex,
             pid=os.getpid(),
         )
+        self.settings = settings
+        self._stops: set[threading.Event] = set()  # one per generation in flight or queued
         # One thread runs every engine call, so the engine never runs two things at once.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._sessions: list[SessionRecord] = []
@@ -163,6 +166,20 @@ class CardActor:
 
     async def ping(self) -> CardLiveness:
         return CardLiveness(self.identity.incarnation, self._busy, self._engine.progress)
+
+    async def card_settings(self) -> CardSettings:
+        return self.settings
+
+    async def stop_generations(self) -> int:
+        """Stop every generation in flight or queued (their caller is gone: a router that adopts this
+        card calls it) and return once they ended, their sessions cached. Returns how many there were."""
+        for stop in self._stops:
+            stop.set()
+        count = len(self._stops)
+        loop = asyncio.get_running_loop()
+        # The engine thread runs its work in order: this runs after the stopped generations.
+        await loop.run_in_executor(self._engine_thread, self._refresh_sessions)
+        return count
 
     async def model_info(self) -> dict[str, Any]:
         return dict(self._model_info)
@@ -192,6 +209,7 @@ class CardActor:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
+        self._stops.add(stop)
         self._engine_thread.submit(self._run_generation, request, put, stop)
         try:
             while True:
@@ -201,6 +219,7 @@ class CardActor:
                 yield item  # type: ignore[misc]
         finally:
             stop.set()  # the caller cancelled or went away: end at the next token boundary
+            self._stops.discard(stop)
 
     # ---- on the engine thread ----------------------------------------------------------------------
     def _run_generation(self, request: GenerateRequest, put: Any, stop: threading.Event) -> None:
@@ -324,4 +343,5 @@ def _session_record(session: Any) -> SessionRecord:
         session_id=str(fields.get("session_id", fields.get("id", ""))),
         cached_tokens=int(fields.get("tokens", fields.get("cached_tokens", fields.get("length", 0))) or 0),
         cached_bytes=int(fields.get("nbytes", fields.get("bytes", fields.get("cached_bytes", 0))) or 0),
+        last_used=float(fields.get("last_used", 0.0) or 0.0),
     )

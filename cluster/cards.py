@@ -11,6 +11,9 @@
   sessions lose their home); a hung one is killed so that Ray restarts it; once the restarted actor
   answers `ready`, the card rejoins.
   An actor out of restarts is dropped and its slot refilled by discovery.
+- Cards outlive the router: each is a detached actor named after its slot (`card_actor_name`). A
+  router that starts where cards already run adopts them, with the sessions they cache, when they run
+  its settings (otherwise it replaces them); stopping a router leaves its cards running.
 - Every call to an actor has a timeout.
 """
 
@@ -28,7 +31,15 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .card import CPU_CARD_RESOURCE, NODE_ID_CHARS, CardActor, CardIdentity, CardLiveness, CardSettings
+from .card import (
+    CPU_CARD_RESOURCE,
+    NODE_ID_CHARS,
+    CardActor,
+    CardIdentity,
+    CardLiveness,
+    CardSettings,
+    SessionRecord,
+)
 from .config import PoolConfig
 from .policy import Scheduler
 
@@ -36,6 +47,7 @@ log = logging.getLogger(__name__)
 
 STARTING, UP, RECOVERING = "starting", "up", "recovering"
 RECREATE_BACKOFF_S = 10.0  # before refilling a slot whose actor died for good
+REPLACE_BACKOFF_S = 2.0  # before refilling a slot whose running card could not be adopted
 
 
 @dataclass
@@ -111,10 +123,11 @@ class CardRegistry:
                 await asyncio.wait_for(self._card_ready.wait(), min(remaining, 1.0))
 
     async def stop(self) -> None:
+        """Stop watching the cards; they keep running (detached) for the next router to adopt."""
         for task in self._loops:
             task.cancel()
         for record in list(self._records.values()):
-            self._drop(record, kill=True)
+            self._drop(record, kill=False)
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
 
@@ -147,11 +160,32 @@ class CardRegistry:
                 if key in self._records or self._dead_slots.get(key, 0.0) > now:
                     continue
                 self._dead_slots.pop(key, None)
-                self._create(node_id, slot)
+                await self._adopt_or_create(node_id, slot)
 
-    def _create(self, node_id: str, slot: int) -> None:
+    async def _adopt_or_create(self, node_id: str, slot: int) -> None:
+        """Adopt the card a previous router left running in this slot (detached actors outlive their
+        router), or create one."""
+        settings = self._card_settings(slot)
+        name = card_actor_name(node_id, slot)
+        actor = await asyncio.to_thread(_named_actor, name, self.config.ray_namespace)
+        if (node_id, slot) in self._records:
+            return
+        adopting = settings if actor is not None else None
+        if actor is None:
+            actor = self._create(node_id, slot, settings)
+            log.info("card slot %s/%d: actor created", node_id[:NODE_ID_CHARS], slot)
+        else:
+            log.info("card slot %s/%d: adopting the running card %s", node_id[:NODE_ID_CHARS], slot, name)
+        record = CardRecord(node_id=node_id, slot=slot, actor=actor)
+        self._records[record.key] = record
+        record.task = asyncio.create_task(
+            self._bring_up(record, self.config.card_start_timeout_s, adopting=adopting)
+        )
+        self._changed()
+
+    def _card_settings(self, slot: int) -> CardSettings:
         cpu = self.config.cpu_cards is not None
-        settings = CardSettings(
+        return CardSettings(
             model_dir=str(self.config.model_dir),
             cpu=cpu,
             slot=slot,
@@ -161,10 +195,14 @@ class CardRegistry:
             metrics_host=self.config.card_metrics_host,
             engine_options={**self.config.engine_options, "prefix_sharing": self.config.prefix_sharing},
         )
-        placement: dict[str, Any] = {"resources": {CPU_CARD_RESOURCE: 1}} if cpu else {"num_gpus": 1}
-        actor = (
+
+    def _create(self, node_id: str, slot: int, settings: CardSettings) -> Any:
+        placement: dict[str, Any] = {"resources": {CPU_CARD_RESOURCE: 1}} if settings.cpu else {"num_gpus": 1}
+        return (
             ray.remote(CardActor)
             .options(
+                name=card_actor_name(node_id, slot),
+                lifetime="detached",  # cards outlive the router: a restarted one adopts them
                 num_cpus=0,
                 **placement,
                 max_restarts=self.config.max_restarts,
@@ -174,16 +212,19 @@ class CardRegistry:
             )
             .remote(settings)
         )
-        record = CardRecord(node_id=node_id, slot=slot, actor=actor)
-        self._records[record.key] = record
-        log.info("card slot %s/%d: actor created", node_id[:NODE_ID_CHARS], slot)
-        record.task = asyncio.create_task(self._bring_up(record, self.config.card_start_timeout_s))
-        self._changed()
 
-    async def _bring_up(self, record: CardRecord, timeout_s: float, *, replacing: str | None = None) -> None:
+    async def _bring_up(
+        self,
+        record: CardRecord,
+        timeout_s: float,
+        *,
+        replacing: str | None = None,
+        adopting: CardSettings | None = None,
+    ) -> None:
         """Wait for the (re)started actor to answer `ready`, then put the card in the scheduler. With
         `replacing` (the incarnation of a process we killed), only a new incarnation counts: the old
-        process may still answer for a moment before the kill lands."""
+        process may still answer for a moment before the kill lands. With `adopting` (the settings this
+        router would start the card with), a card a previous router left running is taken over."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -211,6 +252,15 @@ class CardRegistry:
                 )
         if record.key not in self._records:
             return  # dropped meanwhile
+        sessions: list[SessionRecord] = []
+        if adopting is not None:
+            try:
+                sessions = await self._take_over(record, adopting)
+            except (RayError, asyncio.TimeoutError, ValueError) as e:
+                log.warning("card %s cannot be adopted (%s); replacing it", identity.card_id, e)
+                self._dead_slots[record.key] = time.monotonic() + REPLACE_BACKOFF_S
+                self._drop(record, kill=True)
+                return
         if record.identity is not None and record.identity.card_id != identity.card_id:
             self._by_card.pop(record.identity.card_id, None)
             self.scheduler.remove_card(record.identity.card_id)
@@ -220,11 +270,25 @@ class CardRegistry:
         record.progress, record.progress_at = -1, time.monotonic()
         self._by_card[identity.card_id] = record
         self.scheduler.add_card(identity.card_id)
+        for session in sessions:
+            self.scheduler.adopt_session(session.session_id, identity.card_id, session.last_used)
         if self._on_card_up is not None:
             self._on_card_up(identity.card_id)
         log.info("card %s: serving (metrics at %s)", identity.card_id, identity.metrics_endpoint)
         self._card_ready.set()
         self._changed()
+
+    async def _take_over(self, record: CardRecord, settings: CardSettings) -> list[SessionRecord]:
+        """Adopt a running card: it must run this router's settings; generations its previous router
+        started are stopped (nobody reads them); returns the sessions it caches, to bind them."""
+        timeout_s = self.config.call_timeout_s
+        theirs = await asyncio.wait_for(record.actor.card_settings.remote(), timeout_s)
+        if theirs != settings:
+            raise ValueError(f"it runs other settings ({theirs})")
+        stopped = await asyncio.wait_for(record.actor.stop_generations.remote(), timeout_s)
+        sessions: list[SessionRecord] = await asyncio.wait_for(record.actor.sessions.remote(), timeout_s)
+        log.info("adopted card: %d orphaned generations stopped, %d cached sessions", stopped, len(sessions))
+        return sessions
 
     def _give_up(self, record: CardRecord, why: str) -> None:
         log.error("card %s %s; its slot is refilled in %.0fs", record.card_id, why, RECREATE_BACKOFF_S)
@@ -355,6 +419,18 @@ class CardRegistry:
             )
         self._sd_snapshot = groups
         self._on_change()
+
+
+def card_actor_name(node_id: str, slot: int) -> str:
+    """The Ray name of the card actor of a slot (in the pool's namespace)."""
+    return f"onestream-card-{node_id}-{slot}"
+
+
+def _named_actor(name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def _kill_process(pid: int) -> bool:

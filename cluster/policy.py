@@ -147,6 +147,18 @@ class Scheduler:
         self._expire_bindings()
         return dict(self._bindings)
 
+    def adopt_session(self, session_id: str, card_id: str, last_used_wall: float) -> None:
+        """A session an adopted card already caches (a restarted router learns its homes from its cards):
+        bound there unless a copy used more recently is bound elsewhere. Its turn count starts again."""
+        current = self._bindings.get(session_id)
+        if current is not None and current.last_used_wall >= last_used_wall:
+            return
+        idle_s = max(time.time() - last_used_wall, 0.0)
+        self._bindings[session_id] = SessionBinding(
+            card_id=card_id, turns=0, last_used=self._clock() - idle_s, last_used_wall=last_used_wall
+        )
+        self._on_change()
+
     def forget_session(self, session_id: str) -> None:
         self._bindings.pop(session_id, None)
         self._homeless.discard(session_id)

@@ -410,9 +410,12 @@ class Router(pb_grpc.OneStreamServicer):
             if generator is not None:
                 with contextlib.suppress(Exception):
                     ray.cancel(generator)  # no-op when it already ended
+            previous_home = self.scheduler.home_of(session_id) if session_id else None
             self.scheduler.release(card_id, session_id, bind=bind and not entry.session_closed)
             if bind and entry.session_closed:  # closed during this turn: drop what the turn cached
                 self._in_background(actor.close_session.remote(session_id))
+            elif previous_home not in (None, card_id) and self.scheduler.home_of(session_id) == card_id:
+                self._close_copy(previous_home, session_id)  # it moved: the old home's copy is stale
 
     async def _next_item(self, generator: Any, card_id: str, sent_tokens: int, deadline: float) -> object:
         """The next stream item, or CardFailure (dead, down, silent too long) / PoolError (deadline).
@@ -525,6 +528,13 @@ class Router(pb_grpc.OneStreamServicer):
             if record.identity is None or record.card_id == home:
                 continue
             self._in_background(record.actor.close_session.remote(session_id))
+
+    def _close_copy(self, card_id: str, session_id: str) -> None:
+        try:
+            actor = self.registry.actor(card_id)
+        except KeyError:
+            return
+        self._in_background(actor.close_session.remote(session_id))
 
     def _in_background(self, call: Awaitable[Any]) -> None:
         """A card call nobody waits for (failures are ignored), kept alive until it ends."""

@@ -160,7 +160,8 @@ class PoolServer:
         return await self.router.wait_idle(self.config.drain_timeout_s)
 
     async def stop(self) -> None:
-        """Close the ports and stop the cards (also after a start that did not finish)."""
+        """Close the ports and stop watching the cards, which keep running for the next router to adopt
+        (also after a start that did not finish)."""
         if self.frontdoor is not None:
             await self.frontdoor.stop()
             self.frontdoor = None

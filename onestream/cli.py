@@ -15,6 +15,7 @@ COMMAND_MODULES = {
     "chat": "onestream.commands.chat",
     "status": "onestream.commands.status",
     "bench": "onestream.commands.bench",
+    "soak": "onestream.commands.soak",
 }
 
 

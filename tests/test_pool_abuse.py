@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -57,6 +58,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
         metrics_address="127.0.0.1:0",
         cpu_cards=0,
         card_torch_threads=1,
+        card_metrics_host="127.0.0.1",  # not the node's address: the option is honoured
         engine_options={"max_context": MAX_CONTEXT},
         queue_capacity=4,
         call_timeout_s=30.0,
@@ -357,3 +359,11 @@ def test_fuzzed_bytes_never_answer_unknown_or_internal(client: PoolClient, call:
         assert error.code() in CLIENT_ERROR_CODES, (error.code(), error.details())
         assert len(error.details()) <= MAX_DETAILS_CHARS
     assert_healthy(client)
+
+
+def test_card_metrics_bind_to_the_chosen_interface(client: PoolClient) -> None:
+    (card,) = client.cards()
+    host, _, port = card.metrics_endpoint.rpartition(":")
+    assert host == "127.0.0.1" and port.isdigit(), card.metrics_endpoint
+    with urllib.request.urlopen(f"http://{card.metrics_endpoint}/metrics", timeout=30) as response:
+        assert b"onestream_" in response.read()

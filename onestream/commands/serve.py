@@ -32,6 +32,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (HOST:PORT; 0.0.0.0 for all)")
     p.add_argument("--metrics", default="127.0.0.1:9400", help="router /metrics and /sd address")
     p.add_argument(
+        "--card-metrics-host",
+        default=None,
+        metavar="HOST",
+        help="interface every card's /metrics binds to on its node (default: the node's Ray IP address; "
+        "127.0.0.1 keeps them on the node, 0.0.0.0 opens them on every interface)",
+    )
+    p.add_argument(
         "--http",
         default="127.0.0.1:8000",
         metavar="ADDR",
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         dtype=args.dtype,
         card_torch_threads=args.card_threads,
+        card_metrics_host=args.card_metrics_host,
         engine_options=engine_options,
         queue_capacity=args.queue,
         home_wait_s=args.home_wait,
