@@ -308,10 +308,13 @@ class CardRegistry:
         self._changed()
 
     # ---- failures -------------------------------------------------------------------------------
-    def report_failure(self, card_id: str, what: str, *, hung: bool) -> None:
-        """A card died or hung: take it out of service and wait for its actor to come back."""
+    def report_failure(
+        self, card_id: str, what: str, *, hung: bool, seen: CardIdentity | None = None
+    ) -> None:
+        """A card died or hung: take it out of service and wait for its actor to come back. `seen`: the
+        incarnation the failed call went to; a late failure of a call to an earlier one is ignored."""
         record = self._by_card.get(card_id)
-        if record is None or record.state != UP:
+        if record is None or record.state != UP or (seen is not None and seen is not record.identity):
             return
         log.warning("card %s %s; restarting it", card_id, what)
         record.state = RECOVERING
@@ -333,11 +336,11 @@ class CardRegistry:
 
     async def check_health(self) -> None:
         """Ping every serving card: a silent, stalled or restarted one is down."""
-        serving = [r for r in self._records.values() if r.state == UP]
-        results = await asyncio.gather(*(self._ping(r) for r in serving))
-        for record, (ok, what, hung) in zip(serving, results, strict=True):
-            if not ok and record.state == UP:
-                self.report_failure(record.card_id, what, hung=hung)
+        serving = [(r, r.identity) for r in self._records.values() if r.state == UP]
+        results = await asyncio.gather(*(self._ping(r) for r, _ in serving))
+        for (record, identity), (ok, what, hung) in zip(serving, results, strict=True):
+            if not ok:
+                self.report_failure(record.card_id, what, hung=hung, seen=identity)
 
     async def _ping(self, record: CardRecord) -> tuple[bool, str, bool]:
         """(alive, what is wrong, hung)."""

@@ -424,6 +424,7 @@ class Router(pb_grpc.OneStreamServicer):
         down ends within LIVENESS_POLL_S. The silence limits are a backstop for a stream that stalls while
         its card still progresses."""
         limit = self.config.token_timeout_s if sent_tokens else self.config.first_token_timeout_s
+        identity = self.registry.identity(card_id)
         remaining = deadline - time.monotonic()
         give_up = time.monotonic() + min(limit, max(remaining, 0.0))
         pending = asyncio.ensure_future(_next_object(generator))
@@ -444,7 +445,7 @@ class Router(pb_grpc.OneStreamServicer):
                         DEADLINE,
                     )
                 what = f"sent nothing for {limit:.0f}s (hung)"
-                self.registry.report_failure(card_id, what, hung=True)
+                self.registry.report_failure(card_id, what, hung=True, seen=identity)
                 raise CardFailure(card_id, what)
             return pending.result()
         except StopAsyncIteration:
@@ -454,7 +455,7 @@ class Router(pb_grpc.OneStreamServicer):
         except RayTaskError as e:  # an exception escaped the actor method: a bug on the card
             raise PoolError(grpc.StatusCode.INTERNAL, f"card {card_id} failed: {_first_line(e)}") from e
         except RayError as e:  # the actor died, or its node; its objects are lost
-            self.registry.report_failure(card_id, "died mid-stream", hung=False)
+            self.registry.report_failure(card_id, "died mid-stream", hung=False, seen=identity)
             raise CardFailure(card_id, f"died mid-stream ({type(e).__name__})") from e
         finally:
             if not pending.done():
@@ -640,12 +641,14 @@ class Router(pb_grpc.OneStreamServicer):
 
     async def _card_status(self, record: CardRecord) -> dict[str, Any] | None:
         """A card's status for a listing; a card found dead is taken down now, so the listing shows it."""
+        identity = record.identity
         try:
             return await asyncio.wait_for(record.actor.status.remote(), self.config.call_timeout_s)
         except asyncio.TimeoutError:
             return None
         except RayError as e:
-            self.registry.report_failure(record.card_id, f"is unreachable: {_first_line(e)}", hung=False)
+            what = f"is unreachable: {_first_line(e)}"
+            self.registry.report_failure(record.card_id, what, hung=False, seen=identity)
             return None
 
     async def _card_sessions(self, card_id: str) -> list[SessionRecord]:
