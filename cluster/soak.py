@@ -265,18 +265,24 @@ def _replace_node(pool: _Pool, settings: SoakSettings) -> None:
 def _restart_router(pool: _Pool, report: SoakReport) -> None:
     """Stop the router and start another on the same port: it adopts the running cards, which keep
     their processes (and caches)."""
-    before = {card: _incarnation(pool, card) for card in pool.card_ids()}
+    before = _incarnations(pool)
     pool.restart_router()
     _wait(lambda: set(pool.card_ids()) >= set(before), START_TIMEOUT_S, "the cards to be adopted")
+    after = _incarnations(pool)
     for card, incarnation in before.items():
-        if _incarnation(pool, card) != incarnation:
+        if after.get(card, incarnation) != incarnation:
             report.problems.append(f"card {card} restarted with the router: its cache was lost")
 
 
-def _incarnation(pool: _Pool, card_id: str) -> str:
+def _incarnations(pool: _Pool) -> dict[str, str]:
+    """card -> incarnation of the cards serving now (one that leaves meanwhile is left out)."""
     import ray
 
-    return ray.get(pool.actor(card_id).ping.remote(), timeout=60).incarnation
+    found = {}
+    for card_id in pool.card_ids():
+        with contextlib.suppress(KeyError, ray.exceptions.RayError):
+            found[card_id] = ray.get(pool.actor(card_id).ping.remote(), timeout=60).incarnation
+    return found
 
 
 # ---- checks ---------------------------------------------------------------------------------------
@@ -353,10 +359,11 @@ def _card_memory(pool: _Pool, client: PoolClient) -> dict[str, tuple[str, float]
 
     memory = {}
     for card_id in pool.card_ids():
-        actor = pool.actor(card_id)
-        status = ray.get(actor.status.remote(), timeout=60)
-        incarnation = ray.get(actor.ping.remote(), timeout=60).incarnation
-        memory[card_id] = (incarnation, status.get("rss_bytes", 0) / 1e6)
+        with contextlib.suppress(KeyError, ray.exceptions.RayError):
+            actor = pool.actor(card_id)
+            status = ray.get(actor.status.remote(), timeout=60)
+            incarnation = ray.get(actor.ping.remote(), timeout=60).incarnation
+            memory[card_id] = (incarnation, status.get("rss_bytes", 0) / 1e6)
     return memory
 
 
