@@ -79,9 +79,10 @@ class _Pool:
 
     def __init__(self, settings: SoakSettings, workdir: Path) -> None:
         import ray
-        from .card import CPU_CARD_RESOURCE
         from onestream.worker.testing import write_tiny_checkpoint
         from ray.cluster_utils import Cluster
+
+        from .card import CPU_CARD_RESOURCE
 
         self.resource = CPU_CARD_RESOURCE
         self.cluster = Cluster(
