@@ -17,7 +17,7 @@ import os
 import platform
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
@@ -114,12 +114,13 @@ _END = _EndOfStream()
 class CardActor:
     """One engine behind a Ray actor. Create with `ray.remote(CardActor).options(...).remote(settings)`."""
 
-    def __init__(self, settings: CardSettings) -> None:
+    def __init__(self, settings: CardSettings, load_board: Any = None) -> None:
+        """`load_board`: the registry's LoadBoard, told how far the engine's weights have loaded."""
         if settings.torch_threads:
             import torch
 
             torch.set_num_threads(settings.torch_threads)
-        self._engine = _build_engine(settings)
+        self._engine = _build_engine(settings, _load_reporter(load_board, f"{_node()[0]}/{settings.slot}"))
         try:  # compile the megakernel's builds before the card says it is ready, not in the first request
             self._engine.warm_up()
         except Exception as e:  # the first request then compiles (or reports) whatever failed here
@@ -137,6 +138,7 @@ class CardActor:
             backend=str(self._model_info.get("backend", settings.backend)),
             device_name=device_name,
             spec_k=int(self._model_info.get("spec_k") or 0),
+            model_format=str(self._model_info.get("format", "")),
         )
         self._http = MetricsHTTPServer(settings.metrics_host or node_ip, 0, self._metrics.registry)
         self.identity = CardIdentity(
@@ -289,7 +291,22 @@ class CardActor:
         self._metrics.set_prefix_checkpoints(*self._engine.shared_prefixes())
 
 
-def _build_engine(settings: CardSettings) -> Any:
+def _load_reporter(board: Any, key: str) -> Callable[[Any], None] | None:
+    """Posts the load's fraction to the LoadBoard at every whole percent (a remote call per tensor would be
+    thousands for a large model)."""
+    if board is None:
+        return None
+    posted = [-1.0]
+
+    def report(progress: Any) -> None:
+        if progress.fraction - posted[0] >= 0.01 or progress.fraction >= 1.0:
+            posted[0] = progress.fraction
+            board.report.remote(key, progress.fraction)
+
+    return report
+
+
+def _build_engine(settings: CardSettings, on_load_progress: Callable[[Any], None] | None = None) -> Any:
     from onestream.worker.engine import Engine
 
     options = dict(settings.engine_options)
@@ -297,7 +314,9 @@ def _build_engine(settings: CardSettings) -> Any:
         options["dtype"] = settings.dtype  # the engine parses "bf16", "fp32", ...
     backend = "reference" if settings.cpu and settings.backend == "auto" else settings.backend
     device = "cpu" if settings.cpu else "cuda"
-    return Engine(settings.model_dir, backend=backend, device=device, **options)
+    return Engine(
+        settings.model_dir, backend=backend, device=device, on_load_progress=on_load_progress, **options
+    )
 
 
 def _node() -> tuple[str, str]:

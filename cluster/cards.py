@@ -50,6 +50,20 @@ RECREATE_BACKOFF_S = 10.0  # before refilling a slot whose actor died for good
 REPLACE_BACKOFF_S = 2.0  # before refilling a slot whose running card could not be adopted
 
 
+class LoadBoard:
+    """Where starting cards post how far their engine's weights have loaded (a Ray actor of the registry's: a
+    card cannot answer its own calls until its constructor, which loads the engine, returns)."""
+
+    def __init__(self) -> None:
+        self._fractions: dict[str, float] = {}
+
+    def report(self, key: str, fraction: float) -> None:
+        self._fractions[key] = fraction
+
+    def fractions(self) -> dict[str, float]:
+        return dict(self._fractions)
+
+
 @dataclass
 class CardRecord:
     """One card slot: a node and the slot's index on it, the actor serving it, and what we know of it."""
@@ -68,6 +82,11 @@ class CardRecord:
     @property
     def key(self) -> tuple[str, int]:
         return (self.node_id, self.slot)
+
+    @property
+    def load_key(self) -> str:
+        """The key the card's load progress is posted under (LoadBoard)."""
+        return f"{self.node_id}/{self.slot}"
 
     @property
     def card_id(self) -> str:
@@ -95,9 +114,13 @@ class CardRegistry:
         self._card_ready = asyncio.Event()
         self.model_info: dict[str, Any] | None = None
         self._sd_snapshot: list[dict[str, Any]] = []
+        self._load_board: Any = None  # ray ActorHandle of a LoadBoard
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._load_board = (
+            ray.remote(LoadBoard).options(num_cpus=0, namespace=self.config.ray_namespace).remote()
+        )
         await self.discover()
         self._loops = [
             asyncio.create_task(
@@ -130,6 +153,19 @@ class CardRegistry:
             self._drop(record, kill=False)
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
+        if self._load_board is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self._load_board)
+            self._load_board = None
+
+    async def loading_fractions(self) -> dict[str, float]:
+        """How far each starting card's weights have loaded, by `CardRecord.load_key` (empty if unknown)."""
+        if self._load_board is None:
+            return {}
+        try:
+            return await asyncio.wait_for(self._load_board.fractions.remote(), self.config.call_timeout_s)
+        except (RayError, asyncio.TimeoutError):
+            return {}
 
     async def _every(self, interval_s: float, step: Callable[[], Any]) -> None:
         while True:
@@ -210,7 +246,7 @@ class CardRegistry:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 namespace=self.config.ray_namespace,
             )
-            .remote(settings)
+            .remote(settings, self._load_board)
         )
 
     async def _bring_up(

@@ -88,6 +88,7 @@ def card_to_proto(
     restarts: int = 0,
     cached_sessions: int = 0,
     cached_session_bytes: int = 0,
+    loading_fraction: float = 0.0,
 ) -> pb.Card:
     card = pb.Card(
         card_id=card_id,
@@ -95,6 +96,7 @@ def card_to_proto(
         restarts=restarts,
         cached_sessions=cached_sessions,
         cached_session_bytes=cached_session_bytes,
+        loading_fraction=loading_fraction,
     )
     if identity is not None:
         card.node_id = identity.node_short

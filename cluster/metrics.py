@@ -108,6 +108,7 @@ class CardMetrics:
         backend: str,
         device_name: str,
         spec_k: int = 0,
+        model_format: str = "",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         card = {"node": node, "gpu_index": str(gpu_index), "gpu_uuid": gpu_uuid, "model": model}
@@ -184,9 +185,9 @@ class CardMetrics:
         Gauge(
             "onestream_card_info",
             "Card identity, for joins.",
-            (*CARD_LABELS, "backend", "device_name"),
+            (*CARD_LABELS, "backend", "device_name", "format"),
             registry=r,
-        ).labels(**card, backend=backend, device_name=device_name).set(1)
+        ).labels(**card, backend=backend, device_name=device_name, format=model_format).set(1)
         self._card = card
         # Labelled series exist at zero from the start: a series born at its first increment hides that
         # increment from rate() and increase().

@@ -551,10 +551,14 @@ class Router(pb_grpc.OneStreamServicer):
         records = self.registry.records()
         statuses = await asyncio.gather(*(self._card_status(r) if r.identity else _none() for r in records))
         phases = self.scheduler.card_phases()
+        loading = await self.registry.loading_fractions()
         cards = []
         for record, status in zip(records, statuses, strict=True):
+            fraction = 0.0
             if record.state == "up" and record.card_id in phases:
                 state = _CARD_STATES[phases[record.card_id]]
+            elif record.state == "starting" and record.load_key in loading:
+                state, fraction = pb.CARD_STATE_LOADING, loading[record.load_key]
             elif record.state == "starting":
                 state = pb.CARD_STATE_STARTING
             else:
@@ -568,6 +572,7 @@ class Router(pb_grpc.OneStreamServicer):
                     restarts=record.restarts,
                     cached_sessions=int(status.get("cached_sessions", 0)),
                     cached_session_bytes=int(status.get("cached_session_bytes", 0)),
+                    loading_fraction=fraction,
                 )
             )
         return pb.ListCardsResponse(cards=cards)

@@ -656,7 +656,7 @@ def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, clien
         assert delta("onestream_e2e_request_latency_seconds_count") == want["requests"], card
         assert delta("onestream_time_to_first_token_seconds_count") == want["requests"], card
         wait_for(lambda: total(scrape(address), "onestream_card_busy", **labels) == 0, 30, "an idle card")  # noqa: B023
-        assert total(after, "onestream_card_info", **labels, backend="reference") == 1
+        assert total(after, "onestream_card_info", **labels, backend="reference", format="safetensors fp32") == 1
     assert all(e["cached"] > 0 for e in expected.values()), "every second turn used its card's cache"
     wait_for(
         lambda: total(scrape(pool.metrics_address), "onestream_router_cards", state="free") == CARDS,
@@ -707,8 +707,12 @@ def test_status_command_shows_cards_sessions_and_queue(
     assert main(["status", "--server", pool.grpc_address]) == 0
     out = capsys.readouterr().out
     assert "SERVING" in out and session in out
+    assert "[safetensors fp32] on reference" in out  # the model's format (worker/checkpoints)
     for card in client.cards():
         assert card.card_id in out
+    # every card posted its load's progress while it started, ending at the whole of its weights
+    fractions = pool.run(pool.pool.registry.loading_fractions())
+    assert len(fractions) == CARDS and set(fractions.values()) == {1.0}
     assert main(["status", "--server", pool.grpc_address, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["cards"]) == CARDS and report["pool"]["queueCapacity"] == pool.config.queue_capacity

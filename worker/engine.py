@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from .prefixes import (
     message_boundaries,
     sharing_scope,
 )
-from .progress import LoadProgress
+from .progress import LoadProgress, ProgressReport
 from .sampling import RequestSampler
 from .sequence import Sequence
 from .sessions import Session, SessionCache, SessionInfo
@@ -91,12 +91,13 @@ class Engine:
         token_healing: bool = False,
         quantize: str | None = None,
         tokenizer_dir: str | Path | None = None,
-        progress: LoadProgress | None = None,
+        on_load_progress: Callable[[ProgressReport], None] | None = None,
         prefix_sharing: str = DEFAULT_PREFIX_SHARING,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
-        the checkpoint's own."""
+        the checkpoint's own; `on_load_progress` hears how far the weights' load has got (a card's `loading`
+        state), besides the terminal and log lines every load reports."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
@@ -105,7 +106,7 @@ class Engine:
                 kind=backend,
                 device=device,
                 dtype=parse_dtype(dtype),
-                progress=progress or LoadProgress(self.checkpoint.stored_sizes()),
+                progress=LoadProgress(self.checkpoint.stored_sizes(), on_update=on_load_progress),
             )
         else:
             self.backend = backend
