@@ -9,6 +9,7 @@ model is ever made: peak host memory is the loaded weights plus the largest sing
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
     from .checkpoints import Checkpoint, WeightValue
     from .model import Qwen35ForCausalLM
     from .progress import LoadProgress
-    from .quant import QuantizedWeight
 
+# A quantized model whose full-precision weights take at most this much dequantizes them once at load.
+DEQUANTIZE_ONCE_BYTES = 1 << 30
 # Parameters kept in fp32 whatever the load dtype: the DeltaNet decay is computed in fp32.
 FP32_PARAMETER_SUFFIXES = (".A_log", ".dt_bias")
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default_model"
@@ -107,6 +109,7 @@ def load_model(
     device: str | torch.device = "cpu",
     quantize: str | None = None,
     progress: LoadProgress | None = None,
+    dequantize_once: bool | None = None,
 ) -> Qwen35ForCausalLM:
     """Build the model of a checkpoint (a path in any format, or an opened `Checkpoint`) and load its
     weights: plain tensors cast to `dtype`, quantized ones kept quantized. `quantize` names a preset
@@ -114,6 +117,10 @@ def load_model(
 
     A Hugging Face checkpoint without any `mtp.*` tensor (as transformers' save_pretrained writes) loads as
     a model without the MTP head; a partial MTP head is an error.
+
+    Quantized layers dequantize their weight at every call (only one layer is ever in full precision), or once
+    at load (`dequantize_once`; default: when the whole model in `dtype` takes at most
+    DEQUANTIZE_ONCE_BYTES, as the embedded model does: a step then costs what the plain model's does).
     """
     from .checkpoints import Checkpoint, open_checkpoint
     from .model import Qwen35ForCausalLM
@@ -124,6 +131,9 @@ def load_model(
         built = Qwen35ForCausalLM(checkpoint.config)
     move_buffers(built, device)
     weights = checkpoint.tensors(device)
+    if dequantize_once is None:
+        numel = sum(math.prod(shape) for shape in expected_tensor_shapes(checkpoint.config).values())
+        dequantize_once = numel * torch.empty((), dtype=dtype).element_size() <= DEQUANTIZE_ONCE_BYTES
     fill_parameters(
         built, progress.track(weights) if progress is not None else weights, dtype=dtype, device=device
     )
@@ -165,6 +175,7 @@ def fill_parameters(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    dequantize_once: bool = False,
 ) -> None:
     """Give each parameter of a model built on `meta` its value: a new parameter of its load dtype on
     `device`, or, for a quantized weight, a quantized layer in place of the layer that owns it."""
@@ -179,14 +190,20 @@ def fill_parameters(
     with torch.no_grad():
         for name, value in weights:
             if not isinstance(value, torch.Tensor):  # a QuantizedWeight
-                install_quantized(model, name, value, dtype=parameter_dtype(name, dtype), device=device)
+                install_quantized(
+                    model,
+                    name,
+                    value,
+                    dtype=parameter_dtype(name, dtype),
+                    device=device,
+                    dequantize_once=dequantize_once,
+                )
             else:
                 module_name, _, attr = name.rpartition(".")
                 module = model.get_submodule(module_name)
                 data = torch.empty(value.shape, dtype=parameter_dtype(name, dtype), device=device)
-                data.copy_(
-                    value
-                )  # a copy even when dtype and device match: `value` may be a view of the file
+                # a copy even when dtype and device match: `value` may be a view of the file
+                data.copy_(value)
                 module._parameters[attr] = nn.Parameter(data, requires_grad=False)
             pending.discard(name)
     if pending:
@@ -194,16 +211,26 @@ def fill_parameters(
 
 
 def install_quantized(
-    model: nn.Module, name: str, weight: QuantizedWeight, *, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    name: str,
+    weight: WeightValue,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    dequantize_once: bool = False,
 ) -> None:
-    """A linear layer's or the embedding's weight stays quantized (its layer is replaced by a quantized
-    one); any other parameter (a norm stored quantized) is dequantized into a plain parameter."""
+    """A linear layer's or the embedding's weight stays quantized (`quant.install_quantized_weights` swaps its
+    module); any other parameter stored quantized (a norm) is dequantized into a plain parameter."""
+    from .layers.quantized import PermutedInputLinear, PermutedInputWeight
     from .quant import install_quantized_weights
 
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
-        install_quantized_weights(model, {name: weight.to(device)}, dtype=dtype)
+    if isinstance(weight, PermutedInputWeight):
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, PermutedInputLinear(weight, dtype, dequantize_once))
+    elif isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+        install_quantized_weights(model, {name: weight.to(device)}, dtype=dtype, dequantize_once=dequantize_once)
     else:
         param = module._parameters[attr]
         data = weight.dequantize(dtype, device).reshape(param.shape)

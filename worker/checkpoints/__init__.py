@@ -42,10 +42,15 @@ def open_checkpoint(
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if is_gguf_path(path):
-        raise CheckpointError(f"{path}: GGUF files are not supported yet")
-    if quantize is not None:
-        raise CheckpointError(f"quantize={quantize!r}: quantizing on load is not supported yet")
-    checkpoint = hf.HFCheckpoint(path)
+        from .gguf import GGUFCheckpoint
+
+        checkpoint: Checkpoint = GGUFCheckpoint(path)
+    else:
+        checkpoint = hf.HFCheckpoint(path)
     if tokenizer_dir is not None:
         checkpoint.tokenizer_dir = Path(tokenizer_dir)
+    if quantize is not None:
+        from .quantize import QuantizingCheckpoint
+
+        checkpoint = QuantizingCheckpoint(checkpoint, quantize)
     return checkpoint

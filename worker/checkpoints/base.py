@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # A weight as a format hands it over: a plain tensor (any float dtype; the loader casts it) or a block-quantized
 # one, already in our model's names and value conventions.
 WeightValue = Union[torch.Tensor, "QuantizedWeight"]
+PLAIN = "PLAIN"  # a stored_types() entry: cast to the compute dtype on load
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class Checkpoint(ABC):
     @abstractmethod
     def stored_sizes(self) -> dict[str, int]:
         """Bytes each tensor occupies in the files, by our model's name (what load progress counts)."""
+
+    @abstractmethod
+    def stored_types(self) -> dict[str, str]:
+        """Each tensor's type as it reaches the device, by our model's name: a GGML block type name (`Q4_K`)
+        for a block-quantized weight, `PLAIN` for one the loader casts to the compute dtype."""
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer with its chat templates and EOS ids: from `tokenizer_dir` when set, else the format's."""

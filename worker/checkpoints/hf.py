@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
 from ..loading import expected_tensor_shapes, listing
 from ..tokenizer import Tokenizer, load_tokenizer
-from .base import Checkpoint, ModelFormat, drop_file_pages
+from .base import PLAIN, Checkpoint, ModelFormat, drop_file_pages
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -320,6 +320,9 @@ class HFCheckpoint(Checkpoint):
 
     def stored_sizes(self) -> dict[str, int]:
         return {name: t.end - t.start for name, t in checkpoint_text_tensors(self.path, self.config).items()}
+
+    def stored_types(self) -> dict[str, str]:
+        return dict.fromkeys(expected_tensor_shapes(self.config), PLAIN)
 
     def own_tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.path)
