@@ -16,6 +16,7 @@ COMMAND_MODULES = {
     "status": "onestream.commands.status",
     "bench": "onestream.commands.bench",
     "soak": "onestream.commands.soak",
+    "quantize": "onestream.commands.quantize",
 }
 
 
