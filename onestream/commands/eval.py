@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .generate import add_engine_arguments
+from .generate import add_engine_arguments, add_format_arguments, engine_format_options
 
 DEFAULT_K_VALUES = (1, 2, 3, 4)
 
@@ -28,8 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kld.add_argument(
         "--against",
         required=True,
-        help="hf (transformers on the same checkpoint), reference (our PyTorch model, fp32), or a checkpoint DIR",
+        help="hf (transformers on the same checkpoint), reference (our PyTorch model on the same checkpoint), "
+        "or another model in any format (a checkpoint DIR, a .gguf file; --against-quantize for a quantized variant)",
     )
+    add_format_arguments(kld, prefix="against-")
     source = kld.add_mutually_exclusive_group(required=True)
     source.add_argument("--tokens", type=Path, help="file of whitespace-separated token ids")
     source.add_argument("--text", type=Path, help="text file, tokenized with the model's tokenizer")
@@ -85,6 +87,7 @@ def run_kld(args: argparse.Namespace) -> int:
     import torch
 
     from onestream.worker.backend import create_backend
+    from onestream.worker.checkpoints import open_checkpoint
     from onestream.worker.evaluation import (
         BackendSteps,
         ReferenceForward,
@@ -93,16 +96,15 @@ def run_kld(args: argparse.Namespace) -> int:
         reference_source,
         run_kld,
     )
-    from onestream.worker.loading import default_model_dir, load_model
-    from onestream.worker.tokenizer import load_tokenizer
+    from onestream.worker.loading import load_model
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    backend = create_backend(model_dir, kind=args.backend, device=args.device, dtype=_dtype(args.dtype))
+    checkpoint = open_checkpoint(args.model, **engine_format_options(args))
+    backend = create_backend(checkpoint, kind=args.backend, device=args.device, dtype=_dtype(args.dtype))
     device = backend.device
     if args.tokens is not None:
         tokens = read_token_file(args.tokens)
     else:
-        tokens = load_tokenizer(model_dir).encode(args.text.read_text())
+        tokens = checkpoint.tokenizer().encode(args.text.read_text())
     if args.limit is not None:
         tokens = tokens[: args.limit]
     bad = [t for t in tokens if not 0 <= t < backend.config.vocab_size]
@@ -112,12 +114,24 @@ def run_kld(args: argparse.Namespace) -> int:
     test = BackendSteps(backend) if args.steps else reference_source(backend)
     ref_dtype = _dtype(args.against_dtype) or torch.float32
     if args.against == "hf":
-        ref: Any = TransformersForward(model_dir, device=device, dtype=ref_dtype)
+        ref: Any = TransformersForward(checkpoint.path, device=device, dtype=ref_dtype)
     else:
-        ref_dir = model_dir if args.against == "reference" else Path(args.against)
-        name = "reference" if args.against == "reference" else str(ref_dir)
+        same = args.against == "reference"
+        against = open_checkpoint(
+            checkpoint.path if same else Path(args.against),
+            quantize=args.against_quantize,
+            tokenizer_dir=args.against_tokenizer,
+        )
+        if against.config.vocab_size != backend.config.vocab_size:
+            print(
+                f"onestream eval kld: {against.path} has a vocabulary of {against.config.vocab_size}, "
+                f"{checkpoint.path} of {backend.config.vocab_size}: they cannot be compared",
+                file=sys.stderr,
+            )
+            return 2
+        name = "reference" if same else f"{against.name} [{against.format.label}]"
         ref = ReferenceForward(
-            load_model(ref_dir, dtype=ref_dtype, device=device), name=f"{name} ({args.against_dtype})"
+            load_model(against, dtype=ref_dtype, device=device), name=f"{name} ({args.against_dtype})"
         )
     stats = run_kld(test, ref, tokens, args.ctx)
     print(json.dumps(stats.as_dict(), indent=2) if args.json else stats.format())
@@ -128,7 +142,9 @@ def run_spec(args: argparse.Namespace) -> int:
     from onestream.worker.engine import Engine
     from onestream.worker.evaluation import SpeculativeMismatchError, cut_prompts, time_runs
 
-    engine = Engine(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
+    engine = Engine(
+        args.model, backend=args.backend, device=args.device, dtype=args.dtype, **engine_format_options(args)
+    )
     if not engine.backend.has_mtp:
         print("onestream eval spec: this model has no MTP head", file=sys.stderr)
         return 2
@@ -164,7 +180,7 @@ def run_spec(args: argparse.Namespace) -> int:
         print(json.dumps(record, indent=2))
         return 0
     print(
-        f"{info['model_name']} on {info['backend']} {info['device']} {info['dtype']}: {len(prompts)} prompts of "
+        f"{info['model_name']} [{info['format']}] on {info['backend']} {info['device']} {info['dtype']}: {len(prompts)} prompts of "
         f"{args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each; speculative outputs identical to plain"
     )
     print(

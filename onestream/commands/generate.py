@@ -9,9 +9,39 @@ import sys
 from typing import Any
 
 
+MODEL_HELP = (
+    "a Hugging Face checkpoint directory, a .gguf file, a directory holding one GGUF, or the first shard "
+    "NAME-00001-of-0000N.gguf of a split GGUF (default: the embedded model)"
+)
+QUANTIZE_HELP = (
+    "a llama.cpp preset of per-tensor types: q4_k_m, q5_k_m, q6_k or q8_0 (worker/quant/presets.py)"
+)
+
+
+def add_format_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--quantize and --tokenizer (with `prefix`: the same for a second model, e.g. --against-quantize)."""
+    parser.add_argument(
+        f"--{prefix}quantize",
+        default=None,
+        metavar="PRESET",
+        help=f"quantize a bf16/fp16/fp32 checkpoint while it loads: {QUANTIZE_HELP}",
+    )
+    parser.add_argument(
+        f"--{prefix}tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory to use instead of the checkpoint's own",
+    )
+
+
+def engine_format_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"quantize": args.quantize, "tokenizer_dir": args.tokenizer}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the model comes from and how it runs (shared with `onestream eval`)."""
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_format_arguments(parser)
     parser.add_argument("--backend", default="auto", choices=("auto", "reference", "megakernel"))
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     parser.add_argument(
@@ -89,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             spec_k=args.spec_k,
             token_healing=args.token_healing,
+            **engine_format_options(args),
         )
         request = GenerateRequest(
             prompt,
