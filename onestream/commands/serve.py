@@ -8,7 +8,10 @@ import contextlib
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
+
+from .generate import MODEL_HELP, add_format_arguments, engine_format_options
 
 EXTRA_CARDS_WAIT_S = 60.0
 # The flags of the addresses that serve the API: beyond loopback they need --api-keys (or --insecure).
@@ -28,7 +31,8 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_format_arguments(p)
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address (HOST:PORT; 0.0.0.0 for all)")
     p.add_argument("--metrics", default="127.0.0.1:9400", help="router /metrics and /sd address")
     p.add_argument(
@@ -129,6 +133,15 @@ def run(args: argparse.Namespace) -> int:
         engine_options["max_context"] = args.max_context
     if args.cache_gib is not None:
         engine_options["cache_bytes"] = int(args.cache_gib * (1 << 30))
+    engine_options |= {k: v for k, v in engine_format_options(args).items() if v is not None}
+    try:
+        if not (
+            args.address and not Path(model_dir).exists()
+        ):  # a remote cluster's path may be its nodes' only
+            print(f"onestream serve: {_memory_report(model_dir, args, engine_options)}", flush=True)
+    except CheckpointError as e:
+        print(f"onestream serve: {e}", file=sys.stderr)
+        return 2
     config = PoolConfig(
         model_dir=model_dir,
         grpc_address=args.listen,
@@ -193,6 +206,28 @@ def users_problem(args: argparse.Namespace) -> str | None:
     listeners = {f"--{name}": getattr(args, name) for name in LISTENERS}
     listeners = {flag: address for flag, address in listeners.items() if address and address != "off"}
     return exposure_error(listeners, keys=bool(args.api_keys), insecure=args.insecure)
+
+
+def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dict[str, Any]) -> str:
+    """What one card needs for this model, format and context (worker/memory.py), and whether the local GPU
+    has it."""
+    import torch
+
+    from onestream.worker.checkpoints import open_checkpoint
+    from onestream.worker.engine import DEFAULT_SPEC_K, parse_dtype
+    from onestream.worker.memory import fit_report
+
+    checkpoint = open_checkpoint(model_dir, quantize=args.quantize, tokenizer_dir=args.tokenizer)
+    gpu = args.cpu_cards is None and torch.cuda.is_available()
+    dtype = parse_dtype(args.dtype) or (torch.bfloat16 if gpu else torch.float32)
+    device_bytes = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    return fit_report(
+        checkpoint,
+        dtype=dtype,
+        context=engine_options.get("max_context"),
+        spec_k=engine_options.get("spec_k", DEFAULT_SPEC_K),
+        device_bytes=device_bytes,
+    )
 
 
 def _local_gpu_count() -> int:

@@ -1,0 +1,49 @@
+"""Device memory by our own accounting: the 27B shapes quantized Q4_K_M with a 32K context fit a 24 GB card,
+and the accounting's parts agree with what the engine really allocates."""
+
+from __future__ import annotations
+
+import torch
+from onestream.kernels.random_model import config_27b
+from onestream.worker.memory import GIB, device_memory, dtype_weight_types, preset_weight_types, stored_bytes
+from onestream.worker.testing import tiny_config
+
+CARD_24GB = 24 * GIB  # an RTX 3090 / 4090
+
+
+def test_27b_q4_k_m_with_32k_context_fits_24_gb() -> None:
+    config = config_27b(mtp=True)
+    plan = device_memory(config, preset_weight_types(config, "q4_k_m"), 32768, dtype=torch.bfloat16, spec_k=2)
+    print(plan.format())
+    assert 15.5e9 < plan.weights < 17.5e9  # llama.cpp's Q4_K_M files of this model: 16.5-16.8 GB
+    assert plan.kv_cache == 16 * 2 * 4 * 256 * 32768 * 2  # 16 full-attention layers, 4 KV heads, bf16
+    assert plan.fits(CARD_24GB), plan.format()
+
+
+def test_27b_bf16_does_not_fit_24_gb() -> None:
+    config = config_27b(mtp=True)
+    plan = device_memory(config, dtype_weight_types(config, torch.bfloat16), 32768)
+    assert plan.weights > 50 * GIB and not plan.fits(CARD_24GB)
+
+
+def test_state_parts_match_what_the_engine_allocates() -> None:
+    from onestream.worker.state import KVCache, SequenceState
+
+    config = tiny_config()
+    context = 1024
+    plan = device_memory(config, dtype_weight_types(config, torch.float32), context, dtype=torch.float32)
+    state = SequenceState(config, context, torch.float32, "cpu")
+    deltanet = sum(t.numel() * t.element_size() for t in (*state.conv.values(), *state.recurrent.values()))
+    assert plan.deltanet_state == deltanet
+    full = KVCache(
+        config.num_key_value_heads, config.head_dim, context, torch.float32, "cpu", capacity=context
+    )
+    per_layer = full.k.numel() * full.k.element_size() * 2
+    assert plan.kv_cache == per_layer * len(config.full_attention_layers)
+    assert plan.mtp_kv_cache == per_layer
+
+
+def test_stored_bytes_of_block_types() -> None:
+    assert stored_bytes("Q4_K", (4, 512)) == 4 * 2 * 144
+    assert stored_bytes("Q8_0", (3, 64)) == 3 * 2 * 34
+    assert stored_bytes("BF16", (5, 7)) == 70

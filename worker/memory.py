@@ -1,0 +1,199 @@
+"""Device memory of one card by our own numbers: weights by stored type, the KV caches, the DeltaNet states and
+their rollback history, the MTP head, and the workspaces a step needs, for a config, a format and a context.
+
+`serve` states with it what fits a card; the numbers follow what `worker/state.py` allocates and what the
+reference back end's step holds at its peak (docs/design.md, "Memory").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .checkpoints.base import PLAIN, Checkpoint
+from .config import ModelConfig
+from .loading import expected_tensor_shapes
+from .sequence import MAX_TOKENS_PER_CALL
+from .state import KV_CHUNK
+
+GIB = 1 << 30
+DTYPE_TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def stored_bytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `shape` stored as `type_name` (a GGML type name: F32, BF16, Q4_K, ...)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel // block * size
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes a card's device needs, by part."""
+
+    context: int
+    weights_by_type: dict[str, int]
+    mtp_weights: int  # part of the weights: the MTP head's own tensors
+    kv_cache: int  # main model's full-attention layers at `context` tokens
+    mtp_kv_cache: int
+    deltanet_state: int  # conv windows and fp32 recurrent states of one sequence
+    rollback_history: int  # the states a verify step keeps per position for rollback
+    workspace: int  # the largest transient of a step (dequantized matrix, logits, prefill activations)
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> int:
+        return sum(self.weights_by_type.values())
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.kv_cache
+            + self.mtp_kv_cache
+            + self.deltanet_state
+            + self.rollback_history
+            + self.workspace
+        )
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.total <= device_bytes
+
+    def format(self) -> str:
+        types = ", ".join(
+            f"{t} {b / GIB:.2f}" for t, b in sorted(self.weights_by_type.items(), key=lambda i: -i[1])
+        )
+        return (
+            f"{self.total / GIB:.2f} GiB at {self.context} tokens: weights {self.weights / GIB:.2f} ({types}; "
+            f"MTP head {self.mtp_weights / GIB:.2f}), KV {self.kv_cache / GIB:.2f} + MTP KV "
+            f"{self.mtp_kv_cache / GIB:.2f}, DeltaNet state {self.deltanet_state / GIB:.3f} + rollback "
+            f"{self.rollback_history / GIB:.3f}, workspace {self.workspace / GIB:.2f}"
+        )
+
+
+def device_memory(
+    config: ModelConfig,
+    weight_types: Mapping[str, str],
+    context: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    spec_k: int = 2,
+    dequantizes: bool = True,
+) -> MemoryPlan:
+    """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
+    serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
+    `dequantizes`: the back end dequantizes a block-quantized matrix into `dtype` before using it (the
+    reference back end), so the largest such matrix is part of the workspace."""
+    shapes = expected_tensor_shapes(config)
+    missing = sorted(set(shapes) - set(weight_types))
+    if missing:
+        raise ValueError(f"no stored type for {missing[:4]}")
+    by_type: dict[str, int] = {}
+    mtp_weights = 0
+    largest_dequantized = 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    plain = set(DTYPE_TYPE_NAMES.values())
+    for name, shape in shapes.items():
+        type_name = weight_types[name]
+        nbytes = stored_bytes(type_name, shape)
+        by_type[type_name] = by_type.get(type_name, 0) + nbytes
+        if name.startswith("mtp."):
+            mtp_weights += nbytes
+        if type_name not in plain:
+            numel = 1
+            for d in shape:
+                numel *= d
+            largest_dequantized = max(largest_dequantized, numel * elem)
+
+    kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * context * elem
+    kv_cache = kv_per_layer * len(config.full_attention_layers)
+    mtp_kv = kv_per_layer if config.has_mtp else 0
+    # a cache growing past its capacity holds the old and the new storage of one layer for a moment
+    kv_growth = 2 * config.num_key_value_heads * config.head_dim * max(context // 2, KV_CHUNK) * elem
+    conv = config.linear_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    linear_layers = len(config.linear_attention_layers)
+    deltanet = (conv + recurrent) * linear_layers
+    verify_tokens = spec_k + 1
+    rollback = (verify_tokens + 1) * (conv + recurrent) * linear_layers if spec_k else 0
+    chunk = MAX_TOKENS_PER_CALL
+    wide = max(
+        2 * config.num_attention_heads * config.head_dim, config.linear_qkv_dim, config.intermediate_size
+    )
+    prefill = (
+        chunk * (4 * config.hidden_size + 3 * wide) * elem + chunk * chunk * 4 * config.num_attention_heads
+    )
+    logits = verify_tokens * config.vocab_size * 4
+    workspace = (largest_dequantized if dequantizes else 0) + max(prefill, logits) + kv_growth
+    return MemoryPlan(
+        context=context,
+        weights_by_type=by_type,
+        mtp_weights=mtp_weights,
+        kv_cache=kv_cache,
+        mtp_kv_cache=mtp_kv,
+        deltanet_state=deltanet,
+        rollback_history=rollback,
+        workspace=workspace,
+        parts={
+            "prefill_activations": prefill,
+            "verify_logits": logits,
+            "largest_dequantized": largest_dequantized,
+        },
+    )
+
+
+def checkpoint_weight_types(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, str]:
+    """The type each of a checkpoint's tensors has on the device when loaded in compute `dtype`."""
+    from .loading import parameter_dtype
+
+    return {
+        name: DTYPE_TYPE_NAMES[parameter_dtype(name, dtype)] if kind == PLAIN else kind
+        for name, kind in checkpoint.stored_types().items()
+    }
+
+
+def preset_weight_types(config: ModelConfig, preset: str) -> dict[str, str]:
+    """The GGML type a llama.cpp preset stores each of our tensors in."""
+    from .checkpoints.gguf_layout import tensor_place
+    from .checkpoints.quantize import preset_chooser
+
+    choose = preset_chooser(preset, config)
+    types = {}
+    for name, shape in expected_tensor_shapes(config).items():
+        place = tensor_place(name, config)
+        gguf_shape = (shape[0], shape[-1]) if place.squeeze else shape
+        types[name] = choose(place.gguf_name, gguf_shape, place.block).name
+    return types
+
+
+def dtype_weight_types(config: ModelConfig, dtype: torch.dtype) -> dict[str, str]:
+    """Every tensor in one plain dtype (a bf16 checkpoint as loaded), the DeltaNet decay in fp32."""
+    from .loading import parameter_dtype
+
+    return {name: DTYPE_TYPE_NAMES[parameter_dtype(name, dtype)] for name in expected_tensor_shapes(config)}
+
+
+def fit_report(
+    checkpoint: Checkpoint,
+    *,
+    dtype: torch.dtype,
+    context: int | None = None,
+    spec_k: int = 2,
+    device_bytes: int | None = None,
+) -> str:
+    """One line for `serve`: what a card needs for this model, format and context, and whether it fits."""
+    config = checkpoint.config
+    context = min(context or config.max_position_embeddings, config.max_position_embeddings)
+    plan = device_memory(
+        config, checkpoint_weight_types(checkpoint, dtype), context, dtype=dtype, spec_k=spec_k
+    )
+    line = f"{checkpoint.name} [{checkpoint.format.label}] needs {plan.format()}"
+    if device_bytes is not None:
+        verdict = "fits" if plan.fits(device_bytes) else "does NOT fit"
+        line += f"; {verdict} a card of {device_bytes / GIB:.1f} GiB"
+    return line
