@@ -656,7 +656,9 @@ def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, clien
         assert delta("onestream_e2e_request_latency_seconds_count") == want["requests"], card
         assert delta("onestream_time_to_first_token_seconds_count") == want["requests"], card
         wait_for(lambda: total(scrape(address), "onestream_card_busy", **labels) == 0, 30, "an idle card")  # noqa: B023
-        assert total(after, "onestream_card_info", **labels, backend="reference", format="safetensors fp32") == 1
+        assert (
+            total(after, "onestream_card_info", **labels, backend="reference", format="safetensors fp32") == 1
+        )
     assert all(e["cached"] > 0 for e in expected.values()), "every second turn used its card's cache"
     wait_for(
         lambda: total(scrape(pool.metrics_address), "onestream_router_cards", state="free") == CARDS,
