@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from onestream.worker import loading
+from onestream.worker.checkpoints import hf
 from onestream.worker.checkpoints.hf import INDEX_FILE, SINGLE_FILE, checkpoint_files, read_checkpoint_tensors
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import CheckpointError, UnsupportedModelError
@@ -381,7 +381,7 @@ def test_bad_safetensors_header_json(tmp_path: Path) -> None:
 
 
 def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "default_model")
+    monkeypatch.setattr(hf, "DEFAULT_MODEL_DIR", tmp_path / "default_model")
     with pytest.raises(CheckpointError, match="default model is not installed"):
         default_model_dir()
     write_tiny_checkpoint(tmp_path / "default_model")

@@ -97,12 +97,7 @@ def _imports(folders: tuple[str, ...]) -> dict[str, set[str]]:
 
 
 # Edges of cycles already on main, each left to the work that owns it; remove an entry with its cycle.
-KNOWN_CYCLE_EDGES = {
-    # issue 20's checkpoint interface: checkpoints/ reads loading.py's default directory and shape helpers
-    # while loading.load_model opens checkpoints.
-    ("worker.checkpoints", "worker.loading"),
-    ("worker.checkpoints.hf", "worker.loading"),
-}
+KNOWN_CYCLE_EDGES = {}
 
 
 def test_the_engine_and_the_pool_have_no_import_cycles() -> None:

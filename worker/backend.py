@@ -209,7 +209,9 @@ def create_backend(
             raise BackendUnavailableError(
                 "backend 'megakernel' streams bf16 weights; this model's are block-quantized (use the reference)"
             )
-        log.warning("the megakernel does not stream block-quantized weights yet; using the reference back end")
+        log.warning(
+            "the megakernel does not stream block-quantized weights yet; using the reference back end"
+        )
         return ReferenceBackend(loaded)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]

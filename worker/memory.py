@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .checkpoints.base import PLAIN, Checkpoint
 from .config import ModelConfig
-from .loading import expected_tensor_shapes
+from .layout import expected_tensor_shapes
 from .sequence import MAX_TOKENS_PER_CALL
 from .state import KV_CHUNK
 
@@ -149,7 +149,7 @@ def device_memory(
 
 def checkpoint_weight_types(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, str]:
     """The type each of a checkpoint's tensors has on the device when loaded in compute `dtype`."""
-    from .loading import parameter_dtype
+    from .layout import parameter_dtype
 
     return {
         name: DTYPE_TYPE_NAMES[parameter_dtype(name, dtype)] if kind == PLAIN else kind
@@ -173,7 +173,7 @@ def preset_weight_types(config: ModelConfig, preset: str) -> dict[str, str]:
 
 def dtype_weight_types(config: ModelConfig, dtype: torch.dtype) -> dict[str, str]:
     """Every tensor in one plain dtype (a bf16 checkpoint as loaded), the DeltaNet decay in fp32."""
-    from .loading import parameter_dtype
+    from .layout import parameter_dtype
 
     return {name: DTYPE_TYPE_NAMES[parameter_dtype(name, dtype)] for name in expected_tensor_shapes(config)}
 

@@ -8,7 +8,6 @@ import json
 import sys
 from typing import Any
 
-
 MODEL_HELP = (
     "a Hugging Face checkpoint directory, a .gguf file, a directory holding one GGUF, or the first shard "
     "NAME-00001-of-0000N.gguf of a split GGUF (default: the embedded model)"

@@ -35,10 +35,9 @@ def open_checkpoint(
     """The checkpoint `model` names (default: the embedded model), read lazily: headers now, weights when
     iterated. `tokenizer_dir` replaces the checkpoint's own tokenizer; `quantize` (a preset such as
     `q4_k_m`) quantizes a full-precision checkpoint's weights as they load."""
-    from ..loading import default_model_dir
     from . import hf
 
-    path = Path(model) if model is not None else default_model_dir()
+    path = Path(model) if model is not None else hf.default_model_dir()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if is_gguf_path(path):

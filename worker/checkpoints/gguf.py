@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType, ReaderField, R
 
 from ..config import ModelConfig, default_layer_types
 from ..errors import CheckpointError, UnsupportedModelError
-from ..loading import expected_tensor_shapes, listing
+from ..layout import expected_tensor_shapes, listing
 from ..tokenizer import Tokenizer
 from .base import PLAIN, Checkpoint, ModelFormat, WeightValue, drop_file_pages
 from .gguf_layout import ARCHITECTURE, TensorPlace, from_gguf, reorder_index, tensor_place

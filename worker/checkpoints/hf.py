@@ -16,7 +16,7 @@ import torch
 from ..api import SAMPLING_FIELDS, SamplingParams
 from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
-from ..loading import expected_tensor_shapes, listing
+from ..layout import expected_tensor_shapes, listing
 from ..tokenizer import Tokenizer, load_tokenizer
 from .base import PLAIN, Checkpoint, ModelFormat, drop_file_pages
 
@@ -25,6 +25,8 @@ SINGLE_FILE = "model.safetensors"
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 # Tensors of a multimodal checkpoint that the text model does not use.
 IGNORED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -329,3 +331,12 @@ class HFCheckpoint(Checkpoint):
 
     def generation_defaults(self) -> dict[str, Any]:
         return generation_defaults(self.path)
+
+
+def default_model_dir() -> Path:
+    """The embedded model shipped with the package (used when no --model is given)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise CheckpointError(
+            f"the default model is not installed: {DEFAULT_MODEL_DIR} has no config.json; pass a model directory"
+        )
+    return DEFAULT_MODEL_DIR

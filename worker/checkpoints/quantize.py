@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from ..loading import expected_tensor_shapes
+from ..layout import expected_tensor_shapes
 from ..tokenizer import Tokenizer
 from .base import PLAIN, Checkpoint, ModelFormat, WeightValue
 from .gguf_layout import tensor_place
