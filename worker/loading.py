@@ -69,7 +69,11 @@ def load_model(
         numel = sum(math.prod(shape) for shape in expected_tensor_shapes(checkpoint.config).values())
         dequantize_once = numel * torch.empty((), dtype=dtype).element_size() <= DEQUANTIZE_ONCE_BYTES
     fill_parameters(
-        built, progress.track(weights) if progress is not None else weights, dtype=dtype, device=device
+        built,
+        progress.track(weights) if progress is not None else weights,
+        dtype=dtype,
+        device=device,
+        dequantize_once=dequantize_once,
     )
     built.eval()
     return built
