@@ -116,3 +116,18 @@ def test_the_engine_and_the_pool_have_no_import_cycles() -> None:
 
     for module in sorted(graph):
         visit(module, [module])
+
+
+def test_every_package_folder_is_in_the_distribution() -> None:
+    # setuptools installs only the packages pyproject lists: a new sub-package left out works in an editable
+    # checkout and is missing from a built wheel.
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folder_of = {name: folder for name, folder in setup["package-dir"].items()}
+    listed = set(setup["packages"])
+    for name, folder in folder_of.items():
+        for init in sorted((root / folder).rglob("__init__.py")):
+            package = ".".join([name, *init.parent.relative_to(root / folder).parts])
+            assert package in listed, f"{init.parent.relative_to(root)} is not in pyproject's packages"
