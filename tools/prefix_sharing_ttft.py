@@ -8,8 +8,8 @@ import argparse
 from pathlib import Path
 
 import torch
+from onestream.worker.api import SamplingParams
 from onestream.worker.engine import Engine, GenerateRequest
-from onestream.worker.sampling import SamplingParams
 
 
 def first_token(

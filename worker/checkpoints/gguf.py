@@ -283,8 +283,8 @@ class GGUFCheckpoint(Checkpoint):
         return build_tokenizer(tokenizer, source)
 
     def generation_defaults(self) -> dict[str, Any]:
+        from ..api import SamplingParams
         from ..errors import InvalidRequestError
-        from ..sampling import SamplingParams
 
         defaults = {  # float32 in the file: keep the 7 digits it holds
             field: float(f"{value:.7g}") if isinstance(value, float) else value
