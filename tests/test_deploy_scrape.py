@@ -169,7 +169,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             "--spec-k",
             str(SPEC_K),
         ),
-        *("--listen", grpc_address, "--metrics", metrics_address),
+        *("--listen", grpc_address, "--metrics", metrics_address, "--http", "off"),
     ]
     with log.open("w") as out:
         process = subprocess.Popen(
