@@ -159,13 +159,16 @@ class CardRegistry:
             self._load_board = None
 
     async def loading_fractions(self) -> dict[str, float]:
-        """How far each starting card's weights have loaded, by `CardRecord.load_key` (empty if unknown)."""
+        """How far each card slot's weights have loaded, by `CardRecord.load_key` (empty if unknown). A slot
+        whose node has left is not reported: its last post stays on the board."""
         if self._load_board is None:
             return {}
         try:
-            return await asyncio.wait_for(self._load_board.fractions.remote(), self.config.call_timeout_s)
+            posted = await asyncio.wait_for(self._load_board.fractions.remote(), self.config.call_timeout_s)
         except (RayError, asyncio.TimeoutError):
             return {}
+        slots = {record.load_key for record in self._records.values()}
+        return {key: fraction for key, fraction in posted.items() if key in slots}
 
     async def _every(self, interval_s: float, step: Callable[[], Any]) -> None:
         while True:
