@@ -1,0 +1,93 @@
+"""The device layout of quantized weights (kernels/quant_layout.py): repacking is lossless (the layout's reader
+gives worker/quant's dequantization bit for bit) and streams no more bytes than the GGUF file holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from onestream.kernels.quant_layout import (
+    PLANE_ALIGN,
+    PLANES,
+    REPACKED_TYPES,
+    plane_offsets,
+    planes_of,
+    read_repacked,
+    repack,
+)
+from onestream.worker.quant import QuantShapeError, QuantType, dequantize, quantize
+
+# Where each block keeps its fp16 fields (every other byte is integers: any value is valid there).
+FP16_FIELDS = {
+    QuantType.Q8_0: (0,),
+    QuantType.Q4_0: (0,),
+    QuantType.Q5_0: (0,),
+    QuantType.Q5_1: (0, 2),
+    QuantType.Q4_K: (0, 2),
+    QuantType.Q5_K: (0, 2),
+    QuantType.Q6_K: (208,),
+}
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def random_raw(qtype: QuantType, rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """GGUF bytes of a `[rows, k]` weight: random blocks whose fp16 fields are finite halves."""
+    count = rows * k // qtype.block_size
+    blocks = torch.randint(0, 256, (count, qtype.type_size), dtype=torch.uint8, generator=generator)
+    for offset in FP16_FIELDS[qtype]:
+        bits = torch.randint(0, 1 << 16, (count,), dtype=torch.int32, generator=generator)
+        finite = torch.where((bits >> 10) & 0x1F == 0x1F, bits & ~(1 << 14), bits)
+        blocks[:, offset : offset + 2] = finite.to(torch.int16).view(torch.uint8).reshape(count, 2)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(3, 512), (16, 768)])
+def test_repacked_blocks_read_back_as_worker_quant_dequantizes_them(
+    qtype: QuantType, shape: tuple[int, int], generator: torch.Generator
+) -> None:
+    raw = random_raw(qtype, *shape, generator)
+    packed = repack(qtype, raw, shape)
+    expected = dequantize(qtype, raw, shape)
+    got = read_repacked(packed)
+    assert got.dtype == torch.float32 and got.shape == shape
+    # Bit for bit, signed zeros included.
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
+def test_quantized_weights_repack_losslessly(qtype: QuantType, generator: torch.Generator) -> None:
+    weights = torch.randn((8, 1024), generator=generator)
+    raw = quantize(qtype, weights).reshape(-1)
+    packed = repack(qtype, raw, (8, 1024))
+    assert torch.equal(read_repacked(packed), dequantize(qtype, raw, (8, 1024)))
+
+
+@pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
+def test_planes_hold_exactly_the_files_bytes(qtype: QuantType) -> None:
+    rows, k = 5, 1280
+    offsets, size = plane_offsets(qtype, rows, k)
+    packed = repack(qtype, torch.zeros(qtype.nbytes((rows, k)), dtype=torch.uint8), (rows, k))
+    planes = planes_of(packed)
+    assert sum(p.numel() for p in planes.values()) == qtype.nbytes((rows, k)) == packed.streamed_bytes
+    assert all(at % PLANE_ALIGN == 0 for at in offsets) and packed.data.numel() == size
+    # Every plane a lane loads 16 bytes at a time has 16-byte rows (the kernel's vector loads stay aligned).
+    for name, nbytes, _ in PLANES[qtype]:
+        if nbytes >= 16:
+            assert planes[name].shape[1] * nbytes % 16 == 0, name
+
+
+def test_shapes_that_do_not_fit_the_blocks_are_refused() -> None:
+    with pytest.raises(QuantShapeError, match="256-blocks"):
+        repack(QuantType.Q4_K, torch.zeros(144, dtype=torch.uint8), (2, 128))
+    with pytest.raises(QuantShapeError, match="no device layout"):
+        plane_offsets(QuantType.F16, 1, 32)
+    with pytest.raises(QuantShapeError, match="uint8 bytes"):
+        repack(QuantType.Q8_0, torch.zeros(10, dtype=torch.uint8), (1, 32))
