@@ -61,8 +61,3 @@ class MegakernelBackend(ReferenceBackend):
         drafts takes k + 1 and a first draft step up to k + 1 pairs, and a build costs seconds to compile."""
         for n in range(1, min(max_tokens, MAX_TOKENS_PER_LAUNCH) + 1):
             self.runner.prepare(n)
-
-    @torch.inference_mode()
-    def decode_greedy(self, token: int, state: Any, n_tokens: int) -> list[int]:
-        """`n_tokens` greedy tokens after `token`, chained on the device (one host sync at the end)."""
-        return self.runner.greedy_chain(token, state, n_tokens)

@@ -13,7 +13,6 @@ import torch
 from onestream.worker.config import ModelConfig
 from onestream.worker.layers.attention import RotaryEmbedding
 from onestream.worker.model import Qwen35ForCausalLM
-from torch import nn
 
 LOGIT_STD = 5.0  # standard deviation of the logits that the embedding/lm_head scale aims at
 
@@ -76,8 +75,3 @@ def random_model(
             param.normal_(0.0, 0.1, generator=generator)
     model.eval()
     return model
-
-
-def linear_weights(model: nn.Module) -> int:
-    """Number of parameters in the model's 2-D weight matrices (what a decode step streams, roughly)."""
-    return sum(p.numel() for p in model.parameters() if p.ndim == 2)
