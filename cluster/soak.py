@@ -24,8 +24,8 @@ import grpc
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
 from .client import PoolClient, make_request
-from .config import PoolConfig
 from .server import PoolThread
+from .testing import add_card_node, cpu_pool_config, start_cluster, stop_cluster, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -78,34 +78,16 @@ class _Pool:
     """The cluster and the router over it; the router can be restarted on the same port."""
 
     def __init__(self, settings: SoakSettings, workdir: Path) -> None:
-        import ray
         from onestream.worker.testing import write_tiny_checkpoint
-        from ray.cluster_utils import Cluster
 
-        from .card import CPU_CARD_RESOURCE
-
-        self.resource = CPU_CARD_RESOURCE
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: 1}, "include_dashboard": False},
-        )
-        self.nodes = [
-            self.cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: 1})
-            for _ in range(settings.cards - 1)
-        ]
-        ray.init(address=self.cluster.address, logging_level=logging.WARNING)
+        self.cluster = start_cluster([1] * settings.cards)  # a card per node
+        self.nodes = list(self.cluster.worker_nodes)
         model_dir = settings.model_dir or str(write_tiny_checkpoint(workdir / "tiny"))
-        self.config = PoolConfig(
-            model_dir=model_dir,
-            grpc_address="127.0.0.1:0",
-            metrics_address="127.0.0.1:0",
-            cpu_cards=0,
-            card_torch_threads=1,
+        self.config = cpu_pool_config(
+            model_dir,
             engine_options={"max_context": 1024},
             queue_capacity=4 * settings.sessions,
             home_wait_s=0.5,
-            discovery_interval_s=1.0,
-            call_timeout_s=30.0,
             first_token_timeout_s=60.0,
             token_timeout_s=30.0,
             drain_timeout_s=30.0,
@@ -128,12 +110,9 @@ class _Pool:
         return sorted(self.router.call(self.router.pool.registry.live_cards))
 
     def shutdown(self) -> None:
-        import ray
-
         with contextlib.suppress(Exception):
             self.router.stop()
-        ray.shutdown()
-        self.cluster.shutdown()
+        stop_cluster(self.cluster)
 
 
 def run_soak(settings: SoakSettings) -> SoakReport:
@@ -189,7 +168,7 @@ def _run_sessions(
         (0.6, "restarted the router", lambda: _restart_router(pool, report)),
     ]
     for fraction, what, fault in faults:
-        _wait(progressed(fraction), START_TIMEOUT_S, f"{fraction:.0%} of the turns")
+        wait_for(progressed(fraction), START_TIMEOUT_S, f"{fraction:.0%} of the turns")
         fault()
         report.faults.append(what)
     for thread in threads:
@@ -262,8 +241,8 @@ def _kill_card(pool: _Pool, rng: random.Random) -> None:
 def _replace_node(pool: _Pool, settings: SoakSettings) -> None:
     """Add a node (its card joins), then remove a node that is not the head (its card leaves)."""
     before = set(pool.card_ids())
-    added = pool.cluster.add_node(num_cpus=1, resources={pool.resource: 1})
-    _wait(lambda: set(pool.card_ids()) - before, START_TIMEOUT_S, "the added node's card")
+    added = add_card_node(pool.cluster)
+    wait_for(lambda: set(pool.card_ids()) - before, START_TIMEOUT_S, "the added node's card")
     if pool.nodes:
         pool.cluster.remove_node(pool.nodes.pop(0))
     pool.nodes.append(added)
@@ -274,7 +253,7 @@ def _restart_router(pool: _Pool, report: SoakReport) -> None:
     their processes (and caches)."""
     before = _incarnations(pool)
     pool.restart_router()
-    _wait(lambda: set(pool.card_ids()) >= set(before), START_TIMEOUT_S, "the cards to be adopted")
+    wait_for(lambda: set(pool.card_ids()) >= set(before), START_TIMEOUT_S, "the cards to be adopted")
     after = _incarnations(pool)
     for card, incarnation in before.items():
         if after.get(card, incarnation) != incarnation:
@@ -314,11 +293,11 @@ def _check_end(
         if turn.code in ("UNKNOWN", "INTERNAL"):
             problems.append(f"turn {turn.request_id} ended {turn.code}")
     try:
-        _wait(lambda: _idle(client, len(pool.card_ids())), SETTLE_TIMEOUT_S, "the pool to be idle")
+        wait_for(lambda: _idle(client, len(pool.card_ids())), SETTLE_TIMEOUT_S, "the pool to be idle")
     except TimeoutError as e:
         problems.append(f"{e}: {client.pool_status()}")
     try:
-        _wait(
+        wait_for(
             lambda: _listed_equals_cached(pool, client),
             SETTLE_TIMEOUT_S,
             "listed sessions to equal cached ones",
@@ -372,13 +351,3 @@ def _card_memory(pool: _Pool, client: PoolClient) -> dict[str, tuple[str, float]
             incarnation = ray.get(actor.ping.remote(), timeout=60).incarnation
             memory[card_id] = (incarnation, status.get("rss_bytes", 0) / 1e6)
     return memory
-
-
-def _wait(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")

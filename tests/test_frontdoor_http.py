@@ -5,21 +5,16 @@ APIs through the router's own gRPC API."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import openai
 import pytest
-import ray
-from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient
-from onestream.cluster.config import PoolConfig
 from onestream.cluster.frontdoor.app import FrontDoor
 from onestream.cluster.server import PoolThread
 from onestream.worker.loading import default_model_dir
@@ -28,7 +23,6 @@ pytestmark = pytest.mark.slow
 
 CARDS = 2
 MAX_CONTEXT = 1024
-WAIT_S = 180.0
 MODEL = "default_model"
 WRITE_FILE = {
     "type": "function",
@@ -44,32 +38,21 @@ WRITE_FILE = {
 }
 
 
+# tests/conftest.py builds the cluster, the router and `grpc_client` from these; `client` here is the
+# OpenAI SDK's.
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolThread]:
-    ray.init(
-        address="local",
-        num_cpus=CARDS,
-        resources={CPU_CARD_RESOURCE: CARDS},
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
-    config = PoolConfig(
-        model_dir=str(default_model_dir()),
-        grpc_address="127.0.0.1:0",
-        metrics_address="127.0.0.1:0",
-        http_address="127.0.0.1:0",
-        cpu_cards=CARDS,
-        card_torch_threads=1,
-        engine_options={"max_context": MAX_CONTEXT},
-        home_wait_s=0.5,
-        health_interval_s=1.0,
-    )
-    pool = PoolThread(config)
-    try:
-        yield pool.start(wait_for_cards=CARDS, ready_timeout_s=WAIT_S)
-    finally:
-        pool.stop()
-        ray.shutdown()
+def pool_cards() -> tuple[int, ...]:
+    return (CARDS,)
+
+
+@pytest.fixture(scope="module")
+def pool_model_dir() -> str:
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def pool_settings() -> dict[str, Any]:
+    return {"http_address": "127.0.0.1:0", "engine_options": {"max_context": MAX_CONTEXT}, "home_wait_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +63,6 @@ def base_url(pool: PoolThread) -> str:
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(pool: PoolThread) -> Iterator[PoolClient]:
-    with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
-        yield client
 
 
 def post(

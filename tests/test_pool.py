@@ -6,31 +6,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import random
 import signal
-import threading
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import pytest
 import ray
-from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
-from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
+from onestream.cluster.testing import add_card_node, wait_for
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import SAMPLING_FIELDS
-from onestream.worker.testing import write_tiny_checkpoint
-from prometheus_client.parser import text_string_to_metric_families
+from pool_helpers import Turn, http_get, new_session, run_turn, scrape, start_turn, total
 from ray.cluster_utils import Cluster
 
 pytestmark = pytest.mark.slow
@@ -42,126 +36,31 @@ HANG_TIMEOUT_S = 30.0  # the silence backstop; liveness (pings, progress) finds 
 WAIT_S = 180.0  # bound on anything that waits for cards to (re)start on a busy 2-core machine
 
 
-# ---- fixtures -------------------------------------------------------------------------------------
+# ---- fixtures (tests/conftest.py builds the cluster, the router and the client from these) ---------
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: 2}, "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: 1})
-    ray.init(address=cluster.address, logging_level=logging.WARNING)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def pool_cards() -> tuple[int, ...]:
+    return (2, 1)
 
 
 @pytest.fixture(scope="module")
-def pool(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-    config = PoolConfig(
-        model_dir=str(model_dir),
-        grpc_address="127.0.0.1:0",
-        metrics_address="127.0.0.1:0",
-        cpu_cards=0,  # CPU cards where nodes advertise them
-        card_torch_threads=1,
-        engine_options={"max_context": MAX_CONTEXT},
-        queue_capacity=4,
-        home_wait_s=1.0,
-        discovery_interval_s=1.0,
-        health_interval_s=1.0,
-        call_timeout_s=30.0,
-        first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
-        token_timeout_s=HANG_TIMEOUT_S,
-        drain_timeout_s=120.0,
-        max_restarts=8,  # several tests kill or hang a card, sometimes the same one
-        stall_timeout_s=8.0,  # a 2-core box shared with other jobs starves cards for seconds at a time
-    )
-    pool = PoolThread(config).start(wait_for_cards=CARDS, ready_timeout_s=WAIT_S)
-    yield pool
-    pool.stop()
-
-
-@pytest.fixture(scope="module")
-def client(pool: PoolThread) -> Iterator[PoolClient]:
-    with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
-        yield client
+def pool_settings() -> dict[str, Any]:
+    return {
+        "engine_options": {"max_context": MAX_CONTEXT},
+        "queue_capacity": 4,
+        "home_wait_s": 1.0,
+        "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
+        "token_timeout_s": HANG_TIMEOUT_S,
+        "drain_timeout_s": 120.0,
+        "max_restarts": 8,  # several tests kill or hang a card, sometimes the same one
+        "stall_timeout_s": 8.0,  # a 2-core box shared with other jobs starves cards for seconds at a time
+    }
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-@dataclass
-class Turn:
-    """Everything one Generate call streamed back."""
-
-    positions: list[int] = field(default_factory=list)
-    assigned: list[pb.Assigned] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: pb.Finished | None = None
-    error: grpc.RpcError | None = None
-    first_chunk: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    call: Any = None
-
-    @property
-    def card_id(self) -> str:
-        return self.assigned[-1].card.card_id
-
-
-def run_turn(client: PoolClient, request: pb.GenerateRequest, turn: Turn | None = None) -> Turn:
-    turn = turn or Turn()
-    turn.call = client.generate(request, timeout_s=WAIT_S)
-    try:
-        for event in turn.call:
-            kind = event.WhichOneof("event")
-            if kind == "queued":
-                turn.positions.append(event.queued.position)
-            elif kind == "assigned":
-                turn.assigned.append(event.assigned)
-            elif kind == "chunk":
-                turn.token_ids += event.chunk.token_ids
-                turn.text += event.chunk.text
-                turn.first_chunk.set()
-            elif kind == "finished":
-                turn.finished = event.finished
-    except grpc.RpcError as e:
-        turn.error = e
-    finally:
-        turn.first_chunk.set()
-        turn.done.set()
-    return turn
-
-
-def start_turn(client: PoolClient, request: pb.GenerateRequest) -> Turn:
-    """Run a turn on a background thread; wait on `first_chunk` / `done`."""
-    turn = Turn()
-    threading.Thread(target=run_turn, args=(client, request, turn), daemon=True).start()
-    return turn
-
-
 def long_request(session: str, max_tokens: int = MAX_CONTEXT - 48, **kwargs: Any) -> pb.GenerateRequest:
     return make_request(
         "def main():", session_id=session, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **kwargs
     )
-
-
-def new_session() -> str:
-    return f"s-{uuid.uuid4().hex[:10]}"
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def http_get(address: str, path: str) -> str:
-    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as response:
-        return response.read().decode()
 
 
 def card_endpoints(pool: PoolThread) -> dict[str, str]:
@@ -170,23 +69,6 @@ def card_endpoints(pool: PoolThread) -> dict[str, str]:
     return {
         g["labels"]["__meta_onestream_card"]: g["targets"][0] for g in groups if g["labels"]["role"] == "card"
     }
-
-
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a real /metrics scrape, keyed by (name, sorted labels)."""
-    samples = {}
-    for family in text_string_to_metric_families(http_get(address, "/metrics")):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    return sum(
-        v
-        for (n, ls), v in samples.items()
-        if n == name and all(dict(ls).get(k) == val for k, val in labels.items())
-    )
 
 
 def idle(client: PoolClient) -> bool:
@@ -593,7 +475,7 @@ def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
     cluster: Cluster, pool: PoolThread, client: PoolClient
 ) -> None:
     before = {c.card_id for c in client.cards()}
-    node = cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: 1})
+    node = add_card_node(cluster)
 
     def joined() -> set[str]:
         free = {c.card_id for c in client.cards() if c.state == pb.CARD_STATE_FREE}

@@ -6,11 +6,9 @@ a short message, and leave the pool healthy."""
 
 from __future__ import annotations
 
-import logging
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -19,15 +17,11 @@ import ray
 from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
-from onestream.cluster.config import PoolConfig
 from onestream.cluster.limits import MAX_ABORT_IDS
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import MAX_ID_CHARS, PROMPT_BYTES_PER_TOKEN
-from onestream.worker.testing import write_tiny_checkpoint
-from ray.cluster_utils import Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -44,40 +38,21 @@ CLIENT_ERROR_CODES = {
 }
 
 
+# ---- fixtures (tests/conftest.py builds the cluster, the router and the client from these) ---------
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: 1}, "include_dashboard": False},
-    )
-    ray.init(address=cluster.address, logging_level=logging.WARNING)
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-    config = PoolConfig(
-        model_dir=str(model_dir),
-        grpc_address="127.0.0.1:0",
-        metrics_address="127.0.0.1:0",
-        cpu_cards=0,
-        card_torch_threads=1,
-        card_metrics_host="127.0.0.1",  # not the node's address: the option is honoured
-        engine_options={"max_context": MAX_CONTEXT},
-        queue_capacity=4,
-        call_timeout_s=30.0,
-        first_token_timeout_s=60.0,
-        token_timeout_s=30.0,
-    )
-    pool = PoolThread(config).start(wait_for_cards=1, ready_timeout_s=WAIT_S)
-    try:
-        yield pool
-    finally:
-        pool.stop()
-        ray.shutdown()
-        cluster.shutdown()
+def pool_cards() -> tuple[int, ...]:
+    return (1,)
 
 
 @pytest.fixture(scope="module")
-def client(pool: PoolThread) -> Iterator[PoolClient]:
-    with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
-        yield client
+def pool_settings() -> dict[str, Any]:
+    return {
+        "card_metrics_host": "127.0.0.1",  # not the node's address: the option is honoured
+        "engine_options": {"max_context": MAX_CONTEXT},
+        "queue_capacity": 4,
+        "first_token_timeout_s": 60.0,
+        "token_timeout_s": 30.0,
+    }
 
 
 def generate(

@@ -4,7 +4,6 @@ cards running the embedded model (one cluster for the module)."""
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 import time
@@ -18,17 +17,14 @@ import anthropic
 import grpc
 import openai
 import pytest
-import ray
 from onestream.cluster.auth import RETRY_AFTER
-from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
-from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
+from onestream.cluster.testing import wait_for
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.loading import default_model_dir
-from prometheus_client.parser import text_string_to_metric_families
-from ray.cluster_utils import Cluster
+from pool_helpers import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -53,40 +49,31 @@ def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# tests/conftest.py builds the cluster and the router from these.
 @pytest.fixture(scope="module")
-def pool(keys_path: Path) -> Iterator[PoolThread]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: CARDS}, "include_dashboard": False},
-    )
-    ray.init(address=cluster.address, logging_level=logging.WARNING)
-    config = PoolConfig(
-        model_dir=str(default_model_dir()),
-        grpc_address="127.0.0.1:0",
-        metrics_address="127.0.0.1:0",
-        http_address="127.0.0.1:0",
-        cpu_cards=0,
-        card_torch_threads=1,
-        engine_options={"max_context": MAX_CONTEXT},
-        queue_capacity=8,
-        home_wait_s=0.5,
-        discovery_interval_s=1.0,
-        health_interval_s=1.0,
-        call_timeout_s=30.0,
-        first_token_timeout_s=30.0,
-        api_keys_path=str(keys_path),
-        user_max_concurrent=USER_MAX_CONCURRENT,
-        user_max_queued=USER_MAX_QUEUED,
-        retry_after_s=RETRY_AFTER_S,
-        metrics_per_user=True,
-    )
-    pool = PoolThread(config)
-    try:
-        yield pool.start(wait_for_cards=CARDS, ready_timeout_s=WAIT_S)
-    finally:
-        pool.stop()
-        ray.shutdown()
-        cluster.shutdown()
+def pool_cards() -> tuple[int, ...]:
+    return (CARDS,)
+
+
+@pytest.fixture(scope="module")
+def pool_model_dir() -> str:
+    return str(default_model_dir())  # real text: the HTTP SDKs parse what comes back
+
+
+@pytest.fixture(scope="module")
+def pool_settings(keys_path: Path) -> dict[str, Any]:
+    return {
+        "http_address": "127.0.0.1:0",
+        "engine_options": {"max_context": MAX_CONTEXT},
+        "queue_capacity": 8,
+        "home_wait_s": 0.5,
+        "first_token_timeout_s": 30.0,
+        "api_keys_path": str(keys_path),
+        "user_max_concurrent": USER_MAX_CONCURRENT,
+        "user_max_queued": USER_MAX_QUEUED,
+        "retry_after_s": RETRY_AFTER_S,
+        "metrics_per_user": True,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +166,6 @@ def rejected(call: Callable[[], Any]) -> grpc.RpcError:
     return error.value
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def stop(client: PoolClient, *streams: Stream) -> None:
     for stream in streams:
         stream.call.cancel()
@@ -194,17 +174,16 @@ def stop(client: PoolClient, *streams: Stream) -> None:
 
 
 def wait_until_idle(pool: PoolThread) -> None:
-    wait_for(lambda: pool.call(lambda: pool.pool.router.in_flight) == 0, 30, "no request in flight")
+    wait_for(
+        lambda: pool.call(lambda: pool.pool.router.in_flight) == 0, 30, "no request in flight", poll_s=0.05
+    )
 
 
 def user_counters(pool: PoolThread) -> dict[tuple[str, str, str | None], float]:
-    with urllib.request.urlopen(f"http://{pool.metrics_address}/metrics", timeout=10) as response:
-        text = response.read().decode()
     return {
-        (s.name, s.labels.get("user", ""), s.labels.get("reason")): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("onestream_router_user_")
+        (name, dict(labels).get("user", ""), dict(labels).get("reason")): value
+        for (name, labels), value in scrape(pool.metrics_address).items()
+        if name.startswith("onestream_router_user_")
     }
 
 

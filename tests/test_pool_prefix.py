@@ -5,22 +5,16 @@ goes to the card holding it; the router counts its prefix hits."""
 
 from __future__ import annotations
 
-import logging
 import random
-import urllib.request
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
-import ray
-from onestream.cluster.card import CPU_CARD_RESOURCE
 from onestream.cluster.client import PoolClient, make_request
-from onestream.cluster.config import PoolConfig
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.prefixes import MIN_PREFIX_TOKENS
-from onestream.worker.testing import IM_END, IM_START, special_token_id, write_tiny_checkpoint
-from prometheus_client.parser import text_string_to_metric_families
-from ray.cluster_utils import Cluster
+from onestream.worker.testing import IM_END, IM_START, special_token_id
+from pool_helpers import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -31,38 +25,13 @@ rng = random.Random(11)
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolThread]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: CARDS}, "include_dashboard": False},
-    )
-    ray.init(address=cluster.address, logging_level=logging.WARNING)
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-    config = PoolConfig(
-        model_dir=str(model_dir),
-        grpc_address="127.0.0.1:0",
-        metrics_address="127.0.0.1:0",
-        cpu_cards=0,
-        card_torch_threads=1,
-        engine_options={"max_context": 1024},
-        home_wait_s=1.0,
-        discovery_interval_s=1.0,
-        health_interval_s=1.0,
-        call_timeout_s=30.0,
-    )
-    pool = PoolThread(config).start(wait_for_cards=CARDS, ready_timeout_s=WAIT_S)
-    try:
-        yield pool
-    finally:
-        pool.stop()
-        ray.shutdown()
-        cluster.shutdown()
+def pool_cards() -> tuple[int, ...]:
+    return (CARDS,)
 
 
 @pytest.fixture(scope="module")
-def client(pool: PoolThread) -> Iterator[PoolClient]:
-    with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
-        yield client
+def pool_settings() -> dict[str, Any]:
+    return {"engine_options": {"max_context": 1024}, "home_wait_s": 1.0}
 
 
 def tokens(n: int) -> list[int]:
@@ -92,9 +61,7 @@ def run(
 
 
 def router_counter(pool: PoolThread, name: str) -> float:
-    with urllib.request.urlopen(f"http://{pool.metrics_address}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return total(scrape(pool.metrics_address), name)
 
 
 def test_a_second_turn_without_a_session_id_lands_on_the_same_card(

@@ -1,0 +1,101 @@
+"""Helpers of the pool tests (tests/conftest.py has their fixtures): a Generate call read to its end on
+this or a background thread, and real scrapes of the router's and the cards' /metrics."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from onestream.cluster.client import PoolClient
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from prometheus_client.parser import text_string_to_metric_families
+
+STREAM_TIMEOUT_S = 180.0  # a whole turn, queueing included, on a busy 2-core machine
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class Turn:
+    """Everything one Generate call streamed back."""
+
+    positions: list[int] = field(default_factory=list)
+    assigned: list[pb.Assigned] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: pb.Finished | None = None
+    error: grpc.RpcError | None = None
+    first_chunk: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    call: Any = None
+
+    @property
+    def card_id(self) -> str:
+        return self.assigned[-1].card.card_id
+
+
+def run_turn(
+    client: PoolClient,
+    request: pb.GenerateRequest,
+    turn: Turn | None = None,
+    timeout_s: float = STREAM_TIMEOUT_S,
+) -> Turn:
+    turn = turn or Turn()
+    turn.call = client.generate(request, timeout_s=timeout_s)
+    try:
+        for event in turn.call:
+            kind = event.WhichOneof("event")
+            if kind == "queued":
+                turn.positions.append(event.queued.position)
+            elif kind == "assigned":
+                turn.assigned.append(event.assigned)
+            elif kind == "chunk":
+                turn.token_ids += event.chunk.token_ids
+                turn.text += event.chunk.text
+                turn.first_chunk.set()
+            elif kind == "finished":
+                turn.finished = event.finished
+    except grpc.RpcError as e:
+        turn.error = e
+    finally:
+        turn.first_chunk.set()
+        turn.done.set()
+    return turn
+
+
+def start_turn(client: PoolClient, request: pb.GenerateRequest) -> Turn:
+    """Run a turn on a background thread; wait on `first_chunk` / `done`."""
+    turn = Turn()
+    threading.Thread(target=run_turn, args=(client, request, turn), daemon=True).start()
+    return turn
+
+
+def new_session() -> str:
+    return f"s-{uuid.uuid4().hex[:10]}"
+
+
+def http_get(address: str, path: str) -> str:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as response:
+        return response.read().decode()
+
+
+def scrape(address: str) -> Samples:
+    """Every sample of a real /metrics scrape, keyed by (name, sorted labels)."""
+    samples = {}
+    for family in text_string_to_metric_families(http_get(address, "/metrics")):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples that carry `labels`."""
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == val for k, val in labels.items())
+    )
