@@ -14,9 +14,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.checkpoints import open_checkpoint
 from onestream.worker.tokenizer import Tokenizer
@@ -27,6 +25,7 @@ from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
 from .frontdoor.app import FrontDoor
+from .health import HealthServicer
 from .http_server import MetricsHTTPServer
 from .metrics import RouterMetrics
 from .policy import Scheduler
@@ -99,16 +98,8 @@ class PoolServer:
         )
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         wire.add_servicer(self.router, self.server, pb.DESCRIPTOR.services_by_name["OneStream"])
-        self.health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
-        )
+        self.health = HealthServicer()
+        wire.add_health_and_reflection(self.server, self.health, [SERVICE_NAME])
         self.grpc_port = self.server.add_insecure_port(self.config.grpc_address)
         if not self.grpc_port:
             raise OSError(f"cannot listen for gRPC on {self.config.grpc_address}")

@@ -3,13 +3,16 @@
 grpcio's generated handlers deserialize with `FromString`, whose DecodeError (invalid UTF-8 in a string
 field, a corrupt message) grpc answers UNKNOWN after logging a traceback. `add_servicer` builds the
 handlers from the service descriptor instead, with a parser that hands a `Malformed` marker to the
-method's guard, which answers INVALID_ARGUMENT and logs one line.
+method's guard, which answers INVALID_ARGUMENT and logs one line. It serves any servicer of the aio
+shape (the pool's own, grpc's health and reflection servicers): every arity, methods that are
+coroutines or async generators; a request stream is checked message by message.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,17 +38,27 @@ def add_servicer(servicer: Any, server: grpc.aio.Server, service: ServiceDescrip
     for method in service.methods:
         request_class = GetMessageClass(method.input_type)
         response_class = GetMessageClass(method.output_type)
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
+        make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        guard = _guarded_stream if method.client_streaming else _guarded
         handlers[method.name] = make(
-            _guarded(service.name, method.name, getattr(servicer, method.name)),
+            guard(f"{service.name}.{method.name}", getattr(servicer, method.name)),
             request_deserializer=_parser(request_class),
             response_serializer=response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def add_health_and_reflection(server: grpc.aio.Server, health: Any, service_names: list[str]) -> None:
+    """grpc's health servicer and server reflection (listing `service_names`, health and itself), each
+    registered through `add_servicer`: grpc's own registration answers malformed bytes UNKNOWN."""
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+    from .health import SERVICE as health_service
+
+    reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+    add_servicer(health, server, health_service)
+    listed = [*service_names, health_service.full_name, reflection_service.full_name]
+    add_servicer(reflection.aio.ReflectionServicer(listed), server, reflection_service)
 
 
 def client_error(rpc: str, code: grpc.StatusCode, message: str) -> None:
@@ -63,13 +76,62 @@ def _parser(message_class: type[Message]) -> Callable[[bytes], Message | Malform
     return parse
 
 
-def _guarded(service: str, name: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
-    async def guarded(request: Message | Malformed, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Malformed):
-            message = f"malformed request: {request.error}"
-            client_error(f"{service}.{name}", grpc.StatusCode.INVALID_ARGUMENT, message)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        return await behaviour(request, context)
+def _guarded(rpc: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """A method taking one request: a malformed one is refused before `behaviour` sees it."""
+    if inspect.isasyncgenfunction(behaviour):
 
-    guarded.__name__ = name
+        async def guarded_generator(request: Message | Malformed, context: Any) -> AsyncIterator[Any]:
+            await _refuse_malformed(rpc, request, context)
+            async for response in behaviour(request, context):
+                yield response
+
+        guarded_generator.__name__ = rpc
+        return guarded_generator
+
+    async def guarded(request: Message | Malformed, context: Any) -> Any:
+        await _refuse_malformed(rpc, request, context)
+        result = behaviour(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    guarded.__name__ = rpc
     return guarded
+
+
+def _guarded_stream(rpc: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """A method taking a request stream: the call ends INVALID_ARGUMENT at the first malformed message."""
+
+    async def checked(requests: AsyncIterable[Message | Malformed], context: Any) -> AsyncIterator[Message]:
+        async for request in requests:
+            await _refuse_malformed(rpc, request, context)
+            yield request  # type: ignore[misc]
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def guarded_generator(requests: AsyncIterable[Any], context: Any) -> AsyncIterator[Any]:
+            async for response in behaviour(checked(requests, context), context):
+                yield response
+
+        guarded_generator.__name__ = rpc
+        return guarded_generator
+
+    async def guarded(requests: AsyncIterable[Any], context: Any) -> Any:
+        result = behaviour(checked(requests, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    guarded.__name__ = rpc
+    return guarded
+
+
+async def _refuse_malformed(rpc: str, request: Message | Malformed, context: Any) -> None:
+    if isinstance(request, Malformed):
+        message = f"malformed request: {request.error}"
+        client_error(rpc, grpc.StatusCode.INVALID_ARGUMENT, message)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+_HANDLERS = {  # (request streaming, response streaming) -> grpc's handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}

@@ -6,6 +6,7 @@ a short message, and leave the pool healthy."""
 
 from __future__ import annotations
 
+import logging
 import time
 import urllib.request
 import uuid
@@ -15,9 +16,12 @@ import grpc
 import pytest
 import ray
 from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onestream.cluster import wire
 from onestream.cluster.client import PoolClient, make_request
+from onestream.cluster.health import SERVICE as HEALTH_SERVICE
 from onestream.cluster.limits import MAX_ABORT_IDS
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
@@ -29,6 +33,13 @@ MAX_CONTEXT = 128
 WAIT_S = 180.0
 MAX_DETAILS_CHARS = 400  # a status message must fit any client's metadata limit, whatever was sent
 SERVICE = pb.DESCRIPTOR.services_by_name["OneStream"]
+REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+# Every method the server exposes, by "Service/Method": the pool's own, grpc's health and reflection.
+METHODS = {
+    f"{service.name}/{method.name}": method
+    for service in (SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE)
+    for method in service.methods
+}
 CLIENT_ERROR_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
@@ -68,16 +79,25 @@ def generate(
 
 
 def raw_call(client: PoolClient, method: str, data: bytes) -> grpc.RpcError | None:
-    """Send `data` as the request bytes of `method`; the error it ends with (None: it succeeded)."""
-    descriptor = SERVICE.methods_by_name[method]
-    path = f"/{SERVICE.full_name}/{method}"
-    make = client.channel.unary_stream if descriptor.server_streaming else client.channel.unary_unary
+    """Send `data` as the request bytes of `method` ("Service/Method" of any service the server exposes);
+    the error it ends with (None: it succeeded). A stream that never ends (Health/Watch) is read to its
+    first message."""
+    descriptor = METHODS[method]
+    path = f"/{descriptor.containing_service.full_name}/{descriptor.name}"
+    streams = (descriptor.client_streaming, descriptor.server_streaming)
+    make = {
+        (False, False): client.channel.unary_unary,
+        (False, True): client.channel.unary_stream,
+        (True, True): client.channel.stream_stream,
+    }[streams]
     call = make(path, request_serializer=None, response_deserializer=None)
     try:
-        result = call(data, timeout=WAIT_S)
+        result = call(iter([data]) if descriptor.client_streaming else data, timeout=WAIT_S)
         if descriptor.server_streaming:
             for _ in result:
-                pass
+                if method == "Health/Watch":
+                    result.cancel()
+                    break
     except grpc.RpcError as e:
         return e
     return None
@@ -190,24 +210,30 @@ MALFORMED = {
 }
 
 
-@pytest.mark.parametrize("method", [m.name for m in SERVICE.methods])
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("data", list(MALFORMED.values()), ids=list(MALFORMED))
 def test_bytes_that_are_no_request_get_invalid_argument(
     client: PoolClient, method: str, data: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger=wire.__name__)
     error = raw_call(client, method, data)
-    if method in ("ListCards", "ListSessions", "GetModelInfo", "GetPoolStatus") and data == BAD_UTF8_SESSION:
-        # Their requests have no fields: an unknown field 1 of any bytes is skipped, as protobuf does.
+    assert not [r for r in caplog.records if r.exc_info], "a refused request logs no traceback"
+    if not METHODS[method].input_type.fields and data == BAD_UTF8_SESSION:
+        # The request has no fields: an unknown field 1 of any bytes is skipped, as protobuf does.
         assert error is None
         return
     assert_client_error(error, "malformed request")
+    logged = [r.getMessage() for r in caplog.records if r.name == wire.__name__]
+    assert len(logged) == 1 and logged[0].startswith(
+        f"client error: {method.replace('/', '.')}: INVALID_ARGUMENT"
+    )
 
 
 def test_a_malformed_chat_message_in_a_valid_request_is_invalid_argument(client: PoolClient) -> None:
     valid = make_request([{"role": "user", "content": "hi"}], max_tokens=4).SerializeToString()
     # Field 4 (messages) holds a ChatMessages whose one message's role is not UTF-8.
     inner = b"\x0a\x04" + b"\x0a\x02\xc3\x28"
-    error = raw_call(client, "Generate", valid + b"\x22" + bytes([len(inner)]) + inner)
+    error = raw_call(client, "OneStream/Generate", valid + b"\x22" + bytes([len(inner)]) + inner)
     assert_client_error(error, "malformed request")
     assert_healthy(client)
 
@@ -323,15 +349,17 @@ def _messages() -> st.SearchStrategy[Any]:
         | st.none(),
     )
     return st.one_of(
-        st.tuples(st.just("Generate"), generate),
-        st.tuples(st.just("Abort"), st.builds(pb.AbortRequest, request_ids=st.lists(text, max_size=4))),
-        st.tuples(st.just("CloseSession"), st.builds(pb.CloseSessionRequest, session_id=text)),
+        st.tuples(st.just("OneStream/Generate"), generate),
+        st.tuples(
+            st.just("OneStream/Abort"), st.builds(pb.AbortRequest, request_ids=st.lists(text, max_size=4))
+        ),
+        st.tuples(st.just("OneStream/CloseSession"), st.builds(pb.CloseSessionRequest, session_id=text)),
     )
 
 
 def _methods_and_bytes() -> st.SearchStrategy[tuple[str, bytes]]:
     """Any method with any bytes, or a valid message's bytes cut, flipped or extended."""
-    arbitrary = st.tuples(st.sampled_from([m.name for m in SERVICE.methods]), st.binary(max_size=64))
+    arbitrary = st.tuples(st.sampled_from(list(METHODS)), st.binary(max_size=64))
 
     def mangled(drawn: tuple[tuple[str, Any], int, int]) -> tuple[str, bytes]:
         (method, message), at, flip = drawn
