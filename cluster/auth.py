@@ -180,7 +180,8 @@ class SessionOwners:
     """The user who opened each session: another user's turn on it is refused, and so are their
     CloseSession and listings of it (an admin may close any). An owner is kept while the session could
     still be cached on some card: until CloseSession, or `ttl_s` after its last turn. Anonymous callers
-    (no keys) own nothing."""
+    (no keys) own nothing. The cards keep each cached session's owner too, so a restarted router adopts
+    them with the cards (`adopt`)."""
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -208,6 +209,14 @@ class SessionOwners:
         if entry is None or entry[1] < self._clock() - self.ttl_s:
             return None
         return entry[0]
+
+    def adopt(self, session_id: str, user: str, last_used_wall: float) -> None:
+        """The owner a card reports for a session it caches (a restarted router learns them from its
+        cards): `user` owns it from its last turn (unix seconds; 0: now), unless an owner is known here."""
+        if self.owner_of(session_id) is not None:
+            return
+        idle_s = max(time.time() - last_used_wall, 0.0) if last_used_wall else 0.0
+        self._owners[session_id] = (user, self._clock() - idle_s)
 
     def visible_to(self, caller: Caller, session_id: str) -> bool:
         return caller.admin or self.owner_of(session_id) == caller.user

@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,7 @@ class SessionRecord:
     cached_tokens: int
     cached_bytes: int
     last_used: float = 0.0  # unix seconds (a router that adopts the card binds the newest copy)
+    owner: str | None = None  # the user whose turns built it (a router that adopts the card keeps it theirs)
 
 
 class _EndOfStream:
@@ -158,6 +159,9 @@ class CardActor:
         # One thread runs every engine call, so the engine never runs two things at once.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._sessions: list[SessionRecord] = []
+        # Session id -> the user of its turns, for the sessions the engine caches: a restarted router
+        # learns from the cards who owns what. Read and written on the engine thread only.
+        self._owners: dict[str, str] = {}
         self._prefix_reporter = PointReporter()
         self._busy = False
         self._refresh_sessions()
@@ -233,6 +237,8 @@ class CardActor:
             return
         self._busy = True
         self._metrics.busy.set(1)
+        if request.session_id and request.user:
+            self._owners[request.session_id] = request.user
         finished = False
         try:
             # Serving never needs autograd; inference mode is thread-local, so it is entered here.
@@ -286,7 +292,11 @@ class CardActor:
         return None
 
     def _refresh_sessions(self) -> None:
-        self._sessions = [_session_record(s) for s in self._engine.sessions()]
+        records = [_session_record(s) for s in self._engine.sessions()]
+        self._owners = {
+            r.session_id: self._owners[r.session_id] for r in records if r.session_id in self._owners
+        }
+        self._sessions = [replace(r, owner=self._owners.get(r.session_id)) for r in records]
         self._metrics.set_sessions(len(self._sessions), sum(s.cached_bytes for s in self._sessions))
         self._metrics.set_prefix_checkpoints(*self._engine.shared_prefixes())
 

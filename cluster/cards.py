@@ -12,8 +12,9 @@
   answers `ready`, the card rejoins.
   An actor out of restarts is dropped and its slot refilled by discovery.
 - Cards outlive the router: each is a detached actor named after its slot (`card_actor_name`). A
-  router that starts where cards already run adopts them, with the sessions they cache, when they run
-  its settings (otherwise it replaces them); stopping a router leaves its cards running.
+  router that starts where cards already run adopts them, with the sessions they cache and their
+  owners, when they run its settings (otherwise it replaces them); stopping a router leaves its cards
+  running.
 - Every call to an actor has a timeout.
 """
 
@@ -102,11 +103,13 @@ class CardRegistry:
         scheduler: Scheduler,
         on_change: Callable[[], None],
         on_card_up: Callable[[str], None] | None = None,
+        on_sessions_adopted: Callable[[list[SessionRecord]], None] | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
         self._on_change = on_change
         self._on_card_up = on_card_up  # a card (by id) starts serving: its per-card series can be exported
+        self._on_sessions_adopted = on_sessions_adopted  # the sessions an adopted card caches, with owners
         self._records: dict[tuple[str, int], CardRecord] = {}
         self._by_card: dict[str, CardRecord] = {}
         self._dead_slots: dict[tuple[str, int], float] = {}  # slot -> monotonic time it may be refilled
@@ -311,6 +314,8 @@ class CardRegistry:
         self.scheduler.add_card(identity.card_id)
         for session in sessions:
             self.scheduler.adopt_session(session.session_id, identity.card_id, session.last_used)
+        if sessions and self._on_sessions_adopted is not None:
+            self._on_sessions_adopted(sessions)
         if self._on_card_up is not None:
             self._on_card_up(identity.card_id)
         log.info("card %s: serving (metrics at %s)", identity.card_id, identity.metrics_endpoint)

@@ -21,6 +21,7 @@ from onestream.worker.tokenizer import Tokenizer
 
 from . import wire
 from .auth import Authenticator
+from .card import SessionRecord
 from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
@@ -87,7 +88,11 @@ class PoolServer:
             on_change=self._update_gauges,
         )
         self.registry = CardRegistry(
-            self.config, self.scheduler, self._update_gauges, on_card_up=self.metrics.add_card
+            self.config,
+            self.scheduler,
+            self._update_gauges,
+            on_card_up=self.metrics.add_card,
+            on_sessions_adopted=self._adopt_owners,
         )
         self.router = Router(self.config, self.scheduler, self.registry, self.metrics, self.auth)
         self.router.tokenizer = await asyncio.to_thread(_routing_tokenizer, self.config.model_dir)
@@ -188,6 +193,12 @@ class PoolServer:
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    def _adopt_owners(self, sessions: list[SessionRecord]) -> None:
+        """Sessions an adopted card caches stay their owners' (a restarted router starts with none)."""
+        for session in sessions:
+            if session.owner is not None:
+                self.router.owners.adopt(session.session_id, session.owner, session.last_used)
 
     def _service_discovery(self) -> list[dict[str, Any]]:
         return service_discovery_groups(self.metrics_address, self.registry.sd_targets())

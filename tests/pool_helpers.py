@@ -1,9 +1,17 @@
 """Helpers of the pool tests (tests/conftest.py has their fixtures): a Generate call read to its end on
-this or a background thread, and real scrapes of the router's and the cards' /metrics."""
+this or a background thread, real scrapes of the router's and the cards' /metrics, and `onestream serve`
+run as a process."""
 
 from __future__ import annotations
 
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -99,3 +107,51 @@ def total(samples: Samples, name: str, **labels: str) -> float:
         for (n, ls), v in samples.items()
         if n == name and all(dict(ls).get(k) == val for k, val in labels.items())
     )
+
+
+class Serve:
+    """A running `onestream serve` in its own process group, its output lines collected on a thread."""
+
+    def __init__(self, *args: str, listen: str = "127.0.0.1:0", http: str = "127.0.0.1:0") -> None:
+        command = [
+            sys.executable, "-m", "onestream", "serve", *args,
+            "--listen", listen, "--metrics", "127.0.0.1:0", "--http", http, "--card-threads", "1",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"`onestream serve` never printed {pattern!r}:\n{''.join(self.output)[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL its process group (a crash, or the end of a test), if it still runs."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)

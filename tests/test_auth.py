@@ -7,6 +7,7 @@ import logging
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,21 @@ def test_a_session_belongs_to_the_user_who_opened_it_until_it_expires() -> None:
     now[0] = 1000.0
     owners.claim("t", alice)
     assert len(owners) == 1, "expired owners are swept"
+
+
+def test_owners_reported_by_adopted_cards_are_kept_from_their_last_turn() -> None:
+    now = [1000.0]
+    owners = SessionOwners(ttl_s=100.0, clock=lambda: now[0])
+    alice, bob = Caller("alice"), Caller("bob")
+    owners.adopt("s", "alice", time.time() - 40.0)  # a card cached alice's turn 40 s ago
+    assert owners.owner_of("s") == "alice" and owners.claim("s", bob) == "alice"
+    now[0] += 59.0
+    assert owners.owner_of("s") == "alice"
+    now[0] += 2.0  # 101 s after that turn: as if this router had seen it
+    assert owners.owner_of("s") is None
+    assert owners.claim("t", bob) is None
+    owners.adopt("t", "alice", 0.0)  # an owner known here stays
+    assert owners.owner_of("t") == "bob" and owners.claim("t", alice) == "bob"
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,8 @@ API keys; SIGTERM drains (the in-flight stream finishes) and the process exits c
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
 import secrets
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,53 +16,11 @@ import pytest
 import torch
 from onestream.cluster.client import PoolClient, make_request
 from onestream.worker.testing import write_tiny_checkpoint
+from pool_helpers import Serve
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 240.0
 KEYS = {user: secrets.token_urlsafe(24) for user in ("cli", "gone", "new")}
-
-
-class Serve:
-    """A running `onestream serve`, its output lines collected on a thread."""
-
-    def __init__(self, *args: str) -> None:
-        command = [
-            sys.executable, "-m", "onestream", "serve", *args,
-            "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0",
-            "--card-threads", "1",
-        ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
-        self.process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-
-    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.process.poll() is not None:
-                    break
-                continue
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise AssertionError(f"`onestream serve` never printed {pattern!r}:\n{''.join(self.output)[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +37,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory, keys_path: Path) -> Iterator
         "--model", str(model_dir), "--cpu-cards", "1", "--max-context", "512", "--api-keys", str(keys_path)
     )
     yield server
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait(30)
+    server.kill()
 
 
 def test_serve_prints_its_addresses_serves_rereads_keys_on_sighup_and_drains_on_sigterm(
@@ -155,6 +105,4 @@ def test_plain_serve_runs_the_embedded_model_on_cpu_cards_without_a_gpu() -> Non
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(120) == 0, "".join(server.output)[-4000:]
     finally:
-        if server.process.poll() is None:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait(30)
+        server.kill()
