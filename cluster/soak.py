@@ -91,7 +91,6 @@ class _Pool:
             first_token_timeout_s=60.0,
             token_timeout_s=30.0,
             drain_timeout_s=30.0,
-            stall_timeout_s=8.0,  # CI's 2 cores, shared with the test process, starve cards at times
         )
         self.router = PoolThread(self.config).start(
             wait_for_cards=settings.cards, ready_timeout_s=START_TIMEOUT_S
