@@ -7,6 +7,7 @@ from typing import Any
 
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import SAMPLING_FIELDS, Finished, GenerateRequest, SamplingParams, TokenChunk
+from onestream.worker.constraints import ConstrainedTool, OutputConstraint
 from onestream.worker.errors import InvalidRequestError
 
 from .card import CardIdentity, SessionRecord
@@ -39,6 +40,8 @@ def request_from_proto(
     fields: dict[str, Any] = {}
     if message.HasField("max_tokens"):
         fields["max_tokens"] = message.max_tokens
+    if message.HasField("constraint"):
+        fields["constraint"] = constraint_from_proto(message.constraint)
     return GenerateRequest(
         prompt=prompt,
         sampling=sampling,
@@ -49,6 +52,11 @@ def request_from_proto(
         ignore_eos=message.ignore_eos,
         **fields,
     )
+
+
+def constraint_from_proto(message: pb.OutputConstraint) -> OutputConstraint:
+    tools = tuple(ConstrainedTool(t.name, t.parameters or "{}") for t in message.tools)
+    return OutputConstraint(message.kind, message.tool_format, tools, message.tool_name)
 
 
 def chunk_to_proto(chunk: TokenChunk) -> pb.TokenChunk:

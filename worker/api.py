@@ -11,6 +11,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .constraints.spec import OutputConstraint
 from .errors import ContextLengthError, InvalidRequestError, quoted
 
 Message = dict[str, Any]
@@ -153,6 +154,7 @@ class GenerateRequest:
     request_id: str | None = None
     ignore_eos: bool = False
     user: str | None = None
+    constraint: OutputConstraint | None = None  # the output must match it (worker/constraints/)
 
     @property
     def is_chat(self) -> bool:
@@ -189,6 +191,8 @@ class GenerateRequest:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.constraint is not None:
+            self.constraint.validate()
 
     def check_context(self, prompt_tokens: int, max_context: int) -> None:
         """The prompt plus max_tokens must fit in the context."""

@@ -21,6 +21,7 @@ from .api import Finished, GenerateRequest, SamplingParams, Timings, TokenChunk,
 from .backend import Backend, create_backend
 from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
+from .constraints.decoding import Constraints, TokenConstraint
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
 from .prefixes import (
     DEFAULT_PREFIX_SHARING,
@@ -135,6 +136,7 @@ class Engine:
         # thread: a busy engine whose count stops growing is stuck (the card's liveness, cluster/card.py).
         self.progress = 0
         self._cancel = threading.Event()
+        self._constraints: Constraints | None = None
 
     # ---- configuration -----------------------------------------------------------------------------
     @property
@@ -286,7 +288,9 @@ class Engine:
                 max_tokens=request.max_tokens,
             )
             stats = SpecStats()
-            use_spec = self.spec_k > 0 and seq.track_mtp
+            constraint = self._constraint(request, stop_ids | set(self.eos_token_ids))
+            # A constrained request decodes one token at a time (worker/constraints/decoding.py).
+            use_spec = self.spec_k > 0 and seq.track_mtp and constraint is None
             speculative = SpeculativeDecoder(self.spec_k, stats) if use_spec else None
             usage = Usage(prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
 
@@ -297,8 +301,12 @@ class Engine:
                 first_logits = torch.full_like(first_logits, float("-inf")).index_copy(
                     1, allowed, first_logits.index_select(1, allowed)
                 )
+            if constraint is not None:
+                first_logits = constraint.mask(first_logits)
             pending_ids: torch.Tensor | None = sampler.next_tokens(first_logits)
             new_tokens = pending_ids.tolist()
+            if constraint is not None:
+                constraint.advance(new_tokens)
             pending = new_tokens[0]
             # Measured after that read: on an accelerator the prefill has only been queued before it.
             timings = Timings(prefill_s=time.perf_counter() - t_start)
@@ -314,7 +322,7 @@ class Engine:
                     break
                 consistent = False
                 new_tokens, text, pending_ids = self._step(
-                    seq, pending, pending_ids, sampler, checker, speculative
+                    seq, pending, pending_ids, sampler, checker, speculative, constraint
                 )
                 consistent = True
                 sampler.commit(new_tokens if pending_ids is None else pending_ids)
@@ -355,6 +363,7 @@ class Engine:
         sampler: RequestSampler,
         checker: StopChecker,
         speculative: SpeculativeDecoder | None,
+        constraint: TokenConstraint | None = None,
     ) -> tuple[list[int], str, torch.Tensor | None]:
         """Run `pending` (`pending_ids`: the same token on the device, if at hand) and choose what follows:
         one token, or a speculative cycle's accepted tokens. Returns the tokens kept (up to a stop), their
@@ -367,10 +376,21 @@ class Engine:
             speculative.commit(seq, cycle, kept)
             return cycle.tokens[:kept], text, None
         out = seq.feed([pending], ids=pending_ids)
-        next_ids = sampler.next_tokens(out.logits)
+        logits = out.logits if constraint is None else constraint.mask(out.logits)
+        next_ids = sampler.next_tokens(logits)
         new_tokens = next_ids.tolist()
+        if constraint is not None:
+            constraint.advance(new_tokens)
         _, text = checker.push(new_tokens)
         return new_tokens, text, next_ids
+
+    def _constraint(self, request: GenerateRequest, end_ids: set[int]) -> TokenConstraint | None:
+        """The request's constraint, on this engine's vocabulary (whose token bytes are read once)."""
+        if request.constraint is None:
+            return None
+        if self._constraints is None:
+            self._constraints = Constraints(self.tokenizer)
+        return self._constraints.begin(request.constraint, end_ids)
 
     def _prepare(self, request: GenerateRequest, prompt: list[int]) -> tuple[Session, PrefixReuse]:
         """The session to continue (its own, the anonymous one that reuses the most of the prompt, or a

@@ -75,7 +75,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "deadline", "request_id", "ignore_eos")
+    __slots__ = ("session_id", "text", "token_ids", "messages", "sampling", "max_tokens", "stop", "stop_token_ids", "deadline", "request_id", "ignore_eos", "constraint")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class GenerateRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: TokenIds
@@ -98,7 +99,28 @@ class GenerateRequest(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     request_id: str
     ignore_eos: bool
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("kind", "tool_format", "tools", "tool_name")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    tool_format: str
+    tools: _containers.RepeatedCompositeFieldContainer[ConstrainedTool]
+    tool_name: str
+    def __init__(self, kind: _Optional[str] = ..., tool_format: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ConstrainedTool, _Mapping]]] = ..., tool_name: _Optional[str] = ...) -> None: ...
+
+class ConstrainedTool(_message.Message):
+    __slots__ = ("name", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
 
 class QueuePosition(_message.Message):
     __slots__ = ("position", "queue_depth")
