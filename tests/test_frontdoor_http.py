@@ -463,7 +463,7 @@ BAD_INPUT = [
         "messages[0].content[0]",
     ),
     ("/chat/completions", CHAT | {"n": 2}, 400, "n"),
-    ("/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/chat/completions", CHAT | {"response_format": {"type": "json_schema"}}, 400, "response_format.type"),
     ("/chat/completions", CHAT | {"tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
     (
         "/chat/completions",

@@ -196,6 +196,7 @@ async def messages(service: Service, request: web.Request, body: dict[str, Any])
         params.positive_int(body, "max_tokens", required=True),
         params.stop_strings(body, "stop_sequences"),
         params.sampling(body, ("temperature", "top_p", "top_k")),
+        prompt.constraint,
     )
     generation = Generation(
         service, request, spec, service.template.parser(prompt, parse_tools=bool(prompt.tools))

@@ -135,6 +135,18 @@ def tool_choice(
     raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, got {raw!r}")
 
 
+def json_format(value: dict[str, Any] | None, field: str) -> bool:
+    """Whether a response format (Chat Completions' `response_format`, Responses' `text.format`) asks for
+    a JSON object; a 400 for the formats this server cannot enforce."""
+    kind = (value or {}).get("type", "text")
+    if kind in ("text", "json_object"):
+        return kind == "json_object"
+    raise bad_field(
+        f"{field}.type",
+        f"{kind!r} is not supported: 'text' and 'json_object' are (no JSON schema constraint yet)",
+    )
+
+
 def max_tokens(body: dict[str, Any], *names: str) -> int | None:
     for name in names:
         value = params.positive_int(body, name)
@@ -180,19 +192,16 @@ async def chat_completions(
 ) -> web.StreamResponse:
     _common_fields(body)
     params.unsupported(body, "top_logprobs", (0,), "no log probabilities")
-    response_format = params.get(body, "response_format", dict) or {"type": "text"}
-    if response_format.get("type") != "text":
-        raise bad_field(
-            "response_format",
-            f"type {response_format.get('type')!r} is not supported (no constrained decoding); use 'text'",
-        )
+    json_answer = json_format(params.get(body, "response_format", dict), "response_format")
     messages = chat_messages(body.get("messages"))
     tools, forced = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
     parallel = params.get(body, "parallel_tool_calls", bool)
     kwargs = params.get(body, "chat_template_kwargs", dict) or {}
     # vLLM's extension: a final assistant message the model continues (rather than a new turn).
     continue_final = bool(params.get(body, "continue_final_message", bool))
-    prompt = await service.template.render(messages, tools, kwargs, forced, continue_final=continue_final)
+    prompt = await service.template.render(
+        messages, tools, kwargs, forced, continue_final=continue_final, json_answer=json_answer
+    )
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)
     spec = TurnSpec(
@@ -200,6 +209,7 @@ async def chat_completions(
         max_tokens(body, "max_completion_tokens", "max_tokens"),
         params.stop_strings(body, "stop"),
         sampling,
+        prompt.constraint,
     )
     generation = Generation(service, request, spec, service.template.parser(prompt, parse_tools=bool(tools)))
     stream = params.get(body, "stream", bool)

@@ -12,7 +12,14 @@ from aiohttp import web
 from . import params, sse
 from .errors import ApiError, bad_field
 from .events import Block, Blocks, Step
-from .openai_api import arguments_object, function_tools, template_call, text_content, tool_choice
+from .openai_api import (
+    arguments_object,
+    function_tools,
+    json_format,
+    template_call,
+    text_content,
+    tool_choice,
+)
 from .service import SESSION_HEADER, Generation, Service, TurnSpec, new_id
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -147,18 +154,20 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         raise bad_field(
             "previous_response_id", "is not supported: responses are not stored; send the whole input"
         )
-    text_format = (params.get(body, "text", dict) or {}).get("format") or {"type": "text"}
-    if text_format.get("type") != "text":
-        raise bad_field("text.format", f"type {text_format.get('type')!r} is not supported; use 'text'")
+    text = params.get(body, "text", dict) or {}
+    json_answer = json_format(params.get(text, "format", dict, path="text."), "text.format")
     declared, forced = tool_choice(
         body.get("tool_choice"), function_tools(body.get("tools"), nested=False), nested=False
     )
-    prompt = await service.template.render(input_messages(body), declared, _template_kwargs(body), forced)
+    prompt = await service.template.render(
+        input_messages(body), declared, _template_kwargs(body), forced, json_answer=json_answer
+    )
     spec = TurnSpec(
         prompt.token_ids,
         params.positive_int(body, "max_output_tokens"),
         [],
         params.sampling(body, ("temperature", "top_p")),
+        prompt.constraint,
     )
     session = request.headers.get(SESSION_HEADER) or params.get(body, "prompt_cache_key", str) or ""
     generation = Generation(

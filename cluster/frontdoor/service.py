@@ -33,10 +33,13 @@ class TurnSpec:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
+    constraint: pb.OutputConstraint | None = None
 
     def request(self, session_id: str) -> pb.GenerateRequest:
         message = pb.GenerateRequest(session_id=session_id, stop=self.stop, sampling=self.sampling)
         message.token_ids.ids.extend(self.prompt_ids)
+        if self.constraint is not None:
+            message.constraint.CopyFrom(self.constraint)
         if self.max_tokens is not None:
             message.max_tokens = self.max_tokens
         return message

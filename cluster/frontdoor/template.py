@@ -4,10 +4,13 @@ tokenised here so that the router can route and cache by tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.constraints import JSON_OBJECT, TOOL_CALL
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.tokenizer import Tokenizer
 
@@ -40,6 +43,8 @@ class Prompt:
     # client asked to continue): the output parser reads it first.
     prefill: str
     tools: Sequence[Tool]
+    # What the output must match (a forced call's rest, a JSON answer): the card masks its tokens.
+    constraint: pb.OutputConstraint | None = None
 
 
 class ChatTemplate:
@@ -75,9 +80,12 @@ class ChatTemplate:
         forced: str | object | None = None,
         *,
         continue_final: bool = False,
+        json_answer: bool = False,
     ) -> Prompt:
-        """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call;
-        `continue_final`: a final assistant message is the start of the answer, which the model continues."""
+        """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call,
+        which the card's constrained decoding completes; `continue_final`: a final assistant message is the
+        start of the answer, which the model continues; `json_answer`: the answer is one JSON object
+        (reasoning, if the template opened it, is closed first: the constraint holds from the first token)."""
         if tools and self.tool_format is None:
             raise bad_field("tools", "this model's chat template does not render tools")
         for key in RESERVED_KWARGS & set(template_kwargs):
@@ -87,7 +95,18 @@ class ChatTemplate:
             if messages[-1].get("tool_calls"):
                 raise bad_field("messages", "a final assistant message to continue cannot hold tool calls")
             start, messages = messages[-1]["content"], messages[:-1]
+        if forced is not None and start:
+            raise bad_field("tool_choice", "a forced tool call cannot follow a final assistant message")
+        if json_answer and (forced is not None or start):
+            what = "a forced tool call" if forced is not None else "a final assistant message to continue"
+            raise bad_field("response_format", f"json_object cannot be combined with {what}")
         prompt = await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+        if json_answer:
+            if prompt.reasoning:
+                prompt.text += f"{THINK_CLOSE}\n\n"
+                prompt.prefill += f"{THINK_CLOSE}\n\n"
+                prompt.token_ids = self.tokenizer.encode(prompt.text)
+            prompt.constraint = pb.OutputConstraint(kind=JSON_OBJECT)
         prompt.text += start
         prompt.prefill += start
         if start:
@@ -120,7 +139,19 @@ class ChatTemplate:
         reasoning = prompt_opens_reasoning(text)
         prefill = self._prefill(forced, reasoning)
         text += prefill
-        return Prompt(text, self.tokenizer.encode(text), reasoning, prefill, tools)
+        prompt = Prompt(text, self.tokenizer.encode(text), reasoning, prefill, tools)
+        if forced is not None:
+            prompt.constraint = self._tool_constraint(tools, forced)
+        return prompt
+
+    def _tool_constraint(self, tools: Sequence[Tool], forced: str | object) -> pb.OutputConstraint:
+        """The rest of the call `_prefill` opened: the tool's name (unless named), its arguments, its close."""
+        return pb.OutputConstraint(
+            kind=TOOL_CALL,
+            tool_format=self.tool_format or "",
+            tools=[pb.ConstrainedTool(name=t.name, parameters=json.dumps(t.parameters)) for t in tools],
+            tool_name=forced if isinstance(forced, str) else "",
+        )
 
     def _prefill(self, forced: str | object | None, reasoning: bool) -> str:
         if forced is None:
