@@ -56,7 +56,9 @@ def request_from_proto(
 
 def constraint_from_proto(message: pb.OutputConstraint) -> OutputConstraint:
     tools = tuple(ConstrainedTool(t.name, t.parameters or "{}") for t in message.tools)
-    return OutputConstraint(message.kind, message.tool_format, tools, message.tool_name)
+    return OutputConstraint(
+        message.kind, message.tool_format, tools, message.tool_name, message.parallel_calls
+    )
 
 
 def chunk_to_proto(chunk: TokenChunk) -> pb.TokenChunk:

@@ -81,6 +81,7 @@ def test_a_number_ends_where_what_follows_it_begins() -> None:
 
 # ---- the tool-call grammars ---------------------------------------------------------------------------
 XML_ANY = OutputConstraint("tool_call", "xml", TOOLS)
+XML_PARALLEL = OutputConstraint("tool_call", "xml", TOOLS, parallel_calls=True)
 CALL = "</function>\n</tool_call>"
 
 
@@ -88,8 +89,12 @@ CALL = "</function>\n</tool_call>"
     ("constraint", "text", "whole"),
     [
         (XML_ANY, f"write_file>\n<parameter=path>\na <b>.py\n\n</parameter>\n<parameter=count>\n12\n</parameter>\n{CALL}", True),
-        (XML_ANY, f'write_file>\n<parameter=count>\n-3\n</parameter>\n<parameter=options>\n{{"a": [1]}}\n</parameter>\n<parameter=path>\nx\n</parameter>\n{CALL}\nmore text', True),
+        (XML_ANY, f'write_file>\n<parameter=count>\n-3\n</parameter>\n<parameter=options>\n{{"a": [1]}}\n</parameter>\n<parameter=path>\nx\n</parameter>\n{CALL}', True),
         (XML_ANY, f"list_dir>\n{CALL}", True),
+        (XML_ANY, f"list_dir>\n{CALL}\nmore text", False),  # the turn ends with the call
+        (XML_ANY, f"list_dir>\n{CALL}\n<tool_call>\n<function=list_dir>\n{CALL}", False),
+        (XML_PARALLEL, f"list_dir>\n{CALL}\n<tool_call>\n<function=list_dir>\n{CALL}", True),
+        (XML_PARALLEL, f"list_dir>\n{CALL}\n<tool_call>\n<function=rm>", False),
         (OutputConstraint("tool_call", "xml", TOOLS, "list_dir"), CALL, True),
         (XML_ANY, f"write_file>\n<parameter=count>\n1\n</parameter>\n{CALL}", False),  # path is required
         (XML_ANY, "write_file>\n<parameter=count>\n1.5", False),  # an integer
@@ -99,6 +104,7 @@ CALL = "</function>\n</tool_call>"
         (XML_ANY, "rm>", False),
         (OutputConstraint("tool_call", "json", TOOLS), 'list_dir", "arguments": {"a": [1]}}\n</tool_call>', True),
         (OutputConstraint("tool_call", "json", TOOLS, "list_dir"), '{}}\n</tool_call>', True),
+        (OutputConstraint("tool_call", "json", TOOLS, "list_dir", True), '{}}\n</tool_call>\n<tool_call>\n{"name": "list_dir", "arguments": {}}\n</tool_call>', True),
         (OutputConstraint("tool_call", "json", TOOLS, "list_dir"), '[]}', False),
     ],
 )  # fmt: skip

@@ -81,11 +81,13 @@ class ChatTemplate:
         *,
         continue_final: bool = False,
         json_answer: bool = False,
+        parallel_calls: bool = True,
     ) -> Prompt:
         """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call,
         which the card's constrained decoding completes; `continue_final`: a final assistant message is the
         start of the answer, which the model continues; `json_answer`: the answer is one JSON object
-        (reasoning, if the template opened it, is closed first: the constraint holds from the first token)."""
+        (reasoning, if the template opened it, is closed first: the constraint holds from the first token);
+        `parallel_calls`: a forced call may be followed by more."""
         if tools and self.tool_format is None:
             raise bad_field("tools", "this model's chat template does not render tools")
         for key in RESERVED_KWARGS & set(template_kwargs):
@@ -101,6 +103,8 @@ class ChatTemplate:
             what = "a forced tool call" if forced is not None else "a final assistant message to continue"
             raise bad_field("response_format", f"json_object cannot be combined with {what}")
         prompt = await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+        if prompt.constraint is not None:
+            prompt.constraint.parallel_calls = parallel_calls
         if json_answer:
             if prompt.reasoning:
                 prompt.text += f"{THINK_CLOSE}\n\n"

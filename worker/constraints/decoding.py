@@ -28,7 +28,8 @@ def grammar_for(constraint: OutputConstraint) -> Grammar:
         return JsonValue(frozenset({"object"}), leading_whitespace=False)
     tools = {tool.name: tool.schema() for tool in constraint.tools}
     name = constraint.tool_name or None
-    return XmlToolCall(tools, name) if constraint.tool_format == "xml" else JsonToolCall(tools, name)
+    form = XmlToolCall if constraint.tool_format == "xml" else JsonToolCall
+    return form(tools, name, constraint.parallel_calls)
 
 
 @lru_cache(maxsize=1)

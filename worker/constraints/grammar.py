@@ -2,8 +2,8 @@
 
 A grammar never holds a request's position itself: states are small hashable values (tuples), so that one
 grammar serves every request that asks for it and the token mask of a state is computed once
-(`masks.py`). A grammar may end its control of the output (`FREE`): a forced tool call, once written,
-leaves the rest of the turn to the model.
+(`masks.py`). A grammar may end its control of the output (`FREE`): one that shapes only the start of an
+answer leaves the rest to the model.
 """
 
 from __future__ import annotations

@@ -31,12 +31,14 @@ class ConstrainedTool:
 @dataclass(frozen=True)
 class OutputConstraint:
     """`kind` JSON_OBJECT, or TOOL_CALL: the prompt ends with the opening of a call in `tool_format`
-    (up to the name, or with `tool_name` set past that tool's header) and the output completes it."""
+    (up to the name, or with `tool_name` set past that tool's header) and the output completes it, then
+    ends or (`parallel_calls`) makes more calls."""
 
     kind: str
     tool_format: str = ""
     tools: tuple[ConstrainedTool, ...] = ()
     tool_name: str = ""
+    parallel_calls: bool = False
 
     def validate(self) -> None:
         if self.kind not in KINDS:

@@ -8,7 +8,7 @@ The prompt ends with `<tool_call>\\n<function=` (any tool: the grammar starts at
 tool's header (it starts at the arguments). XML parameters are the tool's declared ones, each at most once,
 the required ones before `</function>`; a parameter whose schema type admits no string is a JSON value of
 that type, any other is text (which may not hold the tags that end a value). JSON-form arguments are a JSON
-object. Once the call is closed the grammar is FREE: the model may add parallel calls or end the turn.
+object. After the call the turn ends, or (`parallel`) another call of any declared tool follows.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from .grammar import FREE, Choice, Grammar, State
+from .grammar import Choice, Grammar, State
 from .json_grammar import KINDS, JsonValue
 
 PARAMETER_CLOSE = b"</parameter>"
 # What ends a value for the parser: text values may not hold them (the first one closes the value).
 VALUE_ENDS = (PARAMETER_CLOSE, b"</function>", b"</tool_call>")
 XML_CALL_CLOSE = b"</function>\n</tool_call>"
+XML_NEXT_CALL = b"\n<tool_call>\n<function="
 JSON_NAME_END = b'", "arguments": '
 JSON_CALL_CLOSE = b"}\n</tool_call>"
+JSON_NEXT_CALL = b'\n<tool_call>\n{"name": "'
 _UNSAFE_NAME_BYTES = frozenset(b'<>\n"\\')
 _TEXT_LOOP = frozenset(range(256)) - {ord("<")}
 
@@ -61,8 +63,9 @@ def json_kinds(schema: Mapping[str, Any] | None) -> frozenset[str] | None:
 
 
 class XmlToolCall(Grammar):
-    def __init__(self, tools: Mapping[str, Mapping[str, Any]], name: str | None) -> None:
-        """`tools`: each tool's parameters schema; `name`: the forced tool (None: any of them)."""
+    def __init__(self, tools: Mapping[str, Mapping[str, Any]], name: str | None, parallel: bool) -> None:
+        """`tools`: each tool's parameters schema; `name`: the forced tool (None: any of them);
+        `parallel`: more calls may follow the first."""
         self.properties: dict[str, dict[str, Any]] = {}
         self.required: dict[str, frozenset[str]] = {}
         for tool, schema in tools.items():
@@ -70,7 +73,8 @@ class XmlToolCall(Grammar):
             self.properties[tool] = properties
             self.required[tool] = frozenset(schema.get("required") or ()) & set(properties)
         self.name = name
-        self.key = ("xml-tool-call", json.dumps(tools, sort_keys=True), name)
+        self.key = ("xml-tool-call", json.dumps(tools, sort_keys=True), name, parallel)
+        self._next = Choice([XML_NEXT_CALL] if parallel else [])
         self._names = Choice([t.encode() + b">\n" for t in tools if _safe(t)])
         self._bodies: dict[tuple[str, tuple[str, ...], bool], Choice] = {}
         self._values: dict[tuple[str, str], JsonValue | None] = {}
@@ -80,7 +84,7 @@ class XmlToolCall(Grammar):
         return ("name", b"") if self.name is None else ("body", self.name, (), True, b"")
 
     def accepts(self, state: State) -> bool:
-        return False  # the call must be closed first, and then the grammar is FREE
+        return state == ("after", b"")
 
     def loop_bytes(self, state: State) -> frozenset[int]:
         kind = state[0]
@@ -94,8 +98,11 @@ class XmlToolCall(Grammar):
 
     def step(self, state: State, byte: int) -> State | None:
         kind = state[0]
-        if kind == "free":
-            return FREE
+        if kind == "after":
+            prefix = self._next.step(state[1], byte)
+            if prefix is None:
+                return None
+            return ("name", b"") if self._next.complete(prefix) else ("after", prefix)
         if kind == "name":
             prefix = self._names.step(state[1], byte)
             if prefix is None:
@@ -112,7 +119,7 @@ class XmlToolCall(Grammar):
             if not choice.complete(prefix):
                 return ("body", tool, used, first, prefix)
             if prefix.endswith(XML_CALL_CLOSE):
-                return FREE
+                return ("after", b"")
             key = prefix.removeprefix(b"\n").removeprefix(b"<parameter=")[:-2].decode()
             used = tuple(sorted((*used, key)))
             grammar = self._value(tool, key)
@@ -163,9 +170,10 @@ class XmlToolCall(Grammar):
 
 
 class JsonToolCall(Grammar):
-    def __init__(self, tools: Mapping[str, Mapping[str, Any]], name: str | None) -> None:
+    def __init__(self, tools: Mapping[str, Mapping[str, Any]], name: str | None, parallel: bool) -> None:
         self.name = name
-        self.key = ("json-tool-call", tuple(sorted(tools)), name)
+        self.key = ("json-tool-call", tuple(sorted(tools)), name, parallel)
+        self._next = Choice([JSON_NEXT_CALL] if parallel else [])
         self._names = Choice([t.encode() + JSON_NAME_END for t in tools if _safe(t)])
         self._arguments = JsonValue(frozenset({"object"}), leading_whitespace=False)
         self._close = Choice([JSON_CALL_CLOSE])
@@ -174,15 +182,18 @@ class JsonToolCall(Grammar):
         return ("name", b"") if self.name is None else ("arguments", self._arguments.start())
 
     def accepts(self, state: State) -> bool:
-        return False
+        return state == ("after", b"")
 
     def loop_bytes(self, state: State) -> frozenset[int]:
         return self._arguments.loop_bytes(state[1]) if state[0] == "arguments" else frozenset()
 
     def step(self, state: State, byte: int) -> State | None:
         kind, inner = state[0], state[-1]
-        if kind == "free":
-            return FREE
+        if kind == "after":
+            prefix = self._next.step(inner, byte)
+            if prefix is None:
+                return None
+            return ("name", b"") if self._next.complete(prefix) else ("after", prefix)
         if kind == "name":
             prefix = self._names.step(inner, byte)
             if prefix is None:
@@ -198,4 +209,4 @@ class JsonToolCall(Grammar):
         prefix = self._close.step(inner, byte)
         if prefix is None:
             return None
-        return FREE if self._close.complete(prefix) else ("close", prefix)
+        return ("after", b"") if self._close.complete(prefix) else ("close", prefix)

@@ -103,16 +103,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
 
 class OutputConstraint(_message.Message):
-    __slots__ = ("kind", "tool_format", "tools", "tool_name")
+    __slots__ = ("kind", "tool_format", "tools", "tool_name", "parallel_calls")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_CALLS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     tool_format: str
     tools: _containers.RepeatedCompositeFieldContainer[ConstrainedTool]
     tool_name: str
-    def __init__(self, kind: _Optional[str] = ..., tool_format: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ConstrainedTool, _Mapping]]] = ..., tool_name: _Optional[str] = ...) -> None: ...
+    parallel_calls: bool
+    def __init__(self, kind: _Optional[str] = ..., tool_format: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ConstrainedTool, _Mapping]]] = ..., tool_name: _Optional[str] = ..., parallel_calls: _Optional[bool] = ...) -> None: ...
 
 class ConstrainedTool(_message.Message):
     __slots__ = ("name", "parameters")
