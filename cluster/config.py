@@ -15,6 +15,7 @@ class PoolConfig:
     metrics_address: str = "127.0.0.1:9400"  # the router's /metrics and /sd; port 0 picks a free port
     http_address: str | None = None  # the HTTP front door (OpenAI / Anthropic APIs); None: off
     http_max_body_bytes: int = 64 << 20  # larger request bodies get 413
+    http_user_sessions: bool = False  # a request's `user` field pins its session (docs/http.md)
     # Cards: one per GPU of every node; or, with `cpu_cards`, CPU engines where nodes advertise the
     # `onestream_cpu_card` resource (a locally started Ray node advertises `cpu_cards` of them).
     cpu_cards: int | None = None

@@ -130,6 +130,7 @@ class PoolServer:
             host=host,
             port=port,
             max_body_bytes=self.config.http_max_body_bytes,
+            user_sessions=self.config.http_user_sessions,
         )
         await self.frontdoor.start()
 

@@ -149,7 +149,7 @@ async def _prompt(service: Service, body: dict[str, Any]) -> tuple[Prompt, bool]
     declared, forced = tool_choice(choice, tools(body))
     # A final assistant message is the start of the answer (Anthropic's prefill).
     prompt = await service.template.render(
-        chat_messages(body), declared, _thinking(body), forced, continue_final=True
+        chat_messages(body), declared, _thinking(body), forced, continue_final=True, parallel_calls=parallel
     )
     return prompt, parallel
 
@@ -198,8 +198,13 @@ async def messages(service: Service, request: web.Request, body: dict[str, Any])
         params.sampling(body, ("temperature", "top_p", "top_k")),
         prompt.constraint,
     )
+    metadata = params.get(body, "metadata", dict) or {}
     generation = Generation(
-        service, request, spec, service.template.parser(prompt, parse_tools=bool(prompt.tools))
+        service,
+        request,
+        spec,
+        service.template.parser(prompt, parse_tools=bool(prompt.tools)),
+        user=params.get(metadata, "user_id", str, path="metadata."),
     )
     blocks = Blocks(max_calls=None if parallel else 1)
     message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"]}

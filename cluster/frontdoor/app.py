@@ -102,13 +102,22 @@ class FrontDoor:
     """The HTTP server of one pool: `start()` loads the tokenizer and listens; `stop()` closes."""
 
     def __init__(
-        self, *, model: str, model_dir: str, router_address: str, host: str, port: int, max_body_bytes: int
+        self,
+        *,
+        model: str,
+        model_dir: str,
+        router_address: str,
+        host: str,
+        port: int,
+        max_body_bytes: int,
+        user_sessions: bool = False,
     ) -> None:
         self.model = model
         self.model_dir = model_dir
         self.router_address = router_address
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
+        self.user_sessions = user_sessions
         self._runner: web.AppRunner | None = None
         self._router: RouterClient | None = None
 
@@ -116,7 +125,7 @@ class FrontDoor:
         tokenizer = await asyncio.to_thread(self._tokenizer)
         template = await asyncio.to_thread(ChatTemplate, tokenizer)
         self._router = RouterClient(self.router_address)
-        service = Service(self._router, template, self.model)
+        service = Service(self._router, template, self.model, self.user_sessions)
         # handler_cancellation: a client that closes its connection cancels its handler, which cancels
         # the gRPC call, which frees the card at once.
         self._runner = web.AppRunner(

@@ -200,7 +200,13 @@ async def chat_completions(
     # vLLM's extension: a final assistant message the model continues (rather than a new turn).
     continue_final = bool(params.get(body, "continue_final_message", bool))
     prompt = await service.template.render(
-        messages, tools, kwargs, forced, continue_final=continue_final, json_answer=json_answer
+        messages,
+        tools,
+        kwargs,
+        forced,
+        continue_final=continue_final,
+        json_answer=json_answer,
+        parallel_calls=parallel is not False,
     )
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)
@@ -211,7 +217,8 @@ async def chat_completions(
         sampling,
         prompt.constraint,
     )
-    generation = Generation(service, request, spec, service.template.parser(prompt, parse_tools=bool(tools)))
+    parser = service.template.parser(prompt, parse_tools=bool(tools))
+    generation = Generation(service, request, spec, parser, user=params.get(body, "user", str))
     stream = params.get(body, "stream", bool)
     try:
         first = await generation.start(prompt.prefill)
@@ -326,7 +333,7 @@ async def completions(service: Service, request: web.Request, body: dict[str, An
     spec = TurnSpec(
         prompt_ids, max_tokens(body, "max_tokens") or 16, params.stop_strings(body, "stop"), sampling
     )
-    generation = Generation(service, request, spec, None)
+    generation = Generation(service, request, spec, None, user=params.get(body, "user", str))
     completion_id = new_id("cmpl-")
 
     def choice(text: str, finish: str | None) -> dict[str, Any]:

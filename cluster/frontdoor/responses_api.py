@@ -20,7 +20,7 @@ from .openai_api import (
     text_content,
     tool_choice,
 )
-from .service import SESSION_HEADER, Generation, Service, TurnSpec, new_id
+from .service import Generation, Service, TurnSpec, new_id
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 
@@ -159,8 +159,14 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
     declared, forced = tool_choice(
         body.get("tool_choice"), function_tools(body.get("tools"), nested=False), nested=False
     )
+    parallel = body.get("parallel_tool_calls", True) is not False
     prompt = await service.template.render(
-        input_messages(body), declared, _template_kwargs(body), forced, json_answer=json_answer
+        input_messages(body),
+        declared,
+        _template_kwargs(body),
+        forced,
+        json_answer=json_answer,
+        parallel_calls=parallel,
     )
     spec = TurnSpec(
         prompt.token_ids,
@@ -169,11 +175,14 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         params.sampling(body, ("temperature", "top_p")),
         prompt.constraint,
     )
-    session = request.headers.get(SESSION_HEADER) or params.get(body, "prompt_cache_key", str) or ""
     generation = Generation(
-        service, request, spec, service.template.parser(prompt, parse_tools=bool(declared)), session
+        service,
+        request,
+        spec,
+        service.template.parser(prompt, parse_tools=bool(declared)),
+        session_id=params.get(body, "prompt_cache_key", str),
+        user=params.get(body, "user", str),
     )
-    parallel = body.get("parallel_tool_calls", True) is not False
     blocks = Blocks(max_calls=None if parallel else 1)
     answer = _Response(body, declared)
     try:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
+from onestream.worker.api import MAX_ID_CHARS
 
+from .errors import bad_field
 from .events import Event, Reasoning, Text
 from .reasoning import OutputParser
 from .template import ChatTemplate
@@ -23,6 +25,10 @@ class Service:
     router: RouterClient
     template: ChatTemplate
     model: str  # the served model's name (/v1/models); requests may name any model
+    # The opt-in (`serve --http-user-sessions`): a request's `user` field pins its session when it sends
+    # no x-session-id. Off by default: `user` usually names a person, whose parallel conversations
+    # would then share (and keep evicting) one session's cache.
+    user_sessions: bool = False
 
 
 @dataclass
@@ -63,13 +69,19 @@ class Generation:
         spec: TurnSpec,
         parser: OutputParser | None,
         session_id: str | None = None,
+        user: str | None = None,
     ) -> None:
+        """The turn's session: the x-session-id header, else `session_id` (a body field that names one,
+        the Responses API's prompt_cache_key), else the body's `user` where the server opted in, else none
+        (routed by its prompt's tokens)."""
         self.created = int(time.time())
         self._service = service
         self._metadata = credentials(request.headers)
-        if session_id is None:
-            session_id = request.headers.get(SESSION_HEADER, "")
-        self._request = spec.request(session_id)
+        pinned_by_user = service.user_sessions and bool(user)
+        if pinned_by_user and len(user or "") > MAX_ID_CHARS:
+            raise bad_field("user", f"is a session id here: at most {MAX_ID_CHARS} characters")
+        session = request.headers.get(SESSION_HEADER) or session_id or (user if pinned_by_user else "")
+        self._request = spec.request(session or "")
         self._parser = parser
         self._turn: Turn | None = None
         self.finished: pb.Finished | None = None

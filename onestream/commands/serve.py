@@ -48,6 +48,12 @@ def register(subparsers: Any) -> None:
         metavar="ADDR",
         help="HTTP front door: OpenAI and Anthropic APIs (HOST:PORT; 'off' for none)",
     )
+    p.add_argument(
+        "--http-user-sessions",
+        action="store_true",
+        help="a request's `user` field (Anthropic: metadata.user_id) pins its session when it sends no "
+        "x-session-id: for agents that put a conversation id there (docs/http.md)",
+    )
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. HEAD:6379); default: start one")
     p.add_argument(
         "--cpu-cards",
@@ -147,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         grpc_address=args.listen,
         metrics_address=args.metrics,
         http_address=None if args.http == "off" else args.http,
+        http_user_sessions=args.http_user_sessions,
         cpu_cards=args.cpu_cards,
         backend=args.backend,
         dtype=args.dtype,
