@@ -85,10 +85,18 @@ def format_status(
     lines += _table(rows)
     if sessions:
         lines.append("")
-        rows = [("SESSION", "CARD", "TURNS", "CACHED TOKENS", "CACHE MiB")]
+        # USER: the session's owner (`-` in a pool without API keys); an admin key sees everyone's.
+        rows = [("SESSION", "USER", "CARD", "TURNS", "CACHED TOKENS", "CACHE MiB")]
         for s in sessions:
             rows.append(
-                (s.session_id, s.card_id, str(s.turns), str(s.cached_tokens), f"{s.cached_bytes / 2**20:.1f}")
+                (
+                    s.session_id,
+                    s.user or "-",
+                    s.card_id,
+                    str(s.turns),
+                    str(s.cached_tokens),
+                    f"{s.cached_bytes / 2**20:.1f}",
+                )
             )
         lines += _table(rows)
     return "\n".join(lines)
