@@ -419,6 +419,38 @@ def pool_overview() -> Dashboard:
         ],
     )
 
+    d.row("Users")
+    per_user = (
+        " Labelled by user only when the router runs with --metrics-per-user; otherwise one series sums "
+        "over all users."
+    )
+    d.timeseries(
+        "Requests per user",
+        "Generate calls of authenticated callers (both doors: gRPC and HTTP)." + per_user,
+        [Query(rate("onestream_router_user_requests_total", "", by="user"), "{{user}}")],
+        unit="reqps",
+    )
+    d.timeseries(
+        "Tokens per user",
+        "Prompt tokens of finished requests and tokens streamed back, per second." + per_user,
+        [
+            Query(rate("onestream_router_user_prompt_tokens_total", "", by="user"), "{{user}} prompt"),
+            Query(rate("onestream_router_user_generation_tokens_total", "", by="user"), "{{user}} generated"),
+        ],
+    )
+    d.timeseries(
+        "Rejections per user",
+        "Requests of authenticated callers refused before a card, by reason (user_concurrent and "
+        "user_queued: over the --user-max-* limits, answered 429 / RESOURCE_EXHAUSTED)." + per_user,
+        [
+            Query(
+                rate("onestream_router_user_rejections_total", "", by="user, reason"),
+                "{{user}} {{reason}}",
+            )
+        ],
+        unit="reqps",
+    )
+
     d.row("Speculative decoding")
     d.timeseries(
         "Draft acceptance rate",
