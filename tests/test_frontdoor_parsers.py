@@ -122,12 +122,35 @@ CASES: dict[str, tuple[str, bool, str, str, list[ToolCall]]] = {
         "",
         [ToolCall("run", {"cmd": "make", "timeout": 5})],
     ),
-    "broken json form is text": (
-        '<tool_call>\n{"name": "run", "arguments": {"cmd": </tool_call> after',
+    # Its arguments streamed as they came: a call that breaks off keeps what arrived (as the XML form's).
+    "broken json form ends the call": (
+        '<tool_call>\n{"name": "run", "arguments": {"cmd": "make", "timeout": </tool_call> after',
         False,
-        '<tool_call>\n{"name": "run", "arguments": {"cmd": </tool_call> after',
+        "after",
         "",
-        [],
+        [ToolCall("run", {"cmd": "make", "timeout": None})],
+    ),
+    "json form cut off after a comma": (
+        '<tool_call>\n{"name": "run", "arguments": {"cmd": "make",  ',
+        False,
+        "",
+        "",
+        [ToolCall("run", {"cmd": "make"})],
+    ),
+    "json form arguments as a string": (
+        '<tool_call>\n{"name": "run", "arguments": "{\\"cmd\\": \\"ls\\"}"}\n</tool_call>',
+        False,
+        "",
+        "",
+        [ToolCall("run", {"cmd": "ls"})],
+    ),
+    "json form arguments holding closing tags and braces": (
+        '<tool_call>\n{"name": "run", "arguments": {"cmd": "echo \'}</tool_call>\' [", "n": [1, {"a": {}}]}}\n'
+        "</tool_call>\nDone.",
+        False,
+        "Done.",
+        "",
+        [ToolCall("run", {"cmd": "echo '}</tool_call>' [", "n": [1, {"a": {}}]})],
     ),
     "json-looking prose is text at once": (
         'Send <tool_call>{"x": 1} and <tool_call>{"name": "nope"} to see.',
@@ -220,6 +243,18 @@ def test_one_delta_closing_the_last_parameter_and_the_function() -> None:
     collected, events = parse([head, "st\n</parameter>\n</function>\n</tool_call>"], False)
     assert collected.tool_calls == [ToolCall("run", {"cmd": "make test"})]
     assert isinstance(events[-1], ToolCallEnd)
+
+
+def test_json_form_arguments_stream_before_the_call_closes() -> None:
+    parser = ToolCallParser(TOOLS, (JSON,))
+    events = parser.feed('<tool_call>\n{"name": "run", "arguments": {"cmd": "make te')
+    assert [e for e in events if isinstance(e, ToolCallBegin)] == [ToolCallBegin(0, "run")]
+    assert "".join(e.fragment for e in events if isinstance(e, ToolCallArguments)) == '{"cmd": "make te'
+    events = parser.feed('st", ')
+    assert "".join(e.fragment for e in events if isinstance(e, ToolCallArguments)) == 'st"'  # the comma waits
+    events = parser.feed('"timeout": 5}}\n</tool_call>')
+    assert "".join(e.fragment for e in events if isinstance(e, ToolCallArguments)) == ', "timeout": 5}'
+    assert events[-1] == ToolCallEnd(0, {"cmd": "make test", "timeout": 5})
 
 
 def test_string_arguments_stream_before_the_parameter_closes() -> None:

@@ -8,8 +8,9 @@ JSON (older Qwen templates, "hermes"):
 A call is only taken once its header is complete and names a declared tool; anything else (a literal
 `<tool_call>` in prose, inline code or a fenced code block, a malformed header) goes out as plain text, so a
 stream never stalls on it. XML arguments are typed by the tool's JSON schema and streamed as JSON fragments
-(string values as they arrive, other values when complete); a call cut off by the end of the stream keeps
-what arrived.
+(string values as they arrive, other values when complete); JSON-form arguments stream as they arrive,
+through an incremental JSON recognizer. A call cut off by the end of the stream, or whose JSON breaks off,
+keeps what arrived (its fragments completed so that they parse).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from onestream.worker.constraints.json_grammar import AFTER, OBJECT_KEY, VALUE, JsonValue
 
 from .events import Event, Text, ToolCallArguments, ToolCallBegin, ToolCallEnd
 
@@ -35,6 +38,10 @@ CODE_FENCE = "```"
 MAX_NAME_CHARS = 256
 MAX_JSON_CALL_CHARS = 1 << 20  # a JSON-form call longer than this is not one: let the text out
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]*")
+# A JSON-form call whose arguments can stream: the name first, then the arguments object.
+_JSON_STREAM_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
 
 
 def partial_suffix(text: str, markers: Iterable[str]) -> int:
@@ -110,6 +117,10 @@ class ToolCallParser:
         self._parameter: str | None = None
         self._value = ""
         self._value_started = False
+        self._arguments_grammar = JsonValue(frozenset({"object"}), leading_whitespace=False)
+        self._arguments_state: Any = None
+        self._arguments_text = ""
+        self._held = ""
 
     @property
     def calls(self) -> int:
@@ -297,6 +308,80 @@ class ToolCallParser:
 
     # ---- the JSON form -------------------------------------------------------------------------
     def _json(self, out: list[Event], final: bool) -> bool:
+        """`{"name": NAME, "arguments": {` streams its arguments as they arrive; any other shape of a
+        JSON-form call (arguments first, as a string) is read whole at `</tool_call>`."""
+        head = _JSON_STREAM_HEAD.match(self._buffer)
+        if head is not None and head.group("name") in self.tools:
+            self._buffer = self._buffer[head.end() :]
+            self._begin(out, head.group("name"))
+            self._arguments_state = self._arguments_grammar.start()
+            self._arguments_text = ""
+            self._held = ""
+            self._state = self._json_arguments
+            return True
+        compact = re.sub(r"\s+", "", self._buffer)
+        heads = [
+            f'{{"name":"{name}","{key}":{{' for name in self.tools for key in ("arguments", "parameters")
+        ]
+        if not final and any(h.startswith(compact) for h in heads):
+            return False  # the head is not complete yet
+        return self._json_whole(out, final)
+
+    def _json_arguments(self, out: list[Event], final: bool) -> bool:
+        """Feed the arguments object through the JSON recognizer: what it takes streams out (but a trailing
+        comma, held until a member follows it); the end of the object, a character it refuses, or the end
+        of the stream ends the call, completed so that its fragments still parse (the XML form keeps what
+        arrived the same way)."""
+        grammar, state = self._arguments_grammar, self._arguments_state
+        taken = 0
+        for char in self._buffer:
+            after = grammar.advance(state, char.encode())
+            if after is None:
+                break
+            state, taken = after, taken + 1
+            if grammar.accepts(state):
+                break
+        pending, self._buffer = self._held + self._buffer[:taken], self._buffer[taken:]
+        self._arguments_state = state
+        stripped = pending.rstrip()
+        after_comma = state[0] in (OBJECT_KEY, VALUE) and stripped.endswith(",")
+        complete = grammar.accepts(state)
+        if not (complete or self._buffer or final):
+            self._held = pending[len(stripped) - 1 :] if after_comma else ""
+            self._stream_arguments(out, pending[: len(stripped) - 1] if after_comma else pending)
+            return False
+        if complete:
+            closing = ""
+        elif after_comma:  # the comma goes: the members before it are the arguments
+            pending, closing = stripped[:-1], grammar.completion((AFTER, state[1], 0))
+        else:
+            closing = grammar.completion(state)
+        self._stream_arguments(out, pending + closing)
+        arguments = json.loads(self._arguments_text)
+        self._call["arguments"] = arguments
+        out.append(ToolCallEnd(self._call["index"], arguments))
+        self._after_call = True
+        self._state = self._json_tail
+        return True
+
+    def _stream_arguments(self, out: list[Event], fragment: str) -> None:
+        if fragment:
+            self._arguments_text += fragment
+            out.append(ToolCallArguments(self._call["index"], fragment))
+
+    def _json_tail(self, out: list[Event], final: bool) -> bool:
+        """After the arguments: the call object's `}` and `</tool_call>`, dropped; anything else is text."""
+        rest = self._buffer.lstrip()
+        rest = rest[1:].lstrip() if rest.startswith("}") else rest
+        if rest.startswith(CLOSE):
+            rest = rest[len(CLOSE) :]
+        elif not final and CLOSE.startswith(rest):
+            return False  # `</tool_call>` may be on its way
+        self._buffer = rest
+        self._state = self._text
+        return True
+
+    def _json_whole(self, out: list[Event], final: bool) -> bool:
         end = self._buffer.find(CLOSE)
         if end < 0 and not final and len(self._buffer) <= MAX_JSON_CALL_CHARS:
             return False

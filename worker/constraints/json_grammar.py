@@ -122,6 +122,29 @@ class JsonValue(Grammar):
             return self._end_value(stack) if matched == len(literal) else (LITERAL, stack, word * 8 + matched)
         return self._number(mode, stack, aux, byte)
 
+    def completion(self, state: State) -> str:
+        """The shortest text that makes the value read so far whole: a string closed, a key given null, a
+        number or literal finished, the open containers closed (a stream cut off keeps what arrived)."""
+        mode, stack, aux = state
+        if mode == TOP:
+            return "{}" if "object" in self.kinds else "null"
+        head = ""
+        if mode in (STRING, ESCAPE, UNICODE):
+            key = aux % 2 if mode == UNICODE else aux
+            head = {ESCAPE: "n", UNICODE: "0" * (aux // 2)}.get(mode, "") + '"' + (": null" if key else "")
+        elif mode == COLON:
+            head = ": null"
+        elif mode == VALUE:
+            head = "null"
+        elif mode == OBJECT_KEY:
+            head = '"": null'
+        elif mode in (MINUS, DOT, EXPONENT, EXPONENT_SIGN):
+            head = "0"
+        elif mode == LITERAL:
+            word, matched = divmod(aux, 8)
+            head = LITERALS[word][matched:].decode()
+        return head + "".join("}" if frame == "o" else "]" for frame in reversed(stack))
+
     # ---- pieces --------------------------------------------------------------------------------
     def _whitespace(self, state: State, byte: int) -> State | None:
         mode, stack, aux = state
