@@ -561,6 +561,37 @@ def test_anthropic_tool_choice_any_is_a_tool_use(base_url: str) -> None:
     assert block.name == "set_flags" and isinstance(block.input["verbose"], bool)
 
 
+def test_anthropic_named_tool_streams_its_input(base_url: str) -> None:
+    claude = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    tools: Any = [
+        {"name": "list_dir", "input_schema": LIST_DIR["function"]["parameters"]},
+        {"name": "set_flags", "input_schema": SET_FLAGS_SCHEMA},
+    ]
+    with claude.messages.stream(
+        model=MODEL, max_tokens=96, messages=[{"role": "user", "content": "List the files."}], tools=tools,
+        tool_choice={"type": "tool", "name": "set_flags", "disable_parallel_tool_use": True},
+    ) as stream:  # fmt: skip
+        deltas = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
+        message = stream.get_final_message()
+    (block,) = [b for b in message.content if b.type == "tool_use"]
+    assert block.name == "set_flags" and message.stop_reason == "tool_use"
+    assert len(deltas) > 1 and json.loads("".join(deltas)) == block.input
+
+
+def test_responses_tool_choice_required_is_a_function_call(client: openai.OpenAI) -> None:
+    function = {"type": "function", "name": "set_flags", "parameters": SET_FLAGS_SCHEMA}
+    response = client.responses.create(
+        model=MODEL, input="Turn on verbose output.", tools=[function],  # type: ignore[list-item]
+        tool_choice="required", parallel_tool_calls=False, max_output_tokens=96, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "set_flags" and set(json.loads(call.arguments)) == {"verbose", "level"}
+
+
 def test_unsupported_formats_are_a_400_naming_the_field(client: openai.OpenAI) -> None:
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError, match=r"response_format\.type"):
