@@ -212,7 +212,7 @@ def test_the_engine_answers_json_and_drafts_nothing(engine: Any, temperature: fl
     request = GenerateRequest(
         "import json\n\ndata = json.loads('",
         SamplingParams(temperature=temperature, seed=1),
-        max_tokens=40,
+        max_tokens=16,
         constraint=JSON_OBJECT,
     )
     *chunks, finished = engine.generate(request)
