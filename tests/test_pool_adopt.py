@@ -3,10 +3,11 @@ real 2-node Ray cluster (`ray.cluster_utils.Cluster`) with a CPU card on each no
 while it streams and another started in its place, on the same port. The new router adopts the running
 card actors (the same processes, with their caches) and learns from the cards who owns each session, so
 that sessions go on where they were and stay their owners'; the stream the killed router carried is the
-only one that failed, and its card was freed."""
+only one that failed, and its card was freed; a card that dies afterwards is restarted and rejoins."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 from collections.abc import Iterator
@@ -56,12 +57,26 @@ def serves() -> Iterator[list[Serve]]:
         serve.kill()
 
 
+def card_actors() -> list[Any]:
+    """The card actor of every node's one slot, found by name as an operator would."""
+    return [
+        ray.get_actor(card_actor_name(node["NodeID"], 0), namespace=NAMESPACE)
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+
+
+def card_actor(card_id: str) -> Any:
+    (actor,) = [a for a in card_actors() if ray.get(a.ready.remote(), timeout=60).card_id == card_id]
+    return actor
+
+
 def card_processes() -> dict[str, tuple[str, int]]:
-    """card id -> (incarnation, pid) of the card actor running in each node's slot, read from Ray."""
+    """card id -> (incarnation, pid) of each card actor's process, read from Ray (a restarting one is
+    left out)."""
     found = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            actor = ray.get_actor(card_actor_name(node["NodeID"], 0), namespace=NAMESPACE)
+    for actor in card_actors():
+        with contextlib.suppress(ray.exceptions.RayError):
             identity = ray.get(actor.ready.remote(), timeout=60)
             found[identity.card_id] = (identity.incarnation, identity.pid)
     return found
@@ -126,6 +141,15 @@ def test_a_restarted_serve_adopts_the_running_cards_their_sessions_and_owners(
         assert after.finished.usage.cached_prompt_tokens >= len(prompt), "and its home kept its cache"
 
         assert alice.close_session(session) == home
+
+        # A card that dies now, its creator gone, is still restarted by Ray (Ray warns that creation
+        # arguments in the object store may be lost with their owner) and rejoins the new router.
+        ray.kill(card_actor(home), no_restart=False)
+        wait_for(
+            lambda: card_processes().get(home, processes[home]) != processes[home], 60, f"{home} restarted"
+        )
+        wait_for(lambda: idle(alice), START_TIMEOUT_S, f"card {home} to serve again")
+        assert {c.card_id: c.restarts for c in alice.cards()}[home] == 1
 
         second.process.send_signal(signal.SIGTERM)
         assert second.process.wait(120) == 0, "".join(second.output)[-4000:]
