@@ -302,12 +302,16 @@ class PreparingBackend(ReferenceBackend):
 
 def test_warm_up_prepares_the_launch_sizes_a_speculative_cycle_runs(model_dir: Path) -> None:
     backend = PreparingBackend(load_model(model_dir, dtype=torch.float32))
-    engine = Engine(model_dir, backend=backend, spec_k=3)
+    engine = Engine(model_dir, backend=backend, spec_k=3, drafting="mtp")
     engine.warm_up()
     assert backend.prepared == [4]  # a verify of 3 drafts is 4 tokens; first draft steps take up to 4 pairs
+    engine.drafting = "combined"  # copies from the context draft up to lookup_k
+    engine.lookup_k = 6
+    engine.warm_up()
+    assert backend.prepared == [4, 7]
     engine.spec_k = 0
     engine.warm_up()
-    assert backend.prepared == [4, 1]
+    assert backend.prepared == [4, 7, 1]
     plain = Engine(model_dir, backend="reference", device="cpu", dtype="fp32")
     plain.warm_up()  # a back end with nothing to prepare: a no-op
     assert run(plain, GenerateRequest([1, 2, 3], GREEDY, max_tokens=3))[1].usage.generated_tokens == 3

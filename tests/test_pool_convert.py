@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from onestream.cluster.convert import finished_to_proto, request_from_proto
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.worker.api import Finished, SamplingParams, Timings, Usage
+from onestream.worker.api import DraftUsage, Finished, SamplingParams, Timings, Usage
 from onestream.worker.errors import InvalidRequestError
 
 MODEL_DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.25}
@@ -64,6 +64,7 @@ def test_the_wire_carries_every_sampling_and_usage_field() -> None:
     assert {f.name for f in pb.Usage.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(Usage)}
     usage = Usage(prompt_tokens=9, cached_prompt_tokens=4, generated_tokens=5, drafts=2, draft_tokens=4)
     usage.accepted_draft_tokens, usage.accepted_per_position = 3, [2, 1]
+    usage.by_source = {"mtp": DraftUsage(1, 2, 1, [1]), "lookup": DraftUsage(1, 2, 2, [1, 1])}
     finished = finished_to_proto(
         Finished("stop", usage, Timings(decode_s=0.5)),
         pb.Card(card_id="c"),

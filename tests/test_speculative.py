@@ -39,7 +39,8 @@ def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(draftable_dir: Path) -> Engine:
-    return Engine(draftable_dir, backend="reference", device="cpu", dtype="fp32")
+    # The MTP head's own cycles (copies from the context and the combination: tests/test_drafting.py).
+    return Engine(draftable_dir, backend="reference", device="cpu", dtype="fp32", drafting="mtp")
 
 
 def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -217,7 +218,7 @@ def test_speculative_greedy_with_penalties_equals_plain(engine: Engine) -> None:
 
 
 def test_untrained_mtp_head_still_gives_plain_greedy(random_dir: Path) -> None:
-    engine = Engine(random_dir, backend="reference", device="cpu", dtype="fp32")
+    engine = Engine(random_dir, backend="reference", device="cpu", dtype="fp32", drafting="mtp")
     for prompt in random_prompts(6, engine.config.vocab_size, seed=5):
         request = GenerateRequest(prompt, SamplingParams(temperature=0.0), max_tokens=24, ignore_eos=True)
         engine.spec_k = 0

@@ -292,6 +292,16 @@ class TokenChunk:
 
 
 @dataclass
+class DraftUsage:
+    """Speculative counters of the cycles whose drafts came from one source (`mtp` or `lookup`)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # served from the session cache, not computed
@@ -300,6 +310,7 @@ class Usage:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # index 0 = first draft
+    by_source: dict[str, DraftUsage] = field(default_factory=dict)  # the same, by draft source
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,15 +21,20 @@ from .model import StepOutput
 log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "megakernel")
+# The most drafts one verify pass runs where a back end sets no launch bound of its own (the reference runs
+# any length; past this, copied drafts are rarely all accepted and the rollback records cost memory).
+MAX_VERIFY_DRAFTS = 16
 
 __all__ = [
     "BACKEND_CHOICES",
+    "MAX_VERIFY_DRAFTS",
     "Backend",
     "BackendUnavailableError",
     "ReferenceBackend",
     "StepOutput",
     "accept_greedy",
     "create_backend",
+    "verify_limit",
 ]
 
 
@@ -40,6 +45,18 @@ def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[
     while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
         accepted += 1
     return accepted, int(target_tokens[accepted])
+
+
+def verify_limit(backend: Any) -> int | None:
+    """The most tokens one verify launch of `backend` runs (None: no bound): its `max_tokens_per_launch`
+    where it declares one. The megakernel runs longer verifies on the reference path, far slower, so its
+    tokens per launch bound the drafts too."""
+    limit = getattr(backend, "max_tokens_per_launch", None)
+    if limit is None and getattr(backend, "name", None) == "megakernel":
+        from onestream.kernels.layout import MAX_TOKENS_PER_LAUNCH  # type: ignore[import-not-found]
+
+        limit = MAX_TOKENS_PER_LAUNCH
+    return int(limit) if limit is not None else None
 
 
 @runtime_checkable

@@ -11,17 +11,27 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .api import Finished, GenerateRequest, SamplingParams, Timings, TokenChunk, Usage
-from .backend import Backend, create_backend
+from .api import DraftUsage, Finished, GenerateRequest, SamplingParams, Timings, TokenChunk, Usage
+from .backend import MAX_VERIFY_DRAFTS, Backend, create_backend, verify_limit
 from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
 from .constraints.decoding import Constraints, TokenConstraint
+from .drafting import (
+    DEFAULT_LOOKUP_K,
+    DEFAULT_MODE,
+    DEFAULT_NGRAM,
+    MODES,
+    DraftPolicy,
+    DraftSettings,
+    NGramIndex,
+)
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
 from .prefixes import (
     DEFAULT_PREFIX_SHARING,
@@ -57,6 +67,9 @@ __all__ = [
 # Longer drafts are accepted more often in total, but each extra MTP step is a serial launch: on the embedded
 # model two drafts per cycle decode fastest with the reference back end (`onestream eval spec`, docs/benchmarks.md).
 DEFAULT_SPEC_K = 2
+# Sessions whose n-gram index (prompt lookup) the engine keeps between turns: an agent's next turn extends it
+# instead of indexing its whole context again. Host memory, a few hundred bytes per token of a session.
+MAX_LOOKUP_INDEXES = 8
 DEFAULT_CACHE_BYTES = 4 << 30
 BUSY_MESSAGE = "the engine is already generating (it serves one sequence at a time)"
 DTYPES = {
@@ -77,6 +90,12 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def default_lookup_k(backend: Backend) -> int:
+    """The lookup's most drafts per cycle: the default, or fewer where one launch verifies fewer tokens."""
+    limit = verify_limit(backend)
+    return DEFAULT_LOOKUP_K if limit is None else min(DEFAULT_LOOKUP_K, limit - 1)
+
+
 class Engine:
     def __init__(
         self,
@@ -94,11 +113,17 @@ class Engine:
         tokenizer_dir: str | Path | None = None,
         on_load_progress: Callable[[ProgressReport], None] | None = None,
         prefix_sharing: str = DEFAULT_PREFIX_SHARING,
+        drafting: str = DEFAULT_MODE,
+        lookup_k: int | None = None,
+        ngram: tuple[int, int] = DEFAULT_NGRAM,
+        adaptive_drafts: bool = True,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
         the checkpoint's own; `on_load_progress` hears how far the weights' load has got (a card's `loading`
-        state), besides the terminal and log lines every load reports."""
+        state), besides the terminal and log lines every load reports. `drafting`, `lookup_k`, `ngram`
+        (the lookup's shortest and longest n-gram) and `adaptive_drafts` say where speculative drafts come
+        from and how long they are (worker/drafting/)."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
@@ -120,6 +145,12 @@ class Engine:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         self.max_context = min(limit, max_context) if max_context is not None else limit
         self.spec_k = DEFAULT_SPEC_K if spec_k is None else spec_k
+        self.drafting = drafting
+        self.lookup_k = default_lookup_k(self.backend) if lookup_k is None else lookup_k
+        DraftSettings(ngram=ngram)  # validates the lengths
+        self.ngram = ngram
+        self.adaptive_drafts = adaptive_drafts
+        self._lookup_indexes: OrderedDict[str, NGramIndex] = OrderedDict()
         # Heal text prompts that end mid-token (tokenizer.TokenHealing); off by default so that a prompt's
         # tokens are exactly what the model is fed. `onestream generate` turns it on.
         self.token_healing = token_healing
@@ -150,12 +181,57 @@ class Engine:
             raise ValueError(f"spec_k must be an integer in [0, 16], got {k!r}")
         self._spec_k = k
 
+    @property
+    def drafting(self) -> str:
+        """Where drafts come from: `combined` (prompt lookup, or the MTP head when it is more confident),
+        `mtp` or `lookup` (worker/drafting/). spec_k = 0 turns `combined` and `mtp` off; `lookup` runs on
+        any model, with or without an MTP head."""
+        return self._drafting
+
+    @drafting.setter
+    def drafting(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"drafting must be one of {MODES}, got {mode!r}")
+        self._drafting = mode
+
+    @property
+    def lookup_k(self) -> int:
+        """The most drafts a prompt-lookup cycle copies (its length adapts below that)."""
+        return self._lookup_k
+
+    @lookup_k.setter
+    def lookup_k(self, k: int) -> None:
+        limit = verify_limit(self.backend)
+        top = limit - 1 if limit is not None else MAX_VERIFY_DRAFTS
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= top:
+            raise ValueError(f"lookup_k must be an integer in [0, {top}] on this back end, got {k!r}")
+        self._lookup_k = k
+
+    def draft_settings(self) -> DraftSettings | None:
+        """How this engine's requests draft, or None when they do not (plain decoding)."""
+        if self.drafting != "lookup" and self.spec_k == 0:
+            return None
+        settings = DraftSettings(
+            mode=self.drafting,
+            mtp_k=self.spec_k,
+            lookup_k=self.lookup_k,
+            ngram=self.ngram,
+            adaptive=self.adaptive_drafts,
+        )
+        return settings if settings.max_drafts > 0 else None
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one cycle verifies (0: no speculative decoding)."""
+        settings = self.draft_settings()
+        return settings.max_drafts if settings is not None else 0
+
     def warm_up(self) -> None:
         """Prepare now what the first request would otherwise pay for: a back end with a `prepare(max_tokens)`
-        (the megakernel: one compiled build per tokens-per-launch) gets the most a cycle of spec_k drafts runs."""
+        (the megakernel: one compiled build per tokens-per-launch) gets the most a cycle's drafts run."""
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
-            prepare(self.spec_k + 1)
+            prepare(self.max_drafts + 1)
 
     def default_sampling(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, with the `overrides` that are not
@@ -180,6 +256,9 @@ class Engine:
             "layer_types": list(c.layer_types),
             "has_mtp": self.backend.has_mtp,
             "spec_k": self.spec_k,
+            "drafting": self.drafting if self.max_drafts else "off",
+            "lookup_k": self.lookup_k,
+            "max_drafts": self.max_drafts,
             "max_context": self.max_context,
             "eos_token_ids": sorted(self.eos_token_ids),
             "generation_defaults": dict(self.generation_defaults),
@@ -290,8 +369,9 @@ class Engine:
             stats = SpecStats()
             constraint = self._constraint(request, stop_ids | set(self.eos_token_ids))
             # A constrained request decodes one token at a time (worker/constraints/decoding.py).
-            use_spec = self.spec_k > 0 and seq.track_mtp and constraint is None
-            speculative = SpeculativeDecoder(self.spec_k, stats) if use_spec else None
+            speculative, index = (
+                self._speculative_decoder(session, prompt_ids, stats) if constraint is None else (None, None)
+            )
             usage = Usage(prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached)
 
             # The sampled token stays on the device as the next step's input; only its host copy syncs.
@@ -312,6 +392,8 @@ class Engine:
             timings = Timings(prefill_s=time.perf_counter() - t_start)
             _, text = checker.push(new_tokens)
             sampler.commit(pending_ids)  # the device copy: no upload
+            if index is not None:
+                index.extend(new_tokens)
             t_last = time.perf_counter()
             timings.time_to_first_token_s = t_last - t_start
             yield TokenChunk(new_tokens, text)
@@ -326,6 +408,8 @@ class Engine:
                 )
                 consistent = True
                 sampler.commit(new_tokens if pending_ids is None else pending_ids)
+                if index is not None:
+                    index.extend(new_tokens)
                 pending = new_tokens[-1]
                 now = time.perf_counter()
                 timings.inter_token_s.append(now - t_last)
@@ -339,6 +423,11 @@ class Engine:
             usage.drafts, usage.draft_tokens = stats.drafts, stats.draft_tokens
             usage.accepted_draft_tokens = stats.accepted_tokens
             usage.accepted_per_position = list(stats.accepted_per_position)
+            usage.by_source = {
+                source: DraftUsage(c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_position))
+                for source, c in stats.by_source.items()
+                if c.drafts
+            }
             t_end = time.perf_counter()
             timings.decode_s = t_end - t_start - timings.time_to_first_token_s
             timings.total_s = t_end - t_start
@@ -371,10 +460,11 @@ class Engine:
         One host synchronisation either way."""
         remaining = checker.max_tokens - checker.generated
         if speculative is not None and remaining >= 2:
-            cycle = speculative.propose(seq, pending, sampler, min(speculative.k, remaining - 1))
-            kept, text = checker.push(cycle.tokens)
-            speculative.commit(seq, cycle, kept)
-            return cycle.tokens[:kept], text, None
+            cycle = speculative.propose(seq, pending, sampler, remaining - 1)
+            if cycle is not None:
+                kept, text = checker.push(cycle.tokens)
+                speculative.commit(seq, cycle, kept)
+                return cycle.tokens[:kept], text, None
         out = seq.feed([pending], ids=pending_ids)
         logits = out.logits if constraint is None else constraint.mask(out.logits)
         next_ids = sampler.next_tokens(logits)
@@ -392,10 +482,34 @@ class Engine:
             self._constraints = Constraints(self.tokenizer)
         return self._constraints.begin(request.constraint, end_ids)
 
+    def _speculative_decoder(
+        self, session: Session, prompt_ids: list[int], stats: SpecStats
+    ) -> tuple[SpeculativeDecoder | None, NGramIndex | None]:
+        """The request's speculative decoder (None: plain decoding) and the session's n-gram index, holding
+        the prompt, when its drafts copy from the context."""
+        settings = self.draft_settings()
+        if settings is None or (settings.uses_mtp and not session.sequence.track_mtp):
+            return None, None
+        index = self._lookup_index(session.session_id) if settings.uses_lookup else None
+        if index is not None:
+            index.sync(prompt_ids)
+        policy = DraftPolicy(settings, index)
+        return SpeculativeDecoder(max(settings.max_drafts, 1), stats, policy), index
+
+    def _lookup_index(self, session_id: str) -> NGramIndex:
+        index = self._lookup_indexes.pop(session_id, None)
+        if index is None or (index.n_min, index.n_max) != tuple(self.ngram):
+            index = NGramIndex(*self.ngram)
+        self._lookup_indexes[session_id] = index
+        while len(self._lookup_indexes) > MAX_LOOKUP_INDEXES:
+            self._lookup_indexes.popitem(last=False)
+        return index
+
     def _prepare(self, request: GenerateRequest, prompt: list[int]) -> tuple[Session, PrefixReuse]:
         """The session to continue (its own, the anonymous one that reuses the most of the prompt, or a
         new one) brought to the longest reusable prefix of `prompt`, and where that prefix came from."""
-        track_mtp = self.spec_k > 0
+        settings = self.draft_settings()
+        track_mtp = settings is not None and settings.uses_mtp
         scope = sharing_scope(request.user, self.prefix_sharing)
         anonymous = request.session_id is None
         with self._cache_lock:

@@ -132,9 +132,10 @@ class Sequence:
     def accept_verified(self, inputs: Seq[int], verify: StepOutput, kept: int) -> None:
         """Keep the first `kept` verified inputs in the state (roll back the rest).
 
-        `draft_first` already gave the MTP cache the pair of inputs[0]; the kept drafts' pairs are owed."""
+        `draft_first` already gave the MTP cache the pair of inputs[0]; the kept drafts' pairs are owed (when
+        MTP is tracked: drafts copied from the context verify on a sequence that may not track it)."""
         self.backend.rollback(self.state, len(inputs) - kept)
-        if kept > 1:
+        if kept > 1 and self.track_mtp:
             self._backlog_tokens.extend(inputs[1:kept])
             self._backlog_hidden.append(verify.hidden[: kept - 1])
         self.tokens.extend(inputs[:kept])

@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's MTP head: draft k tokens, verify them in one pass, accept a prefix.
+"""Speculative decoding: draft k tokens (the MTP head or a copy from the context, worker/drafting/), verify
+them in one pass, accept a prefix.
 
 What is preserved exactly:
 - Greedy (temperature 0): a draft is accepted only while it equals the target's argmax at that position, and
@@ -8,8 +9,9 @@ What is preserved exactly:
 - Sampling: standard speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Each output
   token is distributed exactly as the request's *processed* target distribution p at that position: the same
   penalties (over the same history, accepted drafts included), temperature, min-p, top-k and top-p that plain
-  sampling applies. The draft distribution q is processed the same way; any q keeps the output exact, a q
-  closer to p only raises acceptance. The random stream differs from plain sampling, so a seeded speculative
+  sampling applies. The MTP draft distribution q is processed the same way; a draft copied from the context
+  is deterministic, its q the one-hot on its token. Any q keeps the output exact, a q closer to p only raises
+  acceptance. The random stream differs from plain sampling, so a seeded speculative
   run reproduces itself, not a seeded plain run.
 
 On an accelerator a cycle synchronises with the host once: drafts stay on the device from one draft step to
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import StepOutput
+from .drafting import MTP, SOURCES, Draft, DraftPolicy, DraftSettings, draft_distributions
 from .sampling import RequestSampler, sample
 from .sequence import Sequence
 
@@ -89,8 +92,8 @@ def accept_sampled(
 
 
 @dataclass
-class SpecStats:
-    """Counters of one generation (vLLM's spec-decode metrics)."""
+class DraftCounts:
+    """Counters of the cycles whose drafts came from one source (vLLM's spec-decode metrics)."""
 
     drafts: int = 0  # verify cycles
     draft_tokens: int = 0
@@ -106,10 +109,33 @@ class SpecStats:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
+    def add(self, other: DraftCounts) -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        if len(self.accepted_per_position) < len(other.accepted_per_position):
+            self.accepted_per_position.extend(
+                [0] * (len(other.accepted_per_position) - len(self.accepted_per_position))
+            )
+        for position, accepted in enumerate(other.accepted_per_position):
+            self.accepted_per_position[position] += accepted
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per verify cycle (accepted drafts + the one token every cycle yields)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class SpecStats(DraftCounts):
+    """Counters of one generation, in all and by draft source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_source: dict[str, DraftCounts] = {source: DraftCounts() for source in SOURCES}
+
+    def record(self, k: int, accepted: int, source: str = MTP) -> None:
+        super().record(k, accepted)
+        self.by_source[source].record(k, accepted)
 
 
 @dataclass
@@ -119,66 +145,57 @@ class Cycle:
     inputs: list[int]  # [pending token, d1..dk] (host copy), all run through the verify pass
     verify: StepOutput  # the verify pass's output
     tokens: list[int]  # accepted drafts + the next token: what this cycle yields
+    source: str = MTP
 
 
 class SpeculativeDecoder:
-    """Runs MTP-draft / verify cycles on a `Sequence` that keeps its MTP cache in step."""
+    """Runs draft / verify cycles on a `Sequence` (one that keeps its MTP cache in step when MTP drafts).
 
-    def __init__(self, k: int, stats: SpecStats) -> None:
+    `policy` chooses each cycle's draft; by default the MTP head's, `k` drafts every cycle."""
+
+    def __init__(self, k: int, stats: SpecStats, policy: DraftPolicy | None = None) -> None:
         if k < 1:
             raise ValueError(f"speculative decoding needs k >= 1 drafts, got {k}")
         self.k = k
         self.stats = stats
+        self.policy = policy or DraftPolicy(DraftSettings(mode=MTP, mtp_k=k, adaptive=False))
 
-    def propose(self, seq: Sequence, pending: int, sampler: RequestSampler, k: int) -> Cycle:
-        """Draft `k` tokens after `pending` (emitted, not yet run), verify them, choose what to accept.
+    def propose(self, seq: Sequence, pending: int, sampler: RequestSampler, k: int) -> Cycle | None:
+        """Draft at most `k` tokens after `pending` (emitted, not yet run), verify them, choose what to accept;
+        None when the policy has no draft for this cycle (the caller runs a plain step).
 
         The sequence is left with every verified input run; `commit` rolls back the rejected suffix.
         """
         pending_ids = seq.ids([pending])  # uploaded while the device is idle (see `Sequence.ids`)
-        drafts, draft_probs = self._draft(seq, pending, sampler, k)
+        draft = self.policy.propose(seq, pending, sampler, min(k, self.k))
+        if draft is None:
+            return None
+        drafts, k = draft.tokens, draft.k
         if sampler.params.greedy and not sampler.uses_history:
             # Plain argmax: the back end verifies and accepts (the megakernel on the device, reading back only
             # its control block).
             verify, accepted, targets, inputs = seq.run_verify_greedy(torch.cat([pending_ids, drafts]))
-            self.stats.record(k, accepted)
-            return Cycle(inputs, verify, [*inputs[1 : accepted + 1], targets[accepted]])
+            self._record(draft, accepted)
+            return Cycle(inputs, verify, [*inputs[1 : accepted + 1], targets[accepted]], draft.source)
         verify = seq.run_verify(torch.cat([pending_ids, drafts]))
         if sampler.params.greedy:
             targets = sampler.next_tokens(verify.logits, per_row=drafts)
             settled = settle(drafts != targets[:k], targets[:k], targets[k])
         else:
             target_probs = sampler.probabilities(verify.logits, per_row=drafts)
-            decisions = sampled_decisions(target_probs, torch.cat(draft_probs), drafts, sampler.generator)
+            q = draft_distributions(draft, target_probs.shape[-1])
+            decisions = sampled_decisions(target_probs, q, drafts, sampler.generator)
             settled = settle(decisions[:k].bool(), decisions[k : 2 * k], decisions[2 * k])
         host = torch.cat([drafts, settled]).tolist()  # the cycle's one synchronisation: drafts, count, next
         host_drafts, (accepted, next_token) = host[:k], host[k:]
-        self.stats.record(k, accepted)
-        return Cycle([pending, *host_drafts], verify, [*host_drafts[:accepted], next_token])
+        self._record(draft, accepted)
+        return Cycle([pending, *host_drafts], verify, [*host_drafts[:accepted], next_token], draft.source)
+
+    def _record(self, draft: Draft, accepted: int) -> None:
+        self.stats.record(draft.k, accepted, draft.source)
+        self.policy.record(draft, accepted)
 
     def commit(self, seq: Sequence, cycle: Cycle, kept: int) -> None:
         """Keep the first `kept` tokens the cycle yielded: the pending token and the drafts before the last
         kept token stay in the state; everything after is rolled back (main model and MTP cache)."""
         seq.accept_verified(cycle.inputs, cycle.verify, kept)
-
-    def _draft(
-        self, seq: Sequence, pending: int, sampler: RequestSampler, k: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """k draft tokens ([k] on the device) and, when sampling, the distributions they were drawn from."""
-        drafts: list[torch.Tensor] = []  # [1] each
-        draft_probs: list[torch.Tensor] = []
-        out = seq.draft_first(pending)
-        for step in range(k):
-            if step:
-                out = seq.draft_next(drafts[-1], out.hidden[-1:])
-            logits = out.logits[-1:]
-            before = torch.cat(drafts) if drafts and sampler.uses_history else ()
-            if sampler.params.greedy:
-                token = sampler.next_tokens(logits, before=before)
-            else:
-                probs = sampler.probabilities(logits, before=before)
-                token = sample(probs, sampler.generator)
-                draft_probs.append(probs)
-            drafts.append(token)
-        seq.drop_draft_positions(k - 1)
-        return torch.cat(drafts), draft_probs

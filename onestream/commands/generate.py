@@ -63,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--spec-k", type=int, default=None, help="MTP drafts per cycle (0 = off; default: engine's)"
     )
+    add_drafting_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     temperature = "0 = greedy (default: the model's generation_config.json; greedy unless it sets do_sample)"
     add_sampling_flags(parser, help_overrides={"temperature": temperature})
@@ -84,6 +85,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--session", default=None, help="session id (keeps the session's cache between turns)"
     )
     parser.set_defaults(func=run)
+
+
+def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--drafting",
+        choices=("combined", "mtp", "lookup"),
+        default=None,
+        help="speculative drafts: combined (copies from the context, or the MTP head when it is more "
+        "confident; the default), mtp, or lookup (copies only; works without an MTP head)",
+    )
+    parser.add_argument(
+        "--lookup-k", type=int, default=None, help="most drafts a copy from the context proposes per cycle"
+    )
+
+
+def drafting_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine keywords of `add_drafting_arguments`' flags that were given."""
+    options = {"drafting": args.drafting, "lookup_k": args.lookup_k}
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -117,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             spec_k=args.spec_k,
+            **drafting_options(args),
             token_healing=args.token_healing,
             **engine_format_options(args),
         )

@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .generate import MODEL_HELP, add_format_arguments, engine_format_options
+from .generate import (
+    MODEL_HELP,
+    add_drafting_arguments,
+    add_format_arguments,
+    drafting_options,
+    engine_format_options,
+)
 
 EXTRA_CARDS_WAIT_S = 60.0
 # The flags of the addresses that serve the API: beyond loopback they need --api-keys (or --insecure).
@@ -66,6 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "megakernel"))
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the back end's choice)")
     p.add_argument("--spec-k", type=int, default=None, help="MTP drafts per speculative cycle (0 = off)")
+    add_drafting_arguments(p)
     p.add_argument("--max-context", type=int, default=None, help="cap the context length of every card")
     p.add_argument("--cache-gib", type=float, default=None, help="session cache per card, GiB")
     p.add_argument("--card-threads", type=int, default=None, help="torch threads per CPU card")
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     engine_options: dict[str, Any] = {}
     if args.spec_k is not None:
         engine_options["spec_k"] = args.spec_k
+    engine_options |= drafting_options(args)
     if args.max_context is not None:
         engine_options["max_context"] = args.max_context
     if args.cache_gib is not None:
@@ -221,7 +229,7 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
     import torch
 
     from onestream.worker.checkpoints import open_checkpoint
-    from onestream.worker.engine import DEFAULT_SPEC_K, parse_dtype
+    from onestream.worker.engine import parse_dtype
     from onestream.worker.memory import fit_report
 
     checkpoint = open_checkpoint(model_dir, quantize=args.quantize, tokenizer_dir=args.tokenizer)
@@ -232,9 +240,20 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
         checkpoint,
         dtype=dtype,
         context=engine_options.get("max_context"),
-        spec_k=engine_options.get("spec_k", DEFAULT_SPEC_K),
+        spec_k=_max_drafts(engine_options),
         device_bytes=device_bytes,
     )
+
+
+def _max_drafts(engine_options: dict[str, Any]) -> int:
+    """The most drafts a cycle verifies with these options: what the rollback records are sized by."""
+    from onestream.worker.drafting import DEFAULT_LOOKUP_K, DEFAULT_MODE
+    from onestream.worker.engine import DEFAULT_SPEC_K
+
+    mtp_k = engine_options.get("spec_k", DEFAULT_SPEC_K)
+    mode = engine_options.get("drafting", DEFAULT_MODE)
+    lookup_k = engine_options.get("lookup_k", DEFAULT_LOOKUP_K) if mode != "mtp" else 0
+    return max(0 if mode == "lookup" else mtp_k, lookup_k if mode == "lookup" or mtp_k else 0)
 
 
 def _local_gpu_count() -> int:

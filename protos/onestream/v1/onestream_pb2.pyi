@@ -149,7 +149,14 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "generated_tokens", "drafts", "draft_tokens", "accepted_draft_tokens", "accepted_per_position")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "generated_tokens", "drafts", "draft_tokens", "accepted_draft_tokens", "accepted_per_position", "by_source")
+    class BySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: DraftUsage
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DraftUsage, _Mapping]] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +164,7 @@ class Usage(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int
@@ -164,7 +172,20 @@ class Usage(_message.Message):
     draft_tokens: int
     accepted_draft_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    by_source: _containers.MessageMap[str, DraftUsage]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., by_source: _Optional[_Mapping[str, DraftUsage]] = ...) -> None: ...
+
+class DraftUsage(_message.Message):
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_wait_s", "time_to_first_token_s", "prefill_s", "decode_s", "total_s", "decode_tokens_per_s")

@@ -1,0 +1,37 @@
+"""Drafting with the model's MTP head: each step feeds the previous draft and the head's own hidden state."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import StepOutput
+from ..sampling import RequestSampler, sample
+from ..sequence import Sequence
+from .base import MTP, Draft
+
+
+def mtp_draft(seq: Sequence, pending: int, sampler: RequestSampler, k: int) -> Draft:
+    """k MTP drafts after `pending` (emitted, not yet run); the first step also runs the owed MTP pairs."""
+    return continue_mtp_draft(seq, seq.draft_first(pending), sampler, k)
+
+
+def continue_mtp_draft(seq: Sequence, first: StepOutput, sampler: RequestSampler, k: int) -> Draft:
+    """k MTP drafts, the first from `first` (the output of `Sequence.draft_first`). The drafts stay on the
+    device; the MTP positions written by steps after the first are dropped (their hiddens were drafts')."""
+    drafts: list[torch.Tensor] = []  # [1] each
+    draft_probs: list[torch.Tensor] = []
+    out = first
+    for step in range(k):
+        if step:
+            out = seq.draft_next(drafts[-1], out.hidden[-1:])
+        logits = out.logits[-1:]
+        before = torch.cat(drafts) if drafts and sampler.uses_history else ()
+        if sampler.params.greedy:
+            token = sampler.next_tokens(logits, before=before)
+        else:
+            probs = sampler.probabilities(logits, before=before)
+            token = sample(probs, sampler.generator)
+            draft_probs.append(probs)
+        drafts.append(token)
+    seq.drop_draft_positions(k - 1)
+    return Draft(torch.cat(drafts), MTP, torch.cat(draft_probs) if draft_probs else None)
