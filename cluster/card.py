@@ -138,7 +138,7 @@ class CardActor:
             model=model,
             backend=str(self._model_info.get("backend", settings.backend)),
             device_name=device_name,
-            spec_k=int(self._model_info.get("spec_k") or 0),
+            spec_k=int(self._model_info.get("max_drafts", self._model_info.get("spec_k")) or 0),
             model_format=str(self._model_info.get("format", "")),
         )
         self._http = MetricsHTTPServer(settings.metrics_host or node_ip, 0, self._metrics.registry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import prometheus_client
-from onestream.worker.api import FINISH_REASONS, Finished
+from onestream.worker.api import FINISH_REASONS, DraftUsage, Finished
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # No `*_created` series next to every counter and histogram (as vLLM): they double the series count and
@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 prometheus_client.disable_created_metrics()
 
 CARD_LABELS = ("node", "gpu_index", "gpu_uuid", "model")
+# Where a speculative draft came from (worker/drafting/): the speculative counters carry it as `source`.
+DRAFT_SOURCES = ("mtp", "lookup")
 
 # Seconds. Time to first token spans a cached short suffix (ms) to a long CPU prefill (minutes).
 TTFT_BUCKETS = (
@@ -129,18 +131,24 @@ class CardMetrics:
         self.prefix_tokens_saved = counter(
             "onestream_prefix_cache_tokens_saved", "Prompt tokens those turns did not prefill."
         )
-        self.drafts = counter("onestream_spec_decode_num_drafts", "Speculative cycles.")
-        self.draft_tokens = counter("onestream_spec_decode_num_draft_tokens", "Drafted tokens.")
-        self.accepted_tokens = counter(
-            "onestream_spec_decode_num_accepted_tokens", "Accepted drafted tokens."
+
+        def by_source(name: str, doc: str) -> Counter:
+            return Counter(name, doc, (*CARD_LABELS, "source"), registry=r)
+
+        self._drafts = by_source("onestream_spec_decode_num_drafts", "Speculative cycles, by draft source.")
+        self._draft_tokens = by_source(
+            "onestream_spec_decode_num_draft_tokens", "Drafted tokens, by draft source."
+        )
+        self._accepted_tokens = by_source(
+            "onestream_spec_decode_num_accepted_tokens", "Accepted drafted tokens, by draft source."
         )
         self._requests = Counter(
             "onestream_requests", "Finished generations.", (*CARD_LABELS, "finish_reason"), registry=r
         )
         self._accepted_per_pos = Counter(
             "onestream_spec_decode_num_accepted_tokens_per_pos",
-            "Accepted drafted tokens, by draft position (0-based).",
-            (*CARD_LABELS, "position"),
+            "Accepted drafted tokens, by draft source and position (0-based).",
+            (*CARD_LABELS, "source", "position"),
             registry=r,
         )
         self.time_to_first_token = Histogram(
@@ -193,8 +201,19 @@ class CardMetrics:
         # increment from rate() and increase().
         for reason in FINISH_REASONS:
             self.requests(reason)
-        for position in range(spec_k):
-            self._accepted_per_pos.labels(**card, position=str(position))
+        for source in DRAFT_SOURCES:
+            self.source_counters(source)
+            for position in range(spec_k):
+                self._accepted_per_pos.labels(**card, source=source, position=str(position))
+
+    def source_counters(self, source: str) -> tuple[Counter, Counter, Counter]:
+        """(cycles, drafted tokens, accepted tokens) of the drafts from `source`."""
+        labels = {**self._card, "source": source}
+        return (
+            self._drafts.labels(**labels),
+            self._draft_tokens.labels(**labels),
+            self._accepted_tokens.labels(**labels),
+        )
 
     def requests(self, finish_reason: str) -> Counter:
         return self._requests.labels(**self._card, finish_reason=finish_reason)
@@ -206,11 +225,25 @@ class CardMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
         self.prefill_tokens.inc(max(usage.prompt_tokens - usage.cached_prompt_tokens, 0))
-        self.drafts.inc(usage.drafts)
-        self.draft_tokens.inc(usage.draft_tokens)
-        self.accepted_tokens.inc(usage.accepted_draft_tokens)
-        for position, accepted in enumerate(usage.accepted_per_position):
-            self._accepted_per_pos.labels(**self._card, position=str(position)).inc(accepted)
+        # A Usage without a breakdown (an engine that drafts with MTP only) counts as MTP's.
+        by_source = usage.by_source or (
+            {
+                "mtp": DraftUsage(
+                    usage.drafts, usage.draft_tokens, usage.accepted_draft_tokens, usage.accepted_per_position
+                )
+            }
+            if usage.drafts
+            else {}
+        )
+        for source, counts in by_source.items():
+            drafts, draft_tokens, accepted_tokens = self.source_counters(source)
+            drafts.inc(counts.drafts)
+            draft_tokens.inc(counts.draft_tokens)
+            accepted_tokens.inc(counts.accepted_tokens)
+            for position, accepted in enumerate(counts.accepted_per_position):
+                self._accepted_per_pos.labels(**self._card, source=source, position=str(position)).inc(
+                    accepted
+                )
         if usage.generated_tokens:  # a request that generated nothing has no first token
             self.time_to_first_token.observe(timings.time_to_first_token_s)
         for gap in timings.inter_token_s:

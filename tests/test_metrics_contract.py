@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from onestream.cluster.http_server import MetricsHTTPServer
 from onestream.cluster.metrics import CARD_LABELS, CardMetrics, RouterMetrics
-from onestream.worker.api import Finished, Timings, Usage
+from onestream.worker.api import DraftUsage, Finished, Timings, Usage
 from prometheus_client.parser import text_string_to_metric_families
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -68,6 +68,7 @@ def card_metrics() -> CardMetrics:
                 draft_tokens=6,
                 accepted_draft_tokens=5,
                 accepted_per_position=[3, 2],
+                by_source={"mtp": DraftUsage(2, 4, 3, [2, 1]), "lookup": DraftUsage(1, 2, 2, [1, 1])},
             ),
             Timings(time_to_first_token_s=0.02, inter_token_s=[0.01, 0.012], total_s=0.1),
         )
@@ -207,11 +208,50 @@ def test_labelled_card_series_exist_at_zero_before_any_request() -> None:
     reasons = {s.labels["finish_reason"]: s.value for s in samples if s.name == "onestream_requests_total"}
     assert reasons == {"stop": 0.0, "length": 0.0, "cancelled": 0.0}
     positions = {
-        s.labels["position"]: s.value
+        (s.labels["source"], s.labels["position"]): s.value
         for s in samples
         if s.name == "onestream_spec_decode_num_accepted_tokens_per_pos_total"
     }
-    assert positions == {str(p): 0.0 for p in range(spec_k)}
+    assert positions == {(source, str(p)): 0.0 for source in ("mtp", "lookup") for p in range(spec_k)}
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        by_source = {
+            s.labels["source"]: s.value
+            for s in samples
+            if s.name == f"onestream_spec_decode_num_{name}_total"
+        }
+        assert by_source == {"mtp": 0.0, "lookup": 0.0}, name
+
+
+def test_speculative_counters_count_each_draft_source() -> None:
+    """A finished request's per-source usage lands on its `source` series; a usage without a breakdown
+    (an engine that only drafts with MTP) counts as MTP's."""
+    metrics = card_metrics()
+    metrics.observe_finished(
+        Finished(
+            "length",
+            Usage(drafts=2, draft_tokens=4, accepted_draft_tokens=1, accepted_per_position=[1, 0]),
+            Timings(),
+        )
+    )
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    assert value("onestream_spec_decode_num_drafts_total", source="mtp") == 2 + 2
+    assert value("onestream_spec_decode_num_drafts_total", source="lookup") == 1
+    assert value("onestream_spec_decode_num_draft_tokens_total", source="lookup") == 2
+    assert value("onestream_spec_decode_num_accepted_tokens_total", source="mtp") == 3 + 1
+    assert value("onestream_spec_decode_num_accepted_tokens_total", source="lookup") == 2
+    per_pos = "onestream_spec_decode_num_accepted_tokens_per_pos_total"
+    assert value(per_pos, source="lookup", position="1") == 1
+    assert value(per_pos, source="mtp", position="0") == 2 + 1
 
 
 def test_router_exports_each_cards_queue_wait_at_zero_before_its_first_request() -> None:

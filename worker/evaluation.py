@@ -272,6 +272,36 @@ def cut_prompts(
 
 
 @dataclass
+class SourceCounts:
+    """A run's cycles whose drafts came from one source."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafts: int, draft_tokens: int, accepted: int, per_position: Sequence[int]) -> None:
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < len(per_position):
+            self.accepted_per_position.extend([0] * (len(per_position) - len(self.accepted_per_position)))
+        for i, a in enumerate(per_position):
+            self.accepted_per_position[i] += a
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        per_position = [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
+        return asdict(self) | {
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_per_position": per_position,
+        }
+
+
+@dataclass
 class SpecRun:
     k: int
     prompts: int
@@ -282,6 +312,23 @@ class SpecRun:
     accepted_tokens: int
     accepted_per_position: list[int]
     outputs: list[list[int]] = field(repr=False, default_factory=list)
+    drafting: str = "mtp"
+    by_source: dict[str, SourceCounts] = field(default_factory=dict)
+
+    @property
+    def target_passes(self) -> int:
+        """Forward passes of the target after each prompt's first token: verify cycles and plain steps (a
+        lookup cycle without a match decodes one token). Every cycle yields its accepted drafts + 1 tokens
+        (generation runs to max_tokens, so no cycle is cut by a stop)."""
+        decoded = self.generated_tokens - self.prompts
+        plain_steps = decoded - self.drafts - self.accepted_tokens
+        return self.drafts + max(plain_steps, 0)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens decoded per target pass: the mean accepted length counting plain steps as 1."""
+        passes = self.target_passes
+        return (self.generated_tokens - self.prompts) / passes if passes else 1.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -306,16 +353,23 @@ class SpecRun:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position(),
+            "target_passes": self.target_passes,
+            "tokens_per_pass": self.tokens_per_pass,
+            "by_source": {source: counts.as_dict() for source, counts in self.by_source.items()},
         }
         return d
 
 
-def run_spec(engine: Any, prompts: Sequence[list[int]], *, k: int, max_tokens: int) -> SpecRun:
-    """Greedy generation of every prompt with `k` drafts per cycle (k = 0: plain decoding)."""
+def run_spec(
+    engine: Any, prompts: Sequence[list[int]], *, k: int, max_tokens: int, drafting: str = "mtp"
+) -> SpecRun:
+    """Greedy generation of every prompt with `k` MTP drafts per cycle and drafts from `drafting`
+    (worker/drafting/; k = 0 with `mtp` or `combined`: plain decoding)."""
     from .api import GenerateRequest, SamplingParams
 
     engine.spec_k = k
-    run = SpecRun(k, len(prompts), 0, 0.0, 0, 0, 0, [0] * k)
+    engine.drafting = drafting
+    run = SpecRun(k, len(prompts), 0, 0.0, 0, 0, 0, [], drafting=drafting)
     for prompt in prompts:
         request = GenerateRequest(
             list(prompt), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True
@@ -332,8 +386,17 @@ def run_spec(engine: Any, prompts: Sequence[list[int]], *, k: int, max_tokens: i
         run.drafts += usage.drafts
         run.draft_tokens += usage.draft_tokens
         run.accepted_tokens += usage.accepted_draft_tokens
-        for i, a in enumerate(usage.accepted_per_position):
+        per_position = usage.accepted_per_position
+        if len(run.accepted_per_position) < len(per_position):
+            run.accepted_per_position.extend([0] * (len(per_position) - len(run.accepted_per_position)))
+        for i, a in enumerate(per_position):
             run.accepted_per_position[i] += a
+        for source, counts in usage.by_source.items():
+            run.by_source.setdefault(source, SourceCounts()).add(
+                counts.drafts, counts.draft_tokens, counts.accepted_tokens, counts.accepted_per_position
+            )
+    if drafting == "mtp":  # the MTP head's positions all exist, accepted or not (the table's columns)
+        run.accepted_per_position.extend([0] * (k - len(run.accepted_per_position)))
     return run
 
 
@@ -346,14 +409,23 @@ def differing_prompts(plain: SpecRun, run: SpecRun) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(plain.outputs, run.outputs, strict=True)) if a != b]
 
 
-def time_runs(engine: Any, prompts: Sequence[list[int]], ks: Sequence[int], max_tokens: int) -> list[SpecRun]:
-    """Plain decoding (k = 0) then each k, each after a warm-up on one prompt (first-call costs stay out of the
-    timing: the megakernel compiles its (k+1)-token build on first use); raises SpeculativeMismatchError if a
-    speculative output differs from the plain one."""
+def time_runs(
+    engine: Any,
+    prompts: Sequence[list[int]],
+    ks: Sequence[int],
+    max_tokens: int,
+    draftings: Sequence[str] = ("mtp",),
+) -> list[SpecRun]:
+    """Plain decoding (k = 0) then each drafting mode with each k (`lookup` ignores k: once), each after a
+    warm-up on one prompt (first-call costs stay out of the timing: the megakernel compiles its (k+1)-token
+    build on first use); raises SpeculativeMismatchError if a speculative output differs from the plain one."""
+    configs = [("mtp", 0)]
+    for drafting in draftings:
+        configs += [(drafting, 0)] if drafting == "lookup" else [(drafting, k) for k in ks]
     runs: list[SpecRun] = []
-    for k in (0, *ks):
-        run_spec(engine, prompts[:1], k=k, max_tokens=min(8, max_tokens))
-        run = run_spec(engine, prompts, k=k, max_tokens=max_tokens)
+    for drafting, k in configs:
+        run_spec(engine, prompts[:1], k=k, max_tokens=min(8, max_tokens), drafting=drafting)
+        run = run_spec(engine, prompts, k=k, max_tokens=max_tokens, drafting=drafting)
         differing = differing_prompts(runs[0], run) if runs else []
         if differing:
             i = differing[0]
@@ -362,7 +434,7 @@ def time_runs(engine: Any, prompts: Sequence[list[int]], ks: Sequence[int], max_
                 (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
             )
             raise SpeculativeMismatchError(
-                f"k={k}: prompt {i}: speculative output differs from plain greedy at token {first}"
+                f"{drafting} k={k}: prompt {i}: speculative output differs from plain greedy at token {first}"
             )
         runs.append(run)
     return runs

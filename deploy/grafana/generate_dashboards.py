@@ -476,6 +476,24 @@ def pool_overview() -> Dashboard:
             )
         ],
     )
+    d.timeseries(
+        "Accepted draft tokens by source",
+        "Drafted tokens the target accepted, per second, by where the drafts came from: the MTP head, or "
+        "copies from the session's own context (prompt lookup). What each source saves the selected cards.",
+        [Query(rate("onestream_spec_decode_num_accepted_tokens_total", by="source"), "{{source}}")],
+        unit="short",
+    )
+    d.timeseries(
+        "Mean accepted length by source",
+        "Tokens gained per verify cycle, for the cycles that verified drafts of each source.",
+        [
+            Query(
+                f"1 + {rate('onestream_spec_decode_num_accepted_tokens_total', by='source')}"
+                f" / {rate('onestream_spec_decode_num_drafts_total', by='source')}",
+                "{{source}}",
+            )
+        ],
+    )
     return d
 
 

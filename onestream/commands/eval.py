@@ -12,6 +12,10 @@ from typing import Any
 from .generate import add_engine_arguments, add_format_arguments, engine_format_options
 
 DEFAULT_K_VALUES = (1, 2, 3, 4)
+# Kept here (not imported from worker/) so that `onestream --help` does not load torch.
+WORKLOADS = ("complete", "edit", "mixed")
+DRAFTING_MODES = ("mtp", "lookup", "combined")
+WORKLOAD_DRAFTING = ("mtp", "lookup", "combined")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,11 +50,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kld.add_argument("--json", action="store_true", help="print the statistics as JSON")
     kld.set_defaults(func=_reporting_errors(run_kld, "kld"))
 
-    spec = sub.add_parser("spec", help="MTP speculative decoding: acceptance and speed on held-out prompts")
+    spec = sub.add_parser(
+        "spec", help="speculative decoding (MTP, prompt lookup): acceptance and speed on held-out prompts"
+    )
     add_engine_arguments(spec)
-    spec.add_argument("files", nargs="+", type=Path, metavar="FILE", help="text files to cut prompts from")
     spec.add_argument(
-        "--k", type=int, nargs="+", default=list(DEFAULT_K_VALUES), help="drafts per cycle to try"
+        "files",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="text files to cut prompts from (with --workload, default: the model's held-out corpus files)",
+    )
+    spec.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=None,
+        help="agent-like prompts: complete (continue code), edit (write a file back with a change), "
+        "mixed (both by turns); default: plain continuation prompts, MTP drafting",
+    )
+    spec.add_argument(
+        "--drafting",
+        nargs="+",
+        choices=DRAFTING_MODES,
+        default=None,
+        help="draft sources to measure (default: mtp; with --workload: mtp lookup combined)",
+    )
+    spec.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=None,
+        help="MTP drafts per cycle to try (default: 1 2 3 4; with --workload: the engine's)",
+    )
+    spec.add_argument("--lookup-k", type=int, default=None, help="most drafts a lookup cycle copies")
+    spec.add_argument(
+        "--ngram",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="n-gram lengths the lookup matches",
+    )
+    spec.add_argument(
+        "--fixed-length", action="store_true", help="draft the most tokens every cycle (no adaptive length)"
     )
     spec.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     spec.add_argument("--prompts-per-file", type=int, default=4)
@@ -145,13 +187,34 @@ def run_spec(args: argparse.Namespace) -> int:
     engine = Engine(
         args.model, backend=args.backend, device=args.device, dtype=args.dtype, **engine_format_options(args)
     )
-    if not engine.backend.has_mtp:
-        print("onestream eval spec: this model has no MTP head", file=sys.stderr)
+    draftings = args.drafting or list(WORKLOAD_DRAFTING if args.workload else ("mtp",))
+    needs_mtp = [d for d in draftings if d != "lookup"]
+    if needs_mtp and not engine.backend.has_mtp:
+        print(
+            f"onestream eval spec: this model has no MTP head (drafting {needs_mtp[0]}; lookup works)",
+            file=sys.stderr,
+        )
         return 2
-    token_lists = [engine.tokenizer.encode(path.read_text(errors="replace")) for path in args.files]
-    prompts = cut_prompts(
-        token_lists, prompt_tokens=args.prompt_tokens, per_source=args.prompts_per_file, room=args.max_tokens
-    )[: args.max_prompts]
+    ks = args.k or ([engine.spec_k] if args.workload else list(DEFAULT_K_VALUES))
+    if args.lookup_k is not None:
+        engine.lookup_k = args.lookup_k
+    if args.ngram is not None:
+        engine.ngram = tuple(args.ngram)
+    engine.adaptive_drafts = not args.fixed_length
+    if args.workload:
+        prompts, described = _workload_prompts(engine, args)
+    else:
+        if not args.files:
+            print("onestream eval spec: give FILES to cut prompts from (or --workload)", file=sys.stderr)
+            return 2
+        token_lists = [engine.tokenizer.encode(path.read_text(errors="replace")) for path in args.files]
+        prompts = cut_prompts(
+            token_lists,
+            prompt_tokens=args.prompt_tokens,
+            per_source=args.prompts_per_file,
+            room=args.max_tokens,
+        )[: args.max_prompts]
+        described = f"{len(prompts)} prompts of {args.prompt_tokens} tokens"
     if not prompts:
         print(
             f"onestream eval spec: no file has {args.prompt_tokens + args.max_tokens} tokens to cut a prompt from",
@@ -159,7 +222,7 @@ def run_spec(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        runs = time_runs(engine, prompts, args.k, args.max_tokens)
+        runs = time_runs(engine, prompts, ks, args.max_tokens, draftings)
     except SpeculativeMismatchError as e:
         print(f"onestream eval spec: FAILED: {e}", file=sys.stderr)
         return 1
@@ -169,31 +232,76 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "model": info,
+            "workload": args.workload,
             "prompts": len(prompts),
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
+            "lookup_k": engine.lookup_k,
+            "ngram": list(engine.ngram),
+            "adaptive": engine.adaptive_drafts,
             "outputs_identical": True,
             "plain": plain.as_dict(),
             "speculative": [r.as_dict() | {"speedup": r.tokens_per_s / plain.tokens_per_s} for r in runs[1:]],
             "best_k": best.k,
+            "best_drafting": best.drafting,
         }
         print(json.dumps(record, indent=2))
         return 0
     print(
-        f"{info['model_name']} [{info['format']}] on {info['backend']} {info['device']} {info['dtype']}: {len(prompts)} prompts of "
-        f"{args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each; speculative outputs identical to plain"
+        f"{info['model_name']} [{info['format']}] on {info['backend']} {info['device']} {info['dtype']}: {described}, "
+        f"{args.max_tokens} greedy tokens each; speculative outputs identical to plain"
     )
     print(
-        f"{'k':>3} {'tok/s':>9} {'speedup':>8} {'verifies':>9} {'drafted':>8} {'accepted':>9} {'mean len':>9}  per position"
+        f"{'drafting':>8} {'k':>3} {'tok/s':>9} {'speedup':>8} {'verifies':>9} {'drafted':>8} {'accepted':>9} "
+        f"{'mean len':>9} {'tok/pass':>9}  per position  [by source: cycles, mean len]"
     )
     print(
-        f"{'-':>3} {plain.tokens_per_s:9.1f} {1.0:8.2f} {'-':>9} {'-':>8} {'-':>9} {'1.00':>9}  (plain: {plain.generated_tokens} tokens)"
+        f"{'plain':>8} {'-':>3} {plain.tokens_per_s:9.1f} {1.0:8.2f} {'-':>9} {'-':>8} {'-':>9} {'1.00':>9} "
+        f"{'1.00':>9}  ({plain.generated_tokens} tokens)"
     )
     for r in runs[1:]:
         per_position = " ".join(f"{a:.2f}" for a in r.acceptance_per_position())
-        print(
-            f"{r.k:>3} {r.tokens_per_s:9.1f} {r.tokens_per_s / plain.tokens_per_s:8.2f} {r.drafts:9d} "
-            f"{r.draft_tokens:8d} {r.accepted_tokens:9d} {r.mean_accepted_length:9.2f}  {per_position}"
+        sources = ", ".join(
+            f"{source} {c.drafts} {c.mean_accepted_length:.2f}" for source, c in sorted(r.by_source.items())
         )
-    print(f"fastest: k={best.k}")
+        k = "-" if r.drafting == "lookup" else str(r.k)
+        print(
+            f"{r.drafting:>8} {k:>3} {r.tokens_per_s:9.1f} {r.tokens_per_s / plain.tokens_per_s:8.2f} {r.drafts:9d} "
+            f"{r.draft_tokens:8d} {r.accepted_tokens:9d} {r.mean_accepted_length:9.2f} {r.tokens_per_pass:9.2f}  "
+            f"{per_position}  [{sources}]"
+        )
+    print(f"fastest: {best.drafting} k={best.k}")
     return 0
+
+
+def _workload_prompts(engine: Any, args: argparse.Namespace) -> tuple[list[list[int]], str]:
+    """The --workload prompts (from FILES, or the model's held-out corpus files) and a line saying what
+    they are."""
+    from onestream.worker.workloads import SourceFile, build_prompts, heldout_files
+
+    if args.files:
+        sources = [SourceFile(str(p), p.read_text(errors="replace")) for p in args.files]
+        origin = f"{len(sources)} files given"
+    else:
+        sources, listed = heldout_files(engine.model_dir)
+        if not sources:
+            raise FileNotFoundError(
+                f"none of the {listed} held-out files of {engine.model_dir}'s corpus list is on this machine "
+                "with its recorded content: give FILES"
+            )
+        origin = f"{len(sources)} of the model's {listed} held-out corpus files found here"
+    prompts = build_prompts(
+        args.workload,
+        sources,
+        engine.tokenizer,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        per_source=args.prompts_per_file,
+        max_prompts=args.max_prompts,
+    )
+    kinds = sorted({p.kind for p in prompts})
+    described = (
+        f"workload {args.workload}: {len(prompts)} prompts ({'/'.join(kinds)}) from {origin}, "
+        f"{len({p.source for p in prompts})} files used"
+    )
+    return [p.ids for p in prompts], described
