@@ -172,7 +172,10 @@ def describe_finished(finished: pb.Finished) -> str:
         f"decode={t.decode_tokens_per_s:.1f} tok/s",
     ]
     if u.draft_tokens:
-        parts.append(f"accepted={u.accepted_draft_tokens}/{u.draft_tokens} drafts")
+        by_source = "".join(
+            f" {s} {c.accepted_tokens}/{c.draft_tokens}" for s, c in sorted(u.by_source.items())
+        )
+        parts.append(f"accepted={u.accepted_draft_tokens}/{u.draft_tokens} drafts{by_source}")
     return "  ".join(parts)
 
 

@@ -124,6 +124,25 @@ def test_eval_spec_prints_acceptance_and_speed(
         assert run["tokens_per_s"] > 0 and run["speedup"] > 0
 
 
+def test_eval_spec_workload_reports_each_draft_source(
+    draft_dir: Path, text_file: Path, capsys: pytest.CaptureFixture
+) -> None:
+    args = ["eval", "spec", "--model", str(draft_dir), "--backend", "reference", "--workload", "mixed",
+            "--prompt-tokens", "48", "--max-tokens", "16", "--prompts-per-file", "2", "--json",
+            str(text_file)]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["workload"] == "mixed" and record["prompts"] == 2 and record["outputs_identical"]
+    runs = {run["drafting"]: run for run in record["speculative"]}
+    assert set(runs) == {"mtp", "lookup", "combined"}
+    assert set(runs["mtp"]["by_source"]) == {"mtp"}
+    assert set(runs["lookup"]["by_source"]) <= {"lookup"}
+    for run in runs.values():
+        assert run["drafts"] == sum(c["drafts"] for c in run["by_source"].values())
+        assert 1.0 <= run["tokens_per_pass"] <= run["mean_accepted_length"] + 1e-9
+        assert run["target_passes"] <= record["plain"]["generated_tokens"] - record["prompts"]
+
+
 def test_eval_spec_needs_long_enough_files(
     draft_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

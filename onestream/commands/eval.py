@@ -270,7 +270,7 @@ def run_spec(args: argparse.Namespace) -> int:
             f"{r.draft_tokens:8d} {r.accepted_tokens:9d} {r.mean_accepted_length:9.2f} {r.tokens_per_pass:9.2f}  "
             f"{per_position}  [{sources}]"
         )
-    print(f"fastest: {best.drafting} k={best.k}")
+    print(f"fastest: k={'-' if best.drafting == 'lookup' else best.k} ({best.drafting})")
     return 0
 
 

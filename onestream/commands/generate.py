@@ -197,8 +197,9 @@ def describe(finished: Any, info: dict[str, Any]) -> str:
     ]
     if u.drafts:
         parts.append(
-            f"spec k={info['spec_k']}: accepted {u.accepted_draft_tokens}/{u.draft_tokens} drafts, "
-            f"mean accepted length {1 + u.accepted_draft_tokens / u.drafts:.2f}"
+            f"spec {info['drafting']} k={info['spec_k']}: accepted {u.accepted_draft_tokens}/{u.draft_tokens} "
+            f"drafts, mean accepted length {1 + u.accepted_draft_tokens / u.drafts:.2f}"
+            + "".join(f", {s} {c.accepted_tokens}/{c.draft_tokens}" for s, c in sorted(u.by_source.items()))
         )
     parts.append(f"[{info['backend']} {info['device']} {info['dtype']}]")
     return "  ".join(parts)
