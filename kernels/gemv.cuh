@@ -80,10 +80,17 @@ static_assert(MK_NT <= 8, "the tensor-core GEMV multiplies at most 8 tokens (the
 __shared__ u64 mk_gemv_t[2];
 #endif
 
-// Every weight kind streams bf16 rows (the plan's MK_WFMT_*: 0 is bf16); another format needs its own GEMV.
-static_assert(MK_WFMT_DN_IN == 0 && MK_WFMT_DN_OUT == 0 && MK_WFMT_ATT_IN == 0 && MK_WFMT_ATT_OUT == 0 &&
-                  MK_WFMT_MLP_IN == 0 && MK_WFMT_MLP_DOWN == 0 && MK_WFMT_LM_HEAD == 0 && MK_WFMT_MTP_FC == 0,
-              "only bf16 weights have a GEMV");
+// The plan's MK_WFMT_<KIND>: the quantized formats (masks of gemv_quant.cuh's QF_* codes) each weight kind may
+// hold besides bf16; MK_QFMTS, their union, selects the quantized GEMV loops a build compiles (none: bf16 only).
+#ifndef MK_QFMTS
+#define MK_QFMTS 0
+#endif
+#ifndef MK_GEMV_BF16
+#define MK_GEMV_BF16 1  // 0: no weight kind holds bf16 (a quantized model): the bf16 loop is not compiled
+#endif
+static_assert((MK_WFMT_DN_IN | MK_WFMT_DN_OUT | MK_WFMT_ATT_IN | MK_WFMT_ATT_OUT | MK_WFMT_MLP_IN | MK_WFMT_MLP_DOWN |
+               MK_WFMT_LM_HEAD | MK_WFMT_MTP_FC) == MK_QFMTS,
+              "MK_QFMTS is the union of the weight kinds' quantized formats");
 
 struct GemvDesc {
     const bf16_t* seg[GEMV_MAX_SEGS];  // row segments (segment s holds rows [end[s-1], end[s]))
@@ -289,6 +296,21 @@ __device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16
     }
 }
 
+#if MK_QFMTS
+#include "gemv_quant.cuh"
+#endif
+
+// Input elements [k0, k1) of the first pass of a GEMV (the window a phase's prologue stages).
+__device__ __forceinline__ void gemv_first_window(const GemvDesc& d, int& k0, int& k1) {
+#if MK_QFMTS
+    if (gemv_desc_quant(d)) {
+        qplan_pass_range(d, qplan(d.K), 0, k0, k1);
+        return;
+    }
+#endif
+    gemv_pass_range(d, gemv_plan(d.K), 0, k0, k1);
+}
+
 #if MK_STAGES > 0
 // The shared-memory weight ring: MK_STAGES slots per warp, each MK_UMAX planes of 32 16-byte units per warp (plane u of
 // slot s for warp w at ring[(s * MK_UMAX + u) * MK_THREADS + w * 32]). Lane l copies and reads back unit l of each
@@ -354,6 +376,9 @@ __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan
 // depend on them): called between phases, so the loads are in flight across the grid barrier and the
 // phase's prologue (norm, staging). gemv_run(..., head_issued = true) then skips issuing it again.
 __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
+#if MK_QFMTS
+    if (gemv_desc_quant(d)) return;  // quantized weights stream through registers (gemv_quant.cuh)
+#endif
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
     block_row_range(d.nrows, d.align, r0, r1);
@@ -372,6 +397,13 @@ __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
 template <class Finish, class Stage>
 __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, float* rowval, vec16* ring,
                          bool head_issued, Finish finish, Stage stage) {
+#if MK_QFMTS
+    if (gemv_desc_quant(d)) {  // a quantized GEMV (its segments are all quantized): gemv_quant.cuh
+        gemv_run_quant(d, xs_in, part, rowval, finish, stage);
+        return;
+    }
+#endif
+#if MK_GEMV_BF16
     const GemvPlan p = gemv_plan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
@@ -509,6 +541,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
         rs = next_rs;
         nr = next_nr;
     }
+#endif
 }
 
 // Pull bytes [skip, skip + max_bytes) of block `b`'s share of a coming GEMV phase into L2, counted in
@@ -516,6 +549,12 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
 // threads of this block each issue bulk requests of at most MK_PF_PIECE bytes.
 __device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, int max_bytes) {
     if (max_bytes <= 0 || d.nrows <= 0) return;
+#if MK_QFMTS
+    if (gemv_desc_quant(d)) {  // no ring head was issued: from the share's first row
+        gemv_prefetch_share_quant(d, b, max_bytes);
+        return;
+    }
+#endif
     const int row_bytes = d.K * 2;
     const int pieces = (row_bytes + MK_PF_PIECE - 1) / MK_PF_PIECE;
     int r0, r1;

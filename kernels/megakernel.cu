@@ -236,9 +236,8 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     }
     if (!bs.gemv) return true;
     {  // the first window (the whole input unless it is wider than MK_XW)
-        const GemvPlan p = gemv_plan(bs.desc.K);
         int k0, k1;
-        gemv_pass_range(bs.desc, p, 0, k0, k1);
+        gemv_first_window(bs.desc, k0, k1);
         stage_input(tb, si, phase, l, sm, k0, k1);
     }
     if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output (MK_XW >= H)

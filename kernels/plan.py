@@ -4,9 +4,9 @@ timing read-back all read, so that no number is computed on both sides.
 `KernelPlan(config, num_sms, tokens_per_launch, tuning, smem_limit)` fits the shared memory (partial-sum rows,
 weight-ring depth, staged-input window), lays out the dynamic shared memory region by region, the counters
 (the grid barrier, the attention arrival counters) and the history buffers, lists the phases of a launch
-(`steps`), bounds the attention merge and the mixer phases' scratch, and keeps a storage format per weight
-matrix kind (bf16 only so far). `defines()` turns it into the `-D` constants the CUDA sources take; their
-static_asserts check the values against what the code relies on.
+(`steps`), bounds the attention merge and the mixer phases' scratch, and keeps the storage formats of each weight
+matrix kind (bf16, or GGUF block formats in kernels/quant_layout.py's device layout). `defines()` turns it into
+the `-D` constants the CUDA sources take; their static_asserts check the values against what the code relies on.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import UnsupportedModelError
+from onestream.worker.quant import QuantType
 
 from .layout import (
     LAYER_FULL,
@@ -28,6 +29,7 @@ from .layout import (
     Phase,
     preamble_defines,
 )
+from .quant_layout import FORMAT_CODES
 from .tuning import Tuning
 
 # Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB): 2 streams faster than
@@ -54,12 +56,30 @@ FINAL_PHASES = (Phase.LM_HEAD, Phase.FINALIZE)
 
 
 class WeightFormat(Enum):
-    """How a weight matrix kind is stored for the GEMV (the quantized formats come with their GEMV)."""
+    """How a weight matrix is stored for the GEMV: bf16 rows, or GGUF blocks in kernels/quant_layout.py's device
+    layout (the value is the GGUF type's name in lower case)."""
 
     BF16 = "bf16"
+    Q4_K = "q4_k"
+    Q5_K = "q5_k"
+    Q6_K = "q6_k"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
+
+    @property
+    def quant_type(self) -> QuantType | None:
+        return None if self is WeightFormat.BF16 else QuantType[self.name]
 
 
-WEIGHT_FORMAT_CODES = {WeightFormat.BF16: 0}  # MK_WFMT_<KIND> values
+# The kernel's format codes (gemv_quant.cuh QF_*): MK_WFMT_<KIND> is the mask of a kind's quantized codes.
+WEIGHT_FORMAT_CODES = {
+    WeightFormat.BF16: 0,
+    **{WeightFormat(qt.name.lower()): code for qt, code in FORMAT_CODES.items()},
+}
+# Units (32 elements) per lane per item of the quantized GEMV (gemv_quant.cuh MK_QUMAX).
+QUANT_UNITS = 2
 # The weight matrix kinds the GEMV streams, one format each: DeltaNet in/out projections, attention in/out
 # projections, MLP gate+up and down, the lm_head, the MTP fc.
 WEIGHT_KINDS = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head", "mtp_fc")
@@ -123,8 +143,9 @@ class KernelPlan:
     tokens_per_launch: int = 1
     tuning: Tuning = field(default_factory=Tuning)
     smem_limit: int = 99 * 1024  # opt-in shared memory per block of the target GPU (sm_86 99 KB, sm_90 227)
-    # The storage format of each weight matrix kind the GEMV streams (WEIGHT_KINDS): bf16 unless named here.
-    # Only bf16 is built so far: another format is refused until its GEMV exists.
+    # The storage formats of the weight matrix kinds the GEMV streams (WEIGHT_KINDS): (kind, format) pairs, a kind
+    # named once per format its tensors use (a Q4_K_M file mixes Q4_K and Q6_K within a kind); a kind not named is
+    # bf16. Keep it sorted (`weight_formats_of` makes one) so that equal plans compare and hash equal.
     weight_formats: tuple[tuple[str, WeightFormat], ...] = ()
 
     def __post_init__(self) -> None:
@@ -134,11 +155,25 @@ class KernelPlan:
                 raise UnsupportedModelError(
                     f"megakernel: unknown weight kind {kind!r} (one of {WEIGHT_KINDS})"
                 )
-            if fmt is not WeightFormat.BF16:
-                raise UnsupportedModelError(f"megakernel: {kind} weights in {fmt.value}: only bf16 is built")
+            if fmt is not WeightFormat.BF16 and self.tuning.mma:
+                raise UnsupportedModelError(
+                    f"megakernel: {kind} weights in {fmt.value} run on the scalar GEMV; the tensor-core GEMV "
+                    "(Tuning.mma) streams bf16 only"
+                )
 
-    def weight_format(self, kind: str) -> WeightFormat:
-        return dict(self.weight_formats).get(kind, WeightFormat.BF16)
+    def formats_of(self, kind: str) -> frozenset[WeightFormat]:
+        """The formats of `kind`'s tensors: those the plan names, else bf16."""
+        return frozenset(f for k, f in self.weight_formats if k == kind) or frozenset({WeightFormat.BF16})
+
+    @property
+    def streams_bf16(self) -> bool:
+        """Whether a phase of this model streams bf16 weights (else the bf16 GEMV and its ring are not built)."""
+        kinds = [k for k in WEIGHT_KINDS if k != "mtp_fc" or self.config.has_mtp]
+        return any(WeightFormat.BF16 in self.formats_of(k) for k in kinds)
+
+    def quant_mask(self, kind: str) -> int:
+        """MK_WFMT_<KIND>: the mask of the kind's quantized format codes (0: bf16 only)."""
+        return sum(1 << WEIGHT_FORMAT_CODES[f] for f in self.formats_of(kind) if f is not WeightFormat.BF16)
 
     def steps(self, mode: int = MODE_MAIN) -> list[Step]:
         """The phases of one launch of this build, in order (`launch_steps`)."""
@@ -184,6 +219,8 @@ class KernelPlan:
         Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
+        if not self.streams_bf16:
+            options = (0,)  # quantized weights stream through registers: no ring
         windows = self._windows()
         least = self._least_part_rows()
         if top < least:
@@ -265,8 +302,12 @@ class KernelPlan:
         narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit); none wider than max_window
         (the narrowest where max_window is below it)."""
         c = self.config
-        kmax = max(k for k, _, _ in self._gemv_phases())
+        phases = self._gemv_phases()
+        kmax = max(k for k, _, _ in phases)
         least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
+        for kind, (k, _, _) in zip(WEIGHT_KINDS, phases, strict=True):
+            if self.quant_mask(kind):  # a quantized chunk (whole units) must fit the window too
+                least = max(least, min(k, quant_chunk_width(k)))
         steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
         out = sorted({kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8}, reverse=True)
         cap = self.tuning.max_window
@@ -355,8 +396,17 @@ class KernelPlan:
                 shapes[f"MK_{name}_PHASE_{k}"] = int(phase)
         for k, phase in enumerate(FINAL_PHASES):
             shapes[f"MK_FINAL_PHASE_{k}"] = int(phase)
-        for kind in WEIGHT_KINDS:
-            shapes[f"MK_WFMT_{kind.upper()}"] = WEIGHT_FORMAT_CODES[self.weight_format(kind)]
+        masks = {kind: self.quant_mask(kind) for kind in WEIGHT_KINDS}
+        for kind, mask in masks.items():
+            shapes[f"MK_WFMT_{kind.upper()}"] = mask
+        union = 0
+        for mask in masks.values():
+            union |= mask
+        if union:  # bf16-only plans keep their defines (and their PTX)
+            shapes["MK_QFMTS"] = union
+            shapes["MK_QUMAX"] = QUANT_UNITS
+        if not self.streams_bf16:
+            shapes["MK_GEMV_BF16"] = 0
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
         return {**preamble_defines(), **shapes}
@@ -430,6 +480,19 @@ def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
     loads = -(-(k // 8) // lanes)
     per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
     return per_lane * lanes * sub * 8
+
+
+def quant_chunk_width(k: int) -> int:
+    """Input elements of a chunk of the quantized GEMV over k inputs (gemv_quant.cuh qplan)."""
+    lanes_per_row = -(-(k // 32) // 32)
+    chunks = -(-lanes_per_row // QUANT_UNITS)
+    return -(-lanes_per_row // chunks) * 32 * 32
+
+
+def weight_formats_of(kinds: dict[str, set[WeightFormat]]) -> tuple[tuple[str, WeightFormat], ...]:
+    """KernelPlan.weight_formats for the formats each kind's tensors use (sorted: one value per set of formats)."""
+    pairs = {(k, f) for k, fs in kinds.items() for f in fs if f is not WeightFormat.BF16}
+    return tuple(sorted(pairs, key=lambda p: (p[0], p[1].value)))
 
 
 def dn_split(config: ModelConfig, num_sms: int, threads: int) -> int:

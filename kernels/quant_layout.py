@@ -3,9 +3,9 @@ consume them.
 
 Every format is cut into *units* of 32 consecutive elements of a row (one Q4_K / Q5_K sub-block, one 32-block of
 Q8_0 / Q4_0 / Q5_0 / Q5_1, two 16-element sub-blocks of Q6_K): a GEMV lane multiplies whole units, and the 32
-lanes of a warp read 32 consecutive units of a row with one 16-byte load each. A tensor `[rows, K]` becomes one
-uint8 buffer of *planes*, one after another (each starting on a 16-byte boundary), each plane row-major
-`[rows, units or super-blocks, bytes]`:
+lanes of a warp read 32 consecutive units of a row with one 16-byte load each. A tensor `[rows, K]` becomes
+`[rows, row_stride]` uint8: each row holds its *planes* one after another (`row_layout`: offsets that depend on
+K only, so the kernel finds a row's planes from its index), the row padded to 16 bytes:
 
 - nibble plane (all 4- and 5-bit formats, and Q6_K's low 4 bits), 16 bytes per unit: byte b holds elements 2b
   (low nibble) and 2b + 1 (high), so u32 word j holds elements 8j..8j+7 at bits 4i.
@@ -18,7 +18,7 @@ uint8 buffer of *planes*, one after another (each starting on a 16-byte boundary
   4-7); Q6_K two int8 scales per unit and fp16 d per super-block; Q8_0 / Q4_0 / Q5_0 fp16 d per unit; Q5_1 fp16
   d and fp16 m per unit.
 
-The planes hold exactly the file's bytes in another order (padding between planes is never read), so a GEMV
+The planes hold exactly the file's bytes in another order (the padding at a row's end is never read), so a GEMV
 streams no more bytes per token than the file holds. `read_repacked` is the pure-torch reader of this layout:
 its values are bit-for-bit worker/quant's `dequantize` (the tests check it), and the kernel computes each weight
 with the same float operations.
@@ -37,7 +37,7 @@ from onestream.worker.quant.types import QuantShapeError
 
 UNIT = 32  # elements per unit
 SUPER = 256  # elements per K-quant super-block
-PLANE_ALIGN = 16
+ROW_ALIGN = 16
 
 # Bytes per unit (or per super-block: "/super") of each plane, in buffer order.
 PLANES: dict[QuantType, tuple[tuple[str, int, bool], ...]] = {
@@ -65,27 +65,26 @@ REPACKED_TYPES = tuple(PLANES)
 
 @dataclass(frozen=True)
 class RepackedWeight:
-    """A `[rows, K]` weight of `qtype` in the device layout: `data` (uint8) holds the planes at `offsets`."""
+    """A `[rows, K]` weight of `qtype` in the device layout: `data` is `[rows, row_stride]` uint8."""
 
     qtype: QuantType
     shape: tuple[int, int]
     data: torch.Tensor
-    offsets: tuple[int, ...]
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes a GEMV reads for the whole tensor (the planes without their alignment padding)."""
+        """Bytes a GEMV reads for the whole tensor (the planes without the rows' padding)."""
         return self.qtype.nbytes(self.shape)
 
 
-def plane_offsets(qtype: QuantType, rows: int, k: int) -> tuple[tuple[int, ...], int]:
-    """Byte offsets of the planes of a `[rows, k]` tensor, and the buffer's size (gemv_quant.cuh mirrors it)."""
-    check_shape(qtype, rows, k)
+def row_layout(qtype: QuantType, k: int) -> tuple[tuple[int, ...], int]:
+    """Byte offsets of the planes within a row of `k` elements, and the row stride (gemv_quant.cuh mirrors it)."""
+    check_shape(qtype, 1, k)
     offsets, at = [], 0
     for _, nbytes, per_super in PLANES[qtype]:
         offsets.append(at)
-        at += -(-rows * plane_row_bytes(k, nbytes, per_super) // PLANE_ALIGN) * PLANE_ALIGN
-    return tuple(offsets), at
+        at += plane_row_bytes(k, nbytes, per_super)
+    return tuple(offsets), -(-at // ROW_ALIGN) * ROW_ALIGN
 
 
 def plane_row_bytes(k: int, nbytes: int, per_super: bool) -> int:
@@ -154,14 +153,14 @@ def repack(qtype: QuantType | int | str, raw: torch.Tensor, shape: tuple[int, in
         )
     blocks = raw.reshape(-1, qtype.type_size)
     planes = _PACKERS[qtype](blocks)
-    offsets, size = plane_offsets(qtype, rows, k)
-    data = torch.zeros(size, dtype=torch.uint8, device=raw.device)
+    offsets, stride = row_layout(qtype, k)
+    data = torch.zeros((rows, stride), dtype=torch.uint8, device=raw.device)
     for (name, nbytes, per_super), at in zip(PLANES[qtype], offsets, strict=True):
-        plane = planes[name].reshape(-1)
-        expected = rows * plane_row_bytes(k, nbytes, per_super)
-        assert plane.numel() == expected, (qtype, name, plane.numel(), expected)
-        data[at : at + expected] = plane
-    return RepackedWeight(qtype, (rows, k), data, offsets)
+        width = plane_row_bytes(k, nbytes, per_super)
+        plane = planes[name].reshape(rows, -1)
+        assert plane.shape[1] == width, (qtype, name, plane.shape, width)
+        data[:, at : at + width] = plane
+    return RepackedWeight(qtype, (rows, k), data)
 
 
 def _pack_kquant_head(blocks: torch.Tensor) -> torch.Tensor:
@@ -246,10 +245,11 @@ _PACKERS = {
 def planes_of(weight: RepackedWeight) -> dict[str, torch.Tensor]:
     """The planes of a repacked weight as `[rows, units or super-blocks, bytes]` views."""
     rows, k = weight.shape
+    offsets, _ = row_layout(weight.qtype, k)
     out = {}
-    for (name, nbytes, per_super), at in zip(PLANES[weight.qtype], weight.offsets, strict=True):
-        n = rows * plane_row_bytes(k, nbytes, per_super)
-        out[name] = weight.data[at : at + n].reshape(rows, -1, nbytes)
+    for (name, nbytes, per_super), at in zip(PLANES[weight.qtype], offsets, strict=True):
+        width = plane_row_bytes(k, nbytes, per_super)
+        out[name] = weight.data[:, at : at + width].reshape(rows, -1, nbytes)
     return out
 
 

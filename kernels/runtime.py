@@ -2,7 +2,8 @@
 
 `MegakernelRunner(model)` builds (or loads from the cache) the kernels for the model's config and the GPU,
 sizes the persistent grid from the occupancy query (one co-resident block per SM, launched cooperatively),
-and points the kernel at the model's own weight tensors (no copy) and at a `SequenceState`'s own caches
+and points the kernel at the model's own bf16 weight tensors (no copy; quantized ones are repacked once into
+the kernel's device layout, kernels/quant_weights.py) and at a `SequenceState`'s own caches
 (the KV caches, conv windows and fp32 recurrent states are shared with the reference model, so prefill,
 snapshots, rollback and the reference fallback need no conversion).
 """
@@ -35,6 +36,7 @@ from .layout import (
     ctrl_slots,
 )
 from .plan import KernelPlan
+from .quant_weights import DeviceWeights
 from .tuning import Tuning
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -82,11 +84,14 @@ class MegakernelRunner:
         tuning: Tuning | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        # The embedding rows the kernel reads are bf16: a quantized table is dequantized once (as the reference's
+        # lookups dequantize its rows into the compute dtype) and kept here.
         embed = model.model.embed_tokens.weight
         if embed.device.type != "cuda":
             raise MegakernelError(f"the megakernel runs on a CUDA device; the model is on {embed.device}")
         if embed.dtype != torch.bfloat16:
             raise UnsupportedModelError(f"the megakernel needs bf16 weights; the model is {embed.dtype}")
+        self._embed = _contig(embed, "embedding")
         self.model = model
         self.config = model.config
         self.device = embed.device
@@ -97,6 +102,8 @@ class MegakernelRunner:
         self.ctrl_slots = ctrl_slots()
         self.timeout_ns = int(timeout_s * 1e9)
         self.has_mtp = bool(self.config.has_mtp) and getattr(model, "mtp", None) is not None
+        # The GEMV weights: formats per kind (every build's plan), repacked copies of the quantized ones.
+        self.weights = DeviceWeights(model, self._all_layers(), self.has_mtp)
         self._builds: dict[int, _Build] = {}
         # The default build now: shape and resource errors surface here.
         first = self._build(tokens_per_launch)
@@ -135,7 +142,12 @@ class MegakernelRunner:
         if build is not None:
             return build
         plan = KernelPlan(
-            self.config, self.props.multi_processor_count, n_tokens, self.tuning, smem_limit=self.smem_limit
+            self.config,
+            self.props.multi_processor_count,
+            n_tokens,
+            self.tuning,
+            smem_limit=self.smem_limit,
+            weight_formats=self.weights.weight_formats,
         )
         if plan.smem_bytes > plan.smem_limit:
             raise MegakernelError(
@@ -301,8 +313,9 @@ class MegakernelRunner:
     def _write_tables(self, state: Any, caches: list) -> None:
         m, c, p, b = self.model, self.config, self._params, self.buf
         g = [0] * G.COUNT
-        g[G.EMBED] = _ptr(m.model.embed_tokens.weight)
-        g[G.LM_HEAD] = _ptr(m.lm_head_weight)
+        w = self.weights
+        g[G.EMBED] = _ptr(self._embed)
+        g[G.LM_HEAD] = w.pointer(m.model.embed_tokens if c.tie_word_embeddings else m.lm_head)
         g[G.FINAL_NORM] = _ptr(p["final_norm"])
         g[G.INV_FREQ] = _ptr(p["inv_freq"])
         for slot, name in (
@@ -321,7 +334,7 @@ class MegakernelRunner:
         g[G.TOKEN_HIST] = _ptr(self._hist)
         g[G.TIMING] = _ptr(self._timing)
         if self.has_mtp:
-            g[G.MTP_FC] = _ptr(_weight(m.mtp.fc))
+            g[G.MTP_FC] = w.pointer(m.mtp.fc)
             g[G.MTP_PRE_E] = _ptr(p["mtp.pre_e"])
             g[G.MTP_PRE_H] = _ptr(p["mtp.pre_h"])
             g[G.MTP_NORM] = _ptr(p["mtp.norm"])
@@ -331,14 +344,14 @@ class MegakernelRunner:
             r = [0] * L.COUNT
             r[L.IN_NORM] = _ptr(p[f"{i}.in_norm"])
             r[L.POST_NORM] = _ptr(p[f"{i}.post_norm"])
-            r[L.GATE] = _ptr(_weight(layer.mlp.gate_proj))
-            r[L.UP] = _ptr(_weight(layer.mlp.up_proj))
-            r[L.DOWN] = _ptr(_weight(layer.mlp.down_proj))
+            r[L.GATE] = w.pointer(layer.mlp.gate_proj)
+            r[L.UP] = w.pointer(layer.mlp.up_proj)
+            r[L.DOWN] = w.pointer(layer.mlp.down_proj)
             if layer.is_full_attention:
                 sa = layer.self_attn
                 r[L.KIND] = LAYER_FULL
                 r[L.Q], r[L.K], r[L.V], r[L.O] = (
-                    _ptr(_weight(x)) for x in (sa.q_proj, sa.k_proj, sa.v_proj, sa.o_proj)
+                    w.pointer(x) for x in (sa.q_proj, sa.k_proj, sa.v_proj, sa.o_proj)
                 )
                 r[L.QNORM] = _ptr(p[f"{i}.q_norm"])
                 r[L.KNORM] = _ptr(p[f"{i}.k_norm"])
@@ -352,9 +365,9 @@ class MegakernelRunner:
                 la = layer.linear_attn
                 r[L.KIND] = LAYER_LINEAR
                 r[L.QKV], r[L.Z], r[L.B], r[L.A] = (
-                    _ptr(_weight(x)) for x in (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a)
+                    w.pointer(x) for x in (la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a)
                 )
-                r[L.OUT] = _ptr(_weight(la.out_proj))
+                r[L.OUT] = w.pointer(la.out_proj)
                 r[L.CONV_W] = _ptr(_contig(_bf16(la.conv1d.weight, "conv1d.weight"), "conv1d.weight"))
                 r[L.NEG_A] = _ptr(p[f"{i}.neg_a"])
                 r[L.DT_BIAS] = _ptr(p[f"{i}.dt_bias"])
@@ -574,10 +587,6 @@ def _launch_ids(input_ids: torch.Tensor | list[int], what: str) -> torch.Tensor:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _weight(module: Any) -> torch.Tensor:
-    return _contig(_bf16(module.weight, "weight"), "weight")
 
 
 def _bf16(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -493,11 +493,9 @@ def test_the_step_list_is_the_plans() -> None:
     assert all(s.layer == config.num_hidden_layers for s in mtp)
 
 
-def test_weight_formats_name_known_kinds_and_only_bf16_builds() -> None:
+def test_weight_formats_name_known_kinds() -> None:
     plan = KernelPlan(tiny_config(), num_sms=132, weight_formats=(("mlp_in", WeightFormat.BF16),))
-    assert (
-        plan.weight_format("mlp_in") is WeightFormat.BF16
-        and plan.weight_format("lm_head") is WeightFormat.BF16
-    )
+    assert plan.formats_of("mlp_in") == plan.formats_of("lm_head") == {WeightFormat.BF16}
+    assert plan.streams_bf16 and "MK_QFMTS" not in plan.defines()  # a bf16 plan keeps its defines
     with pytest.raises(UnsupportedModelError, match="unknown weight kind 'gate'"):
         KernelPlan(tiny_config(), num_sms=132, weight_formats=(("gate", WeightFormat.BF16),))

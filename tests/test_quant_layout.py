@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 from onestream.kernels.quant_layout import (
-    PLANE_ALIGN,
     PLANES,
     REPACKED_TYPES,
-    plane_offsets,
+    ROW_ALIGN,
     planes_of,
     read_repacked,
     repack,
+    row_layout,
 )
 from onestream.worker.quant import QuantShapeError, QuantType, dequantize, quantize
 
@@ -71,23 +71,24 @@ def test_quantized_weights_repack_losslessly(qtype: QuantType, generator: torch.
 
 
 @pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
-def test_planes_hold_exactly_the_files_bytes(qtype: QuantType) -> None:
-    rows, k = 5, 1280
-    offsets, size = plane_offsets(qtype, rows, k)
+@pytest.mark.parametrize("k", [1280, 5120, 17408])
+def test_planes_hold_exactly_the_files_bytes(qtype: QuantType, k: int) -> None:
+    rows = 5
+    offsets, stride = row_layout(qtype, k)
     packed = repack(qtype, torch.zeros(qtype.nbytes((rows, k)), dtype=torch.uint8), (rows, k))
     planes = planes_of(packed)
     assert sum(p.numel() for p in planes.values()) == qtype.nbytes((rows, k)) == packed.streamed_bytes
-    assert all(at % PLANE_ALIGN == 0 for at in offsets) and packed.data.numel() == size
-    # Every plane a lane loads 16 bytes at a time has 16-byte rows (the kernel's vector loads stay aligned).
-    for name, nbytes, _ in PLANES[qtype]:
-        if nbytes >= 16:
-            assert planes[name].shape[1] * nbytes % 16 == 0, name
+    assert stride % ROW_ALIGN == 0 and stride - ROW_ALIGN < qtype.row_bytes(k) <= stride
+    assert packed.data.shape == (rows, stride)
+    # Every plane a lane reads n bytes at a time starts n-aligned (16 at most: the kernel's vector loads).
+    for (name, nbytes, _), at in zip(PLANES[qtype], offsets, strict=True):
+        assert at % min(16, nbytes) == 0, name
 
 
 def test_shapes_that_do_not_fit_the_blocks_are_refused() -> None:
     with pytest.raises(QuantShapeError, match="256-blocks"):
         repack(QuantType.Q4_K, torch.zeros(144, dtype=torch.uint8), (2, 128))
     with pytest.raises(QuantShapeError, match="no device layout"):
-        plane_offsets(QuantType.F16, 1, 32)
+        row_layout(QuantType.F16, 32)
     with pytest.raises(QuantShapeError, match="uint8 bytes"):
         repack(QuantType.Q8_0, torch.zeros(10, dtype=torch.uint8), (1, 32))

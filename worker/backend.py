@@ -202,9 +202,9 @@ def create_backend(
     """Load `model` (a checkpoint path in any format, or an opened `Checkpoint`) and wrap it in the chosen
     back end.
 
-    auto: the megakernel when the device is a CUDA GPU, the weights are not block-quantized (the megakernel
-    streams bf16 only) and `onestream.kernels` can build it, else the reference. megakernel: that or a
-    `BackendUnavailableError` saying why not.
+    auto: the megakernel when the device is a CUDA GPU and `onestream.kernels` can build it for the model (bf16
+    weights, or block-quantized ones in the formats its GEMV streams: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q5_1),
+    else the reference. megakernel: that or a `BackendUnavailableError` saying why not.
     """
     from .loading import load_model
 
@@ -221,15 +221,6 @@ def create_backend(
     loaded = load_model(model, dtype=dtype, device=device, progress=progress)
     if kind == "reference" or device.type != "cuda":
         return ReferenceBackend(loaded)
-    if has_quantized_layers(loaded):
-        if kind == "megakernel":
-            raise BackendUnavailableError(
-                "backend 'megakernel' streams bf16 weights; this model's are block-quantized (use the reference)"
-            )
-        log.warning(
-            "the megakernel does not stream block-quantized weights yet; using the reference back end"
-        )
-        return ReferenceBackend(loaded)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
         from onestream.kernels.tuning import tuning_from_env  # type: ignore[import-not-found]
@@ -240,9 +231,3 @@ def create_backend(
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
         log.warning("megakernel back end unavailable (%s); using the reference back end", e)
         return ReferenceBackend(loaded)
-
-
-def has_quantized_layers(model: torch.nn.Module) -> bool:
-    from .quant import quantized_nbytes
-
-    return quantized_nbytes(model) > 0

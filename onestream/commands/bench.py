@@ -56,9 +56,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "each --variant) against each other on the 27B shapes, one chain each per round in rotating order, to "
         "separate their difference from run-to-run spread",
     )
+    decode.add_argument(
+        "--weights",
+        type=_weights_list,
+        default=None,
+        metavar="FORMAT[,FORMAT...]",
+        help="instead of the baselines: the megakernel per weights format on the 27B shapes (bf16, or a "
+        f"quantization preset: {', '.join(WEIGHT_PRESETS)}; random blocks typed by the preset's rule), with "
+        "bytes per token, the share of the read ceiling and the ratio to bf16 (timed too when not named)",
+    )
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
     _add_spec(sub)
+
+
+WEIGHT_PRESETS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
+
+
+def _weights_list(text: str) -> list[str]:
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n != "bf16" and n not in WEIGHT_PRESETS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"weights formats are bf16 or {', '.join(WEIGHT_PRESETS)}, got {text!r}"
+        )
+    return names
+
+
+def run_weights(args: argparse.Namespace, tuning: Any, ceilings: Any, device: str) -> int:
+    from onestream.kernels.bench_quant import bench_weights, format_weights, weights_json
+    from onestream.kernels.random_model import config_27b
+
+    formats = args.weights if "bf16" in args.weights else ["bf16", *args.weights]
+    name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
+    rows = bench_weights(
+        config_27b(args.layers), formats, context=args.context, steps=args.steps, tuning=tuning
+    )
+    print(f"device: {device}")
+    print(
+        f"measured ceilings: copy {ceilings.copy_gbs:.0f} GB/s (read+write), read {ceilings.read_gbs:.0f} GB/s"
+    )
+    print(format_weights(ceilings, rows, f"{name}, context {args.context}"), flush=True)
+    if args.json:
+        record = {
+            "device": device,
+            "layers": args.layers,
+            "context": args.context,
+            **weights_json(ceilings, rows),
+        }
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0 if all(r.tok_s is not None for r in rows) else 1
 
 
 def run_decode(args: argparse.Namespace) -> int:
@@ -83,6 +130,8 @@ def run_decode(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name(0)
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbs:.0f} GB/s, read {ceilings.read_gbs:.0f} GB/s", flush=True)
+    if args.weights:
+        return run_weights(args, default, ceilings, device)
     results = []
     alternated: list = []
     if not args.skip_27b:

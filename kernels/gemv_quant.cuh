@@ -1,0 +1,452 @@
+// The GEMV over block-quantized weights (compiled only into builds whose plan names quantized formats).
+//
+// Weights are in the device layout of kernels/quant_layout.py: per row, planes of 32-element units (nibbles, high
+// bits, scales) one after another. A weight slot of the parameter tables holds the tensor's device
+// pointer with its format code (QF_*, quant_layout.FORMAT_CODES) in the top byte; bf16 tensors have code 0, and
+// a GEMV's segments are either all bf16 (the engine of gemv.cuh) or all quantized (this one; the host refuses a
+// mix, and gate/up pairs of different formats).
+//
+// An item is one row by one chunk of MK_QU units per lane (the scalar path's geometry with 32-element units
+// instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l, so each load instruction of a warp
+// reads 32 consecutive units of every plane. The lane turns a unit into 32 fp32 weights with the float operations
+// worker/quant's dequantization uses (so the weights are bit-for-bit the reference's), 8 at a time, and multiplies
+// each group of 8 by every token's inputs: the dequantization is paid once per launch, whatever MK_NT is, and a
+// token's sums do not depend on the other tokens. Items are double-buffered in registers like the bf16 register
+// path; the shared-memory ring is not used. Partials, rounds, passes over K windows and the row sums are those of
+// gemv_run, so results do not depend on MK_XW or on which block computes a row.
+//
+// The block's rows are walked one segment at a time; one copy of the loop serves every format of the build (the
+// format is the segment's, a block-uniform run-time value: a copy per format made ptxas spill).
+#pragma once
+#include "common.cuh"
+
+#define QF_BF16 0
+#define QF_Q4_K 1
+#define QF_Q5_K 2
+#define QF_Q6_K 3
+#define QF_Q8_0 4
+#define QF_Q4_0 5
+#define QF_Q5_0 6
+#define QF_Q5_1 7
+#define QF_TAG_SHIFT 56
+#define QF_ON(f) ((MK_QFMTS >> (f)) & 1)
+#ifndef MK_QUMAX
+#define MK_QUMAX 2  // units (32 elements each) per lane per item at most
+#endif
+static_assert(!MK_MMA, "quantized weights run on the scalar GEMV (Tuning.mma off)");
+static_assert((MK_QFMTS & 1) == 0 && MK_QFMTS < (1 << 8), "MK_QFMTS: a mask of quantized format codes 1..7");
+
+__device__ __forceinline__ int qf_code(const void* tagged) { return (int)((u64)tagged >> QF_TAG_SHIFT); }
+__device__ __forceinline__ const unsigned char* qf_ptr(const void* tagged) {
+    return (const unsigned char*)((u64)tagged & ((1ull << QF_TAG_SHIFT) - 1));
+}
+__device__ __forceinline__ bool gemv_desc_quant(const GemvDesc& d) { return qf_code(d.seg[0]) != QF_BF16; }
+
+// ---- geometry ------------------------------------------------------------------------------------------
+struct QPlan {
+    int nunits;  // units per row
+    int nk;      // chunks per row
+    int u;       // units per lane per item (<= MK_QUMAX)
+    int round;   // rows per round
+};
+// kernels/plan.py mirrors this (quant_chunk_width) to keep a chunk inside the staged window.
+__device__ __forceinline__ QPlan qplan(int K) {
+    QPlan p;
+    p.nunits = K / 32;
+    const int lpr = (p.nunits + 31) / 32;
+    p.nk = (lpr + MK_QUMAX - 1) / MK_QUMAX;
+    p.u = (lpr + p.nk - 1) / p.nk;
+    p.round = (MK_PART_ROWS / p.nk) & ~1;
+    return p;
+}
+__device__ __forceinline__ int qplan_pass_chunks(const QPlan& p) { return max(1, min(p.nk, MK_XW / (p.u * 1024))); }
+__device__ __forceinline__ void qplan_pass_range(const GemvDesc& d, const QPlan& p, int q, int& k0, int& k1) {
+    const int width = qplan_pass_chunks(p) * p.u * 1024;
+    k0 = q * width;
+    k1 = min(d.K, k0 + width);
+}
+
+// Bytes per row of plane `i` of format F (quant_layout.PLANES), and the number of planes.
+template <int F>
+__device__ __forceinline__ int q_plane_row_bytes(int i, int K) {
+    const int units = K / 32, supers = K / 256;
+    switch (F) {
+        case QF_Q4_K: return i == 0 ? units * 16 : supers * 16;
+        case QF_Q5_K: return i == 0 ? units * 16 : i == 1 ? units * 4 : supers * 16;
+        case QF_Q6_K: return i == 0 ? units * 16 : i == 1 ? units * 8 : i == 2 ? units * 2 : supers * 2;
+        case QF_Q8_0: return i == 0 ? units * 32 : units * 2;
+        case QF_Q4_0: return i == 0 ? units * 16 : units * 2;
+        case QF_Q5_0: return i == 0 ? units * 16 : i == 1 ? units * 4 : units * 2;
+        default: return i == 0 ? units * 16 : units * 4;  // QF_Q5_1
+    }
+}
+template <int F>
+__device__ __forceinline__ int q_planes() {
+    return F == QF_Q4_K || F == QF_Q8_0 || F == QF_Q4_0 ? 2 : F == QF_Q6_K ? 4 : 3;
+}
+
+// A row's planes lie one after another (quant_layout.row_layout): plane i starts at the sum of the earlier planes'
+// row bytes, and rows are that sum apart, rounded up to 16 bytes.
+template <int F>
+__device__ __forceinline__ int q_plane_offset(int i, int K) {
+    int at = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        if (j < i && j < q_planes<F>()) at += q_plane_row_bytes<F>(j, K);
+    return at;
+}
+template <int F>
+__device__ __forceinline__ int q_row_stride(int K) {
+    return (q_plane_offset<F>(4, K) + 15) & ~15;
+}
+struct QSeg {
+    const unsigned char* base;  // row 0 of the segment
+};
+
+// ---- loads ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 ld_stream4(const void* p) {
+    u32 r;
+    asm volatile("ld.global.cs.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ld_stream2(const void* p) {
+    unsigned short r;
+    asm volatile("ld.global.cs.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void ld_stream8(const void* p, u32& a, u32& b) {
+    asm volatile("ld.global.cs.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+__device__ __forceinline__ float half_bits_to_float(u32 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+}
+// Small non-negative integer q (< 2^23) minus `bias`, exactly, without an int-to-float conversion.
+__device__ __forceinline__ float q_minus(u32 q, float bias) {
+    return __fsub_rn(__uint_as_float(0x4B000000u | q), 8388608.0f + bias);
+}
+
+// One unit's bytes in registers: the payload (w) and its scales (s); a format uses only what it needs.
+struct QUnit {
+    u32 w[8];
+    u32 s[4];
+};
+
+// Unit v of a row whose planes start at p[0..3].
+template <int F>
+__device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], int v, QUnit& q) {
+    if (F == QF_Q8_0) {
+        const vec16 a = ld_stream16(p[0] + v * 32), b = ld_stream16(p[0] + v * 32 + 16);
+        q.w[0] = a.x, q.w[1] = a.y, q.w[2] = a.z, q.w[3] = a.w;
+        q.w[4] = b.x, q.w[5] = b.y, q.w[6] = b.z, q.w[7] = b.w;
+        q.s[0] = ld_stream2(p[1] + v * 2);
+        return;
+    }
+    const vec16 n = ld_stream16(p[0] + v * 16);
+    q.w[0] = n.x, q.w[1] = n.y, q.w[2] = n.z, q.w[3] = n.w;
+    if (F == QF_Q4_K || F == QF_Q5_K) {
+        const vec16 h = ld_stream16(p[F == QF_Q4_K ? 1 : 2] + (v >> 3) * 16);
+        q.s[0] = h.x, q.s[1] = h.y, q.s[2] = h.z, q.s[3] = h.w;
+        if (F == QF_Q5_K) q.w[4] = ld_stream4(p[1] + v * 4);
+    } else if (F == QF_Q6_K) {
+        ld_stream8(p[1] + v * 8, q.w[4], q.w[5]);
+        q.s[0] = ld_stream2(p[2] + v * 2);
+        q.s[1] = ld_stream2(p[3] + (v >> 3) * 2);
+    } else if (F == QF_Q4_0) {
+        q.s[0] = ld_stream2(p[1] + v * 2);
+    } else if (F == QF_Q5_0) {
+        q.w[4] = ld_stream4(p[1] + v * 4);
+        q.s[0] = ld_stream2(p[2] + v * 2);
+    } else {  // QF_Q5_1
+        q.w[4] = ld_stream4(p[1] + v * 4);
+        q.s[0] = ld_stream4(p[2] + v * 4);
+    }
+}
+
+// The unit's scale factors: (a, b) with weight = a * level - b (K-quants; Q5_1: a * level + b), or the
+// symmetric formats' d. `v`: the unit's index in its row (a K-quant's sub-block is v % 8).
+template <int F>
+__device__ __forceinline__ void q_scales(const QUnit& q, int v, float& a, float& b) {
+    if (F == QF_Q4_K || F == QF_Q5_K) {
+        const int j = v & 7;
+        const u32 byte = (u32)((((u64)q.s[2] << 32) | q.s[1]) >> (8 * j)) & 0xFFu;
+        const u32 sc = byte & 63u, m = (byte >> 6) | (((q.s[3] >> (4 * j)) & 0xFu) << 2);
+        a = __fmul_rn(half_bits_to_float(q.s[0] & 0xFFFFu), (float)sc);
+        b = __fmul_rn(half_bits_to_float(q.s[0] >> 16), (float)m);
+    } else if (F == QF_Q6_K) {
+        a = half_bits_to_float(q.s[1]);  // d; the sub-block scales are applied per half
+        b = 0.0f;
+    } else if (F == QF_Q5_1) {
+        a = half_bits_to_float(q.s[0] & 0xFFFFu);
+        b = half_bits_to_float(q.s[0] >> 16);
+    } else {
+        a = half_bits_to_float(q.s[0]);
+        b = 0.0f;
+    }
+}
+
+// Weights 8g..8g+7 of the unit (exactly worker/quant's values).
+template <int F>
+__device__ __forceinline__ void q_dequant8(const QUnit& q, int g, float a, float b, float (&w)[8]) {
+    if (F == QF_Q8_0) {
+        const u32 lo = q.w[2 * g], hi = q.w[2 * g + 1];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u32 byte = ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu;
+            w[i] = __fmul_rn(a, q_minus(byte, 128.0f));
+        }
+        return;
+    }
+    const u32 nib = q.w[g];
+    if (F == QF_Q6_K) {
+        // Sub-block g / 2 of the unit's two: scale d * sc (int8), level - 32.
+        const int sc = (int)(signed char)((q.s[0] >> (8 * (g >> 1))) & 0xFFu);
+        const float s = __fmul_rn(a, (float)sc);
+        const u32 h2 = q.w[4 + (g >> 1)] >> (16 * (g & 1));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u32 level = ((nib >> (4 * i)) & 0xFu) | (((h2 >> (2 * i)) & 3u) << 4);
+            w[i] = __fmul_rn(s, q_minus(level, 32.0f));
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        u32 level = (nib >> (4 * i)) & 0xFu;
+        if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1) level |= ((q.w[4] >> (8 * g + i)) & 1u) << 4;
+        if (F == QF_Q4_K || F == QF_Q5_K) {
+            w[i] = __fsub_rn(__fmul_rn(a, q_minus(level, 0.0f)), b);
+        } else if (F == QF_Q5_1) {
+            w[i] = __fadd_rn(__fmul_rn(a, q_minus(level, 0.0f)), b);
+        } else {
+            w[i] = __fmul_rn(a, q_minus(level, F == QF_Q4_0 ? 8.0f : 16.0f));
+        }
+    }
+}
+
+// ---- the loop ------------------------------------------------------------------------------------------
+struct QItem {
+    QUnit u[MK_QUMAX];
+};
+
+// The lane's units of one item in format F (rows past the range and units past the row load nothing).
+template <int F>
+__device__ __forceinline__ void q_load_item_f(const QSeg& sg, int K, const QPlan& p, int lr, bool rowok, int chunk,
+                                              int lane, QItem& it) {
+    const unsigned char* row = sg.base + (long long)lr * q_row_stride<F>(K);
+    const unsigned char* rowp[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rowp[i] = row + q_plane_offset<F>(i, K);
+#pragma unroll
+    for (int j = 0; j < MK_QUMAX; ++j) {
+        const int v = (chunk * p.u + j) * 32 + lane;
+        if (rowok && j < p.u && v < p.nunits) q_load_unit<F>(rowp, v, it.u[j]);
+    }
+}
+
+// Multiply one item of format F: unit v covers input elements [32 v, 32 v + 32), staged from element k0 on.
+template <int F>
+__device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it, int chunk, int lane, bool rowok,
+                                                 const vec16* xs, int k0, float (&acc)[MK_NT]) {
+#pragma unroll
+    for (int j = 0; j < MK_QUMAX; ++j) {
+        const int v = (chunk * p.u + j) * 32 + lane;
+        if (rowok && j < p.u && v < p.nunits) {
+            float a, b;
+            q_scales<F>(it.u[j], v, a, b);
+            const vec16* xv = xs + (v * 32 - k0) / 8;
+#pragma unroll
+            for (int g = 0; g < 4; ++g) {
+                float w[8];
+                q_dequant8<F>(it.u[j], g, a, b, w);
+#pragma unroll
+                for (int t = 0; t < MK_NT; ++t) {
+                    const vec16 x = ld_shared16(xv + t * MK_XLDV + g);
+                    float s = acc[t];
+                    s = fmaf(w[0], bf_lo(x.x), s);
+                    s = fmaf(w[1], bf_hi(x.x), s);
+                    s = fmaf(w[2], bf_lo(x.y), s);
+                    s = fmaf(w[3], bf_hi(x.y), s);
+                    s = fmaf(w[4], bf_lo(x.z), s);
+                    s = fmaf(w[5], bf_hi(x.z), s);
+                    s = fmaf(w[6], bf_lo(x.w), s);
+                    s = fmaf(w[7], bf_hi(x.w), s);
+                    acc[t] = s;
+                }
+            }
+        }
+    }
+}
+
+// The build's formats, by the segment's run-time code (block-uniform): one copy of the loop serves them all, as
+// one copy of gemv_run serves every bf16 phase (an inlined copy per format made ptxas spill).
+#define QF_DISPATCH(fmt, CALL)                                  \
+    switch (fmt) {                                              \
+        QF_CASE(QF_Q4_K, CALL) QF_CASE(QF_Q5_K, CALL)          \
+        QF_CASE(QF_Q6_K, CALL) QF_CASE(QF_Q8_0, CALL)          \
+        QF_CASE(QF_Q4_0, CALL) QF_CASE(QF_Q5_0, CALL)          \
+        QF_CASE(QF_Q5_1, CALL) default: break;                  \
+    }
+#define QF_CASE(F, CALL)  \
+    case F:               \
+        if (QF_ON(F)) {   \
+            CALL(F);      \
+        }                 \
+        break;
+
+__device__ __forceinline__ void q_load_item(int fmt, const QSeg& sg, int K, const QPlan& p, int lr, bool rowok,
+                                            int chunk, int lane, QItem& it) {
+#pragma unroll
+    for (int j = 0; j < MK_QUMAX; ++j) {  // define every register (a predicated load alone keeps old values live)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) it.u[j].w[i] = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) it.u[j].s[i] = 0u;
+    }
+#define QF_LOAD(F) q_load_item_f<(QF_ON(F) ? F : QF_Q4_K)>(sg, K, p, lr, rowok, chunk, lane, it)
+    QF_DISPATCH(fmt, QF_LOAD)
+#undef QF_LOAD
+}
+__device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QItem& it, int chunk, int lane,
+                                               bool rowok, const vec16* xs, int k0, float (&acc)[MK_NT]) {
+#define QF_CONSUME(F) q_consume_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, it, chunk, lane, rowok, xs, k0, acc)
+    QF_DISPATCH(fmt, QF_CONSUME)
+#undef QF_CONSUME
+}
+
+// Rows [a, b) of the block's share, all in one segment (or a gate/up interleave of two segments of one format).
+// `staged`: window 0 is in shared memory (updated as passes restage).
+template <class Finish, class Stage>
+__device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b, const bf16_t* xs_in, float* part,
+                                                float* rowval, bool& staged, Finish finish, Stage stage) {
+    const QPlan p = qplan(d.K);
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    const vec16* xs = (const vec16*)xs_in;
+    const int cpp = qplan_pass_chunks(p);
+    const int npass = (p.nk + cpp - 1) / cpp;
+    // The segment of row a (its start row and rows), or both halves of a gate/up interleave.
+    int s = 0, start = 0;
+    for (int j = 0; j + 1 < d.nseg; ++j) {
+        if (a >= d.end[j]) {
+            s = j + 1;
+            start = d.end[j];
+        }
+    }
+    const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
+    int rs = a, nr = min(p.round, b - a);
+    while (nr > 0) {
+        const int next_rs = rs + nr, next_nr = min(p.round, b - next_rs);
+        for (int q = 0; q < npass; ++q) {
+            const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
+            int k0 = 0, k1 = 0;
+            qplan_pass_range(d, p, q, k0, k1);
+            if (q > 0 || !staged) {
+                __syncthreads();  // every warp is done with the previous window
+                stage(k0, k1);
+            }
+            const int count = gemv_units(warp, gemv_items(nr, nkq));
+            float acc[MK_NT];
+#pragma unroll
+            for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
+            QItem ia, ib;
+            // Item k: row rs + rg, chunk (gemv_unit: the scalar path's item order).
+            auto load = [&](int k, QItem& it) {
+                const GemvUnit u = gemv_unit(warp, k, c0, nkq);
+                const int r = rs + u.rg;
+                const bool ok = u.rg < nr;
+                const int lr = d.interleave ? (r >> 1) : r - start;
+                // The segment's base from the descriptor (shared memory) per item: kept in registers across the
+                // loop, the two bases were spilled.
+                const QSeg sg = {qf_ptr(d.seg[d.interleave ? (r & 1) : s])};
+                q_load_item(fmt, sg, d.K, p, ok ? lr : 0, ok, u.chunk, lane, it);
+            };
+            auto consume = [&](int k, const QItem& it) {
+                const GemvUnit u = gemv_unit(warp, k, c0, nkq);
+                q_consume_item(fmt, p, it, u.chunk, lane, u.rg < nr, xs, k0, acc);
+#pragma unroll
+                for (int t = 0; t < MK_NT; ++t) {
+                    const float v = warp_sum(acc[t]);
+                    if (lane == 0) part[t * MK_PART_ROWS + u.rg * p.nk + u.chunk] = v;
+                    acc[t] = 0.0f;
+                }
+            };
+            int k = 0;
+            if (count > 0) load(0, ia);
+            while (k < count) {
+                if (k + 1 < count) load(k + 1, ib);
+                consume(k, ia);
+                if (++k >= count) break;
+                if (k + 1 < count) load(k + 1, ia);
+                consume(k, ib);
+                ++k;
+            }
+        }
+        staged = npass == 1;
+        __syncthreads();
+#ifdef MK_PHASE_TIMING
+        if (tid_x() == 0) mk_gemv_t[1] = global_timer_ns();
+#endif
+        for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
+            const int t = e / nr, r = e - t * nr;
+            const float* pp = part + t * MK_PART_ROWS + r * p.nk;
+            float sum = 0.0f;
+            for (int c = 0; c < p.nk; ++c) sum += pp[c];
+            rowval[t * p.round + r] = sum;
+        }
+        __syncthreads();
+        finish(rs, nr, rowval, p.round);
+        __syncthreads();
+        rs = next_rs;
+        nr = next_nr;
+    }
+}
+
+// The quantized GEMV of this block's rows, one segment (one format) at a time.
+template <class Finish, class Stage>
+__device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* xs, float* part, float* rowval,
+                                               Finish finish, Stage stage) {
+    int r0, r1;
+    block_row_range(d.nrows, d.align, r0, r1);
+#ifdef MK_PHASE_TIMING
+    if (tid_x() == 0 && r1 > r0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();
+#endif
+    bool staged = true;
+    for (int a = r0; a < r1;) {
+        int s = 0;
+        for (int j = 0; j + 1 < d.nseg; ++j)
+            if (a >= d.end[j]) s = j + 1;
+        const int b = d.interleave ? r1 : min(r1, d.end[s]);
+        gemv_quant_rows(d, a, b, xs, part, rowval, staged, finish, stage);
+        a = b;
+    }
+}
+
+// Pull the first plane (the bulk of the bytes) of up to `max_bytes` of block b's rows of a coming quantized GEMV
+// phase into L2.
+__device__ void gemv_prefetch_share_quant(const GemvDesc& d, int b, int max_bytes) {
+    int r0, r1;
+    row_range_of(b, d.nrows, d.align, r0, r1);
+    const int f = qf_code(d.seg[0]);
+    const int row_bytes = d.K / 32 * (f == QF_Q8_0 ? 32 : 16);  // the first plane's
+    int stride = 0;
+#define QF_STRIDE(F) stride = q_row_stride<(QF_ON(F) ? F : QF_Q4_K)>(d.K)
+    QF_DISPATCH(f, QF_STRIDE)
+#undef QF_STRIDE
+    const int last = min(r1, r0 + max(1, max_bytes / row_bytes));
+    const int pieces = (row_bytes + MK_PF_PIECE - 1) / MK_PF_PIECE;
+    for (int it = tid_x(); it < (last - r0) * pieces; it += MK_THREADS) {
+        const int r = r0 + it / pieces, piece = it - (it / pieces) * pieces;
+        int s = 0, start = 0;
+        for (int j = 0; j + 1 < d.nseg; ++j) {
+            if (r >= d.end[j]) {
+                s = j + 1;
+                start = d.end[j];
+            }
+        }
+        const int lr = d.interleave ? r >> 1 : r - start;
+        const unsigned char* row = qf_ptr(d.seg[d.interleave ? (r & 1) : s]) + (long long)lr * stride;
+        const int off = piece * MK_PF_PIECE;
+        prefetch_l2_bytes(row + off, (unsigned)min(MK_PF_PIECE, row_bytes - off));
+    }
+}

@@ -1,0 +1,245 @@
+"""The megakernel on block-quantized weights (kernels/gemv_quant.cuh) against the reference on the same weights
+(GPU only).
+
+Two models with fresh random GGUF blocks (kernels/random_quant.py): a small one whose rows are whole 256-blocks,
+each GEMV in one of the seven formats in turn (every format in one build), and the 27B shapes (4 layers, full
+vocabulary) typed as a Q4_K_M file is (Q4_K, with Q6_K for the lm_head and the "more bits" layers' v / qkv /
+down projections). GEMV phases run alone and are compared with the dequantized weights in fp32; whole steps with
+the fp32 reference on the same quantized weights; a verify launch of T tokens with T single steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and cupy")]
+
+if HAS_GPU:
+    from onestream.kernels.diagnostics import DiagnosticRunner
+    from onestream.kernels.layout import Phase
+    from onestream.kernels.random_model import config_27b, random_model
+    from onestream.kernels.random_quant import preset_types, quantize_randomly
+    from onestream.worker.quant import QuantType
+    from onestream.worker.testing import tiny_config
+
+FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1"]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values in the kernel output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def dequantized(module) -> torch.Tensor:
+    """The fp32 weight of a quantized module (worker/quant's dequantization: what the kernel multiplies)."""
+    return module.quantized.dequantize(torch.float32)
+
+
+def small_config():
+    # Every GEMV input (hidden 256, the MLP's 512, attention 4 x 64, DeltaNet values 4 x 64, the MTP fc's 512)
+    # is whole 256-blocks, so that each K-quant runs unchanged.
+    return tiny_config(
+        hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64
+    )
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """The small model with each GEMV (a group of tensors one phase streams) in the next format of FORMATS."""
+    model = random_model(small_config(), seed=11)
+    cycle = itertools.cycle(FORMATS)
+    group_of: dict[str, str] = {}
+
+    def types(name: str, shape: tuple[int, int]) -> QuantType:
+        # The tensors one GEMV streams share a format: in_proj_*, q/k/v, gate/up.
+        key = name
+        for member, group in (("in_proj_", "dn_in"), ("_proj.weight", "")):
+            if member in name and (
+                group or any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate", "up"))
+            ):
+                key = name.rsplit(".", 2)[0] + "." + (group or "in")
+                break
+        if key not in group_of:
+            group_of[key] = next(cycle)
+        return QuantType[group_of[key]]
+
+    chosen = quantize_randomly(model, types, seed=5)
+    runner = DiagnosticRunner(model)
+    print(f"\n[mixed] {sorted({t.name for t in chosen.values()})} runner: {runner.describe()}")
+    yield model, runner, chosen
+    del runner, model
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_27b():
+    model = random_model(config_27b(4), seed=3)
+    chosen = quantize_randomly(model, preset_types(model, "q4_k_m"), seed=9)
+    runner = DiagnosticRunner(model)
+    print(f"\n[27b q4_k_m] {dict(sorted((n, t.name) for n, t in chosen.items() if 'layers.' not in n))}")
+    print(f"runner: {runner.describe()}")
+    yield model, runner, chosen
+    del runner, model
+    torch.cuda.empty_cache()
+
+
+def all_layers(model) -> list:
+    """The model's layers, then the MTP head's (the kernel's layer table rows)."""
+    return (
+        [*model.model.layers, *model.mtp.layers]
+        if getattr(model, "mtp", None) is not None
+        else [*model.model.layers]
+    )
+
+
+def check_mlp(model, runner, layer_index: int) -> tuple[float, float]:
+    layer = all_layers(model)[layer_index]
+    state = model.new_state(64)
+    h = (torch.randn(1, model.config.hidden_size, device="cuda")).to(torch.bfloat16)
+    runner.buf["h"][:1].copy_(h)
+    runner.run_phase(Phase.MLP_IN, layer_index, state, pos=0, tokens=[0])
+    act = runner.buf["act"][:1].clone()
+    runner.run_phase(Phase.MLP_DOWN, layer_index, state, pos=0, tokens=[0])
+    x = layer.post_attention_layernorm(h).float()
+    mlp = layer.mlp
+    ref_act = F.silu(x @ dequantized(mlp.gate_proj).T) * (x @ dequantized(mlp.up_proj).T)
+    ref_h = h.float() + act.float() @ dequantized(mlp.down_proj).T  # on the kernel's own activation
+    # act: bf16 roundings of gate, up and their product (about 3e-3); down: fp32 sums in another order.
+    return rel_err(act, ref_act), rel_err(runner.buf["h"][:1].float() - h.float(), ref_h - h.float())
+
+
+def check_lm_head(model, runner) -> float:
+    state = model.new_state(64)
+    h = torch.randn(1, model.config.hidden_size, device="cuda").to(torch.bfloat16)
+    runner.buf["h"][:1].copy_(h)
+    runner.run_phase(Phase.LM_HEAD, 0, state, pos=0, tokens=[0])
+    lm = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    # The kernel's own staged input (the post-norm hidden it writes out), times the dequantized weight.
+    ref = runner.buf["hidden_out"][:1].float() @ dequantized(lm).T
+    return rel_err(runner.buf["logits"][:1], ref)
+
+
+# ---- per format, the small model ----------------------------------------------------------------------
+@torch.no_grad()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mlp_gemv_per_format(mixed, fmt):
+    """Gate/up and down of a layer whose projections are in `fmt` (or the nearest layer that has it)."""
+    model, runner, chosen = mixed
+    checked = []
+    n = model.config.num_hidden_layers
+    for i, _ in enumerate(all_layers(model)):
+        prefix = f"model.layers.{i}" if i < n else f"mtp.layers.{i - n}"
+        for proj in ("gate_proj", "down_proj"):
+            if chosen[f"{prefix}.mlp.{proj}.weight"].name == fmt:
+                checked.append((i, proj))
+    if not checked:
+        pytest.skip(f"no MLP projection of the small model is {fmt}")
+    for i, proj in checked:
+        e_act, e_down = check_mlp(model, runner, i)
+        print(f"{fmt} layer {i} {proj}: act {e_act:.2e} down {e_down:.2e}")
+        assert (e_act < 1e-2) if proj == "gate_proj" else (e_down < 1e-3), (i, proj)
+
+
+@torch.no_grad()
+def test_every_format_is_in_the_mixed_build(mixed):
+    _, runner, chosen = mixed
+    assert {t.name for t in chosen.values()} == set(FORMATS)
+    assert runner.plan.stages == 0 and not runner.plan.streams_bf16  # registers only: no bf16 GEMV, no ring
+
+
+@torch.no_grad()
+def test_small_lm_head(mixed):
+    model, runner, _ = mixed
+    assert check_lm_head(model, runner) < 1e-3
+
+
+@torch.no_grad()
+def steps_against_references(model, runner, steps: int) -> tuple[list[float], list[float], int]:
+    """Teacher-forced steps of the kernel, the reference in the model's dtype (bf16: it rounds the dequantized
+    weights to bf16) and the fp32 reference on the same quantized weights. Returns the logits' relative errors of
+    the kernel and of the bf16 reference against fp32, and the greedy flips away from near-ties."""
+    ref32 = copy.deepcopy(model).float()  # the quantized modules follow: they dequantize into fp32
+    g = torch.Generator(device="cuda").manual_seed(4)
+    prompt = torch.randint(0, model.config.vocab_size, (16,), device="cuda", generator=g)
+    ref_state = model.new_state(128)
+    model.forward_step(prompt, ref_state, logits="last")
+    mk_state = ref_state.clone()
+    ref32_state = ref32.new_state(128)
+    ref32.forward_step(prompt, ref32_state, logits="last")
+    token = torch.randint(0, model.config.vocab_size, (1,), device="cuda", generator=g)
+    kernel, bf16, flips = [], [], 0
+    for _ in range(steps):
+        ref = model.forward_step(token, ref_state)
+        out = runner.step(token, mk_state)
+        truth = ref32.forward_step(token, ref32_state).logits[0]
+        kernel.append(rel_err(out.logits[0], truth))
+        bf16.append(rel_err(ref.logits[0], truth))
+        gap = truth.topk(2).values
+        near = float(gap[0] - gap[1]) <= 2 * float((truth - out.logits[0]).abs().max()) + 1e-6
+        flips += int(out.logits[0].argmax()) != int(truth.argmax()) and not near
+        token = ref.logits[0].argmax().reshape(1)
+    del ref32
+    torch.cuda.empty_cache()
+    return kernel, bf16, flips
+
+
+def assert_close_to_fp32(name: str, kernel: list[float], bf16: list[float], flips: int) -> None:
+    print(
+        f"\n[{name}] vs the fp32 reference per step: kernel {[f'{e:.1e}' for e in kernel]}, "
+        f"bf16 reference {[f'{e:.1e}' for e in bf16]}; greedy flips {flips}"
+    )
+    assert flips == 0
+    # The kernel multiplies the exact dequantized weights in fp32: no further from fp32 than the bf16 reference.
+    assert sum(kernel) <= 1.25 * sum(bf16) + 1e-3 * len(kernel)
+
+
+@torch.no_grad()
+def test_small_decode_steps_match_the_fp32_reference(mixed):
+    model, runner, _ = mixed
+    assert_close_to_fp32("small, every format", *steps_against_references(model, runner, steps=8))
+
+
+# ---- the 27B shapes, Q4_K_M -----------------------------------------------------------------------------
+@torch.no_grad()
+def test_q4_k_m_27b_gemvs(q4_k_m_27b):
+    model, runner, chosen = q4_k_m_27b
+    downs = {i: chosen[f"model.layers.{i}.mlp.down_proj.weight"].name for i in range(4)}
+    assert set(downs.values()) == {"Q4_K", "Q6_K"}, downs  # both of the file's formats within one kind
+    for i in range(4):
+        e_act, e_down = check_mlp(model, runner, i)
+        print(f"27b layer {i} (down {downs[i]}): act {e_act:.2e} down {e_down:.2e}")
+        assert e_act < 1e-2 and e_down < 1e-3, i
+    e = check_lm_head(model, runner)
+    print(f"27b lm_head ({chosen['lm_head.weight'].name}): {e:.2e}")
+    assert e < 1e-3
+
+
+@torch.no_grad()
+def test_q4_k_m_27b_steps_match_the_fp32_reference(q4_k_m_27b):
+    model, runner, _ = q4_k_m_27b
+    assert_close_to_fp32("27b q4_k_m", *steps_against_references(model, runner, steps=4))
+
+
+@torch.no_grad()
+def test_q4_k_m_27b_verify_launch_equals_single_steps(q4_k_m_27b):
+    """A T = 4 launch gives each token the logits of its own single step, bit for bit (greedy speculative output
+    equals plain greedy output)."""
+    model, runner, _ = q4_k_m_27b
+    g = torch.Generator(device="cuda").manual_seed(6)
+    prompt = torch.randint(0, model.config.vocab_size, (8,), device="cuda", generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (4,), device="cuda", generator=g)
+    single = model.new_state(64)
+    model.forward_step(prompt, single, logits="last")
+    batch = single.clone()
+    one = [runner.step(t.view(1), single).logits[0].clone() for t in tokens]
+    four = runner.step(tokens, batch, keep_states=True).logits[:4].clone()
+    for t in range(4):
+        assert torch.equal(four[t], one[t]), (t, float((four[t] - one[t]).abs().max()))

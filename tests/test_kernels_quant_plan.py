@@ -1,0 +1,127 @@
+"""Builds of the megakernel for quantized weights, without a GPU: the plan's formats and defines, the weights'
+grouping and table pointers (kernels/quant_weights.py), and nvcc builds of the quantized GEMV."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from onestream.kernels.build import assemble_source, nvcc_compile, ptxas_report
+from onestream.kernels.plan import (
+    WEIGHT_FORMAT_CODES,
+    WEIGHT_KINDS,
+    KernelPlan,
+    WeightFormat,
+    quant_chunk_width,
+    weight_formats_of,
+)
+from onestream.kernels.quant_layout import FORMAT_CODES
+from onestream.kernels.quant_weights import TAG_SHIFT, DeviceWeights
+from onestream.kernels.random_model import config_27b, random_model
+from onestream.kernels.random_quant import preset_types, quantize_randomly
+from onestream.kernels.tuning import Tuning
+from onestream.worker.errors import UnsupportedModelError
+from onestream.worker.quant import QuantizedWeight, QuantType, install_quantized_weights
+from onestream.worker.testing import tiny_config
+
+W = WeightFormat
+
+
+def q4_k_m_formats() -> tuple[tuple[str, WeightFormat], ...]:
+    """The kinds of a Q4_K_M file of the 27B shapes: Q4_K, and Q6_K in the lm_head and in some layers' v, qkv
+    and down projections."""
+    kinds = {k: {W.Q4_K} for k in WEIGHT_KINDS}
+    for k in ("dn_in", "att_in", "mlp_down", "lm_head"):
+        kinds[k].add(W.Q6_K)
+    return weight_formats_of(kinds)
+
+
+def small_config():
+    return tiny_config(
+        hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64
+    )
+
+
+def test_codes_are_the_layouts() -> None:
+    assert WEIGHT_FORMAT_CODES[W.BF16] == 0
+    for qtype, code in FORMAT_CODES.items():
+        assert WEIGHT_FORMAT_CODES[W(qtype.name.lower())] == code
+        assert W(qtype.name.lower()).quant_type is qtype
+
+
+def test_a_quantized_plan_names_its_formats_per_kind() -> None:
+    plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats())
+    d = plan.defines()
+    q4, q6 = 1 << FORMAT_CODES[QuantType.Q4_K], 1 << FORMAT_CODES[QuantType.Q6_K]
+    assert d["MK_WFMT_MLP_DOWN"] == q4 | q6 and d["MK_WFMT_MLP_IN"] == q4 and d["MK_WFMT_LM_HEAD"] == q4 | q6
+    assert d["MK_QFMTS"] == q4 | q6
+    # No kind holds bf16: the bf16 GEMV and its shared-memory ring are left out, the window holds every input.
+    assert d["MK_GEMV_BF16"] == 0 and plan.stages == 0 and plan.window == config_27b().intermediate_size
+    src = assemble_source(plan)
+    assert "#define MK_QFMTS " in src and "gemv_run_quant" in src
+
+
+def test_a_plan_with_bf16_kinds_keeps_the_bf16_gemv() -> None:
+    kinds = {"mlp_down": {W.Q8_0}}
+    plan = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=weight_formats_of(kinds)
+    )
+    assert plan.streams_bf16 and "MK_GEMV_BF16" not in plan.defines() and plan.stages > 0
+
+
+def test_the_window_holds_a_quantized_chunk() -> None:
+    # Many tokens per launch narrow the staged window; a chunk of the quantized GEMV must still fit it.
+    for tokens in (1, 4, 8):
+        plan = KernelPlan(config_27b(), num_sms=82, tokens_per_launch=tokens, weight_formats=q4_k_m_formats())
+        for k in (5120, 6144, 10240, 17408):
+            assert plan.window >= min(k, quant_chunk_width(k)), (tokens, k, plan.window)
+    assert (
+        quant_chunk_width(5120) == 2048
+        and quant_chunk_width(17408) == 2048
+        and quant_chunk_width(256) == 1024
+    )
+
+
+def test_the_tensor_core_gemv_refuses_quantized_weights() -> None:
+    with pytest.raises(UnsupportedModelError, match="scalar GEMV"):
+        KernelPlan(config_27b(), num_sms=132, tuning=Tuning(mma=True), weight_formats=q4_k_m_formats())
+
+
+@torch.no_grad()
+def test_device_weights_group_tag_and_refuse_mixtures() -> None:
+    model = random_model(small_config(), seed=2, device="cpu")
+    types = quantize_randomly(model, preset_types(model, "q4_k_m"), seed=3)
+    assert {t.name for t in types.values()} == {"Q4_K", "Q6_K"}
+    layers = [*model.model.layers, *model.mtp.layers]
+    weights = DeviceWeights(model, layers, has_mtp=True)
+    plan = KernelPlan(model.config, num_sms=132, weight_formats=weights.weight_formats)
+    assert not plan.streams_bf16 and weights.quantized
+    assert weights.gemv_bytes == sum(
+        QuantType[t.name].nbytes(model.get_submodule(n.rsplit(".", 1)[0]).shape) for n, t in types.items()
+    )
+    ptr = weights.pointer(model.lm_head)
+    assert ptr >> TAG_SHIFT == FORMAT_CODES[types["lm_head.weight"]]
+    # A DeltaNet input GEMV with one bf16 tensor among quantized ones is refused (one loop per GEMV).
+    mixed = random_model(small_config(), seed=2, device="cpu")
+    la = mixed.model.layers[0].linear_attn
+    raw = QuantizedWeight.from_float(QuantType.Q8_0, la.in_proj_z.weight.float())
+    install_quantized_weights(
+        mixed, {"model.layers.0.linear_attn.in_proj_z.weight": raw}, dtype=torch.bfloat16
+    )
+    with pytest.raises(UnsupportedModelError, match="mixes bf16 and quantized"):
+        DeviceWeights(mixed, [*mixed.model.layers, *mixed.mtp.layers], has_mtp=True)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize(("arch", "sms", "smem"), [("sm_90", 132, 227 * 1024), ("sm_86", 82, 99 * 1024)])
+def test_the_q4_k_m_build_compiles_without_spills_in_one_phase(arch: str, sms: int, smem: int) -> None:
+    """The 27B Q4_K_M build compiles for the H200 and the RTX 3090; `mk_phase` (one phase: the GEMV loop and the
+    phases' epilogues, without the step loop around them) spills nothing."""
+    plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, weight_formats=q4_k_m_formats())
+    report = ptxas_report(nvcc_compile(plan, arch))
+    assert report["mk_decode"]["registers"] * plan.tuning.threads <= 65536, report["mk_decode"]
+    assert report["mk_phase"]["spill_stores"] == 0 and report["mk_phase"]["spill_loads"] == 0, report[
+        "mk_phase"
+    ]
+    print(f"\nq4_k_m {arch}: {report['mk_decode']}")
