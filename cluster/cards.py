@@ -78,6 +78,7 @@ class CardRecord:
     failure: str | None = None  # why it went down (streams on it end with this)
     progress: int = -1  # the engine's progress counter at the last ping
     progress_at: float = 0.0  # monotonic time the counter last moved (or the card was last idle)
+    adopted: bool = False  # found running (a previous router's): this router takes it over
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -118,6 +119,7 @@ class CardRegistry:
         self.model_info: dict[str, Any] | None = None
         self._sd_snapshot: list[dict[str, Any]] = []
         self._load_board: Any = None  # ray ActorHandle of a LoadBoard
+        self._started_at: float | None = None  # monotonic, once the first look at the cluster is done
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,6 +127,7 @@ class CardRegistry:
             ray.remote(LoadBoard).options(num_cpus=0, namespace=self.config.ray_namespace).remote()
         )
         await self.discover()
+        self._started_at = time.monotonic()
         self._loops = [
             asyncio.create_task(
                 self._every(self.config.discovery_interval_s, self.discover), name="card-discovery"
@@ -218,12 +221,22 @@ class CardRegistry:
             log.info("card slot %s/%d: actor created", node_id[:NODE_ID_CHARS], slot)
         else:
             log.info("card slot %s/%d: adopting the running card %s", node_id[:NODE_ID_CHARS], slot, name)
-        record = CardRecord(node_id=node_id, slot=slot, actor=actor)
+        record = CardRecord(node_id=node_id, slot=slot, actor=actor, adopted=adopting is not None)
         self._records[record.key] = record
         record.task = asyncio.create_task(
             self._bring_up(record, self.config.card_start_timeout_s, adopting=adopting)
         )
         self._changed()
+
+    def adopting(self) -> bool:
+        """True while this router may not know every running card's sessions and their owners yet: until
+        its first look at the cluster, and while a card it found running is not up, for at most
+        `call_timeout_s` after that look (a card that answers no sooner is being replaced, not awaited)."""
+        if self._started_at is None:
+            return True
+        if time.monotonic() - self._started_at > self.config.call_timeout_s:
+            return False
+        return any(r.adopted and r.state == STARTING for r in self._records.values())
 
     def _card_settings(self, slot: int) -> CardSettings:
         cpu = self.config.cpu_cards is not None

@@ -36,6 +36,7 @@ from .errors import (
     DEADLINE,
     DRAINING,
     INVALID_ARGUMENT,
+    NO_CARDS,
     PERMISSION_DENIED,
     UNAUTHENTICATED,
     USER_CONCURRENT,
@@ -174,6 +175,7 @@ class Router(pb_grpc.OneStreamServicer):
     def _admit(self, caller: Caller, session_id: str) -> None:
         """The caller's right to this turn: its own session, and room under its concurrency limit."""
         if session_id:
+            self._check_owner_known(session_id)
             owner = self.owners.claim(session_id, caller)
             if owner is not None:
                 raise PoolError(
@@ -192,6 +194,18 @@ class Router(pb_grpc.OneStreamServicer):
                     USER_CONCURRENT,
                     retry_after_s=self.config.retry_after_s,
                 )
+
+    def _check_owner_known(self, session_id: str) -> None:
+        """A router that just started over running cards learns their sessions' owners as it adopts them:
+        until then it neither gives a session to a caller nor closes it."""
+        if self.auth.enabled and self.owners.owner_of(session_id) is None and self.registry.adopting():
+            raise PoolError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the router is starting: it is adopting the running cards and does not know their "
+                f"sessions' owners yet; retry in {self.config.retry_after_s}s",
+                NO_CARDS,
+                retry_after_s=self.config.retry_after_s,
+            )
 
     async def _generate(
         self, request: pb.GenerateRequest, entry: _InFlight, arrived: float, context: grpc.aio.ServicerContext
@@ -493,6 +507,10 @@ class Router(pb_grpc.OneStreamServicer):
             limits.check_id("session_id", session_id, required=True)
         except InvalidRequestError as e:
             await self._refuse("CloseSession", PoolError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), context)
+        try:
+            self._check_owner_known(session_id)
+        except PoolError as e:
+            await self._refuse("CloseSession", e, context)
         owner = self.owners.owner_of(session_id)
         if owner is not None and not caller.may_act_for(owner):
             await context.abort(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import secrets
 import signal
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +31,7 @@ START_TIMEOUT_S = 240.0  # a serve process importing torch and adopting or start
 CARDS = 2
 MAX_CONTEXT = 2048  # a stream of MAX_CONTEXT - 48 tokens outlasts the router's kill
 NAMESPACE = "onestream"  # where `onestream serve` names its cards
+GRAB_INTERVAL_S = 0.05
 KEYS = {user: secrets.token_urlsafe(24) for user in ("alice", "bob")}
 
 
@@ -87,6 +90,32 @@ def idle(client: PoolClient) -> bool:
     return status.cards_free == CARDS and status.cards_busy == 0 and status.in_flight == 0
 
 
+class Grabber:
+    """bob naming alice's session again and again, each time on a new connection (a channel that
+    failed backs off before it reconnects): the status code of every try, ADOPTING for the router's
+    UNAVAILABLE while it adopts the cards."""
+
+    def __init__(self, address: str, session: str) -> None:
+        self.codes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, session), daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str, session: str) -> None:
+        while not self._stop.is_set():
+            with PoolClient(address, timeout_s=5, api_key=KEYS["bob"]) as bob:
+                turn = run_turn(bob, make_request("y", session_id=session, max_tokens=2), timeout_s=5)
+            error = turn.error
+            adopting = error is not None and "adopting" in (error.details() or "")
+            self.codes.append("ADOPTING" if adopting else error.code().name if error is not None else "OK")
+            self._stop.wait(GRAB_INTERVAL_S)
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.codes
+
+
 def rejected(call: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as error:
         call()
@@ -121,7 +150,11 @@ def test_a_restarted_serve_adopts_the_running_cards_their_sessions_and_owners(
         assert carried.error is not None and carried.error.code() == grpc.StatusCode.UNAVAILABLE
         second = Serve(*serve_args, listen=address, http="off")
         serves.append(second)
+        starting = Grabber(address, session)  # bob tries to take the session while the router starts
         second.wait_for_line(r"ready", START_TIMEOUT_S)
+        codes = starting.stop()
+        print(f"bob's tries while the router started: {Counter(codes)}")
+        assert set(codes) <= {"UNAVAILABLE", "ADOPTING", "PERMISSION_DENIED"}, Counter(codes)
 
         assert card_processes() == processes, "the same card processes serve: none was restarted"
         wait_for(lambda: idle(alice), 60, "the adopted cards to be free (the orphaned stream stopped)")
