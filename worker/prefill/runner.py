@@ -1,0 +1,106 @@
+"""The fast prefill of one sequence: the reference model's weights and state, kernels made for long pieces.
+
+Per layer it runs the layer's own projection, norm and MLP modules (cuBLAS GEMMs; a quantized matrix is
+dequantized when its GEMM runs, one matrix at a time), the chunked delta rule for the DeltaNet layers
+(`deltanet.py`) and fused causal SDPA for the attention layers (`attention.py`). It writes exactly the
+`SequenceState` that `Qwen35ForCausalLM.forward_step` would (KV caches, conv windows, fp32 recurrent states,
+lengths), so the reference model and the megakernel continue from it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..model import Qwen35ForCausalLM, StepOutput
+from ..state import SequenceState
+from .attention import attention_prefill, sdpa_choice
+from .deltanet import DEFAULT_CHUNK, DeltaRuleKernel, deltanet_prefill
+
+PIECE_ENV = "ONESTREAM_PREFILL_TOKENS"
+# Tokens per call on a GPU: the pieces' GEMMs are long enough to run near the matrix peak well before
+# this, and a piece's activations (the MLP's [T, intermediate] pair above all) stay a few GB.
+DEFAULT_PIECE_TOKENS = 8192
+
+
+def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
+    raw = os.environ.get(PIECE_ENV)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidRequestError(f"${PIECE_ENV} must be a positive integer, got {raw!r}")
+    return value
+
+
+class FastPrefill:
+    """`__call__(input_ids, state)` runs prompt tokens like `model.forward_step(..., logits="last")`;
+    `mtp(input_ids, hidden, state)` runs MTP pairs like `model.mtp_step(..., logits="last")`."""
+
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        *,
+        deltanet: str | None = None,
+        sdpa: str | None = None,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
+        self.model = model
+        self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk)
+        self.sdpa = sdpa_choice(sdpa)
+
+    @property
+    def description(self) -> str:
+        return f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}), SDPA {self.sdpa}"
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, state: SequenceState) -> StepOutput:
+        model = self.model
+        model._check_ids(input_ids, 1)
+        model._check_state(state)
+        t = input_ids.shape[0]
+        start = state.check_room(t)
+        h = model.model.embed_tokens(input_ids)
+        cos, sin = model.rotary(torch.arange(start, start + t, device=h.device), h.dtype)
+        for i, layer in enumerate(model.model.layers):
+            x = layer.input_layernorm(h)
+            if layer.is_full_attention:
+                h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, self.sdpa)
+            else:
+                h = h + deltanet_prefill(
+                    layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule
+                )
+            del x
+            h = layer._mlp_residual(h)
+        hidden = model.model.norm(h)
+        state.advance(input_ids)
+        state.history = None  # as a step without keep_states: nothing to roll back into
+        return StepOutput(model._step_logits(hidden, "last"), hidden)
+
+    @torch.inference_mode()
+    def mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState) -> StepOutput:
+        model = self.model
+        mtp = model._require_mtp()
+        model._check_ids(input_ids, 1)
+        model._check_state(state)
+        t = input_ids.shape[0]
+        if hidden.shape != (t, model.config.hidden_size):
+            raise InvalidRequestError(
+                f"hidden must have shape ({t}, {model.config.hidden_size}), got {tuple(hidden.shape)}"
+            )
+        start = state.check_room(t, mtp=True)
+        x = mtp.fuse(model.model.embed_tokens(input_ids), hidden.to(model.dtype))
+        cos, sin = model.rotary(torch.arange(start, start + t, device=x.device), x.dtype)
+        assert state.mtp_kv is not None
+        layer = mtp.layer
+        h = x + attention_prefill(
+            layer.self_attn, layer.input_layernorm(x), cos, sin, state.mtp_kv, start, self.sdpa
+        )
+        out = mtp.norm(layer._mlp_residual(h))
+        state.mtp_length += t
+        return StepOutput(model._step_logits(out, "last"), out)
