@@ -3,8 +3,9 @@
 On the kernel: decode and verify steps of 1..8 tokens (a verify records the DeltaNet states after each token
 but the last, so that rolling back to any of them is a copy), greedy verification with the acceptance decided
 on the device (`verify_greedy`: the host reads back the control block only), and MTP draft steps of 1..8
-pairs. Prefill, longer steps and the state operations are the reference back end's (the base class). Both work on the same `SequenceState`, whose
-tensors the kernel reads and writes in place, so switching between them costs nothing.
+pairs. Prefill (by default its fast path, worker/prefill/), longer steps and the state operations are the
+reference back end's (the base class). All of them work on the same `SequenceState`, whose tensors the
+kernel reads and writes in place, so switching between them costs nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ class MegakernelBackend(ReferenceBackend):
     name = "megakernel"
 
     def __init__(
-        self, model: Any, *, tuning: Tuning | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        model: Any,
+        *,
+        tuning: Tuning | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        prefill: str = "auto",
     ) -> None:
-        super().__init__(model)
+        super().__init__(model, prefill=prefill)  # auto: the fast prefill path (worker/prefill/)
         self.runner = MegakernelRunner(model, tuning=tuning, timeout_s=timeout_s)
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ change with the back end.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,10 @@ BACKEND_CHOICES = ("auto", "reference", "megakernel")
 # The most drafts one verify pass runs where a back end sets no launch bound of its own (the reference runs
 # any length; past this, copied drafts are rarely all accepted and the rollback records cost memory).
 MAX_VERIFY_DRAFTS = 16
+PREFILL_CHOICES = ("auto", "reference", "fast")
+PREFILL_ENV = "ONESTREAM_PREFILL"
+# Prompt tokens per prefill call on the reference path: bounds its T x T masked attention scores.
+REFERENCE_PREFILL_TOKENS = 512
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -73,6 +78,7 @@ class Backend(Protocol):
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    prefill_tokens: int  # the most prompt tokens one `prefill` call should be given
 
     @property
     def has_mtp(self) -> bool: ...
@@ -123,15 +129,28 @@ class Backend(Protocol):
 
 
 class ReferenceBackend:
-    """The PyTorch reference model (`worker/model.py`) on any device and dtype."""
+    """The PyTorch reference model (`worker/model.py`) on any device and dtype.
+
+    `prefill`: "reference" runs prompts and MTP backlogs through the model's own step; "fast" through
+    `worker/prefill/` (fused attention, chunked delta rule, long pieces), which writes the same state;
+    "auto" is fast on a CUDA device."""
 
     name = "reference"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, prefill: str = "reference") -> None:
+        if prefill not in PREFILL_CHOICES:
+            raise BackendUnavailableError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
         self.model = model
         self.config: ModelConfig = model.config
         self.device: torch.device = model.device
         self.dtype: torch.dtype = model.dtype
+        self.fast_prefill: Any = None
+        self.prefill_tokens = REFERENCE_PREFILL_TOKENS
+        if prefill == "fast" or (prefill == "auto" and self.device.type == "cuda"):
+            from .prefill import FastPrefill, piece_tokens_from_env
+
+            self.fast_prefill = FastPrefill(model)
+            self.prefill_tokens = piece_tokens_from_env()
 
     @property
     def has_mtp(self) -> bool:
@@ -142,6 +161,8 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
+        if self.fast_prefill is not None:
+            return self.fast_prefill(input_ids, state)  # type: ignore[no-any-return]
         return self.model.forward_step(input_ids, state, logits="last")
 
     @torch.inference_mode()
@@ -161,6 +182,8 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
+        if self.fast_prefill is not None and input_ids.numel() > 1:  # a prompt's MTP backlog
+            return self.fast_prefill.mtp(input_ids, hidden, state)  # type: ignore[no-any-return]
         return self.model.mtp_step(input_ids, hidden, state, logits="last")
 
     def rollback(self, state: Any, n_tokens: int) -> None:
@@ -198,6 +221,7 @@ def create_backend(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     progress: Any = None,
+    prefill: str | None = None,
 ) -> Backend:
     """Load `model` (a checkpoint path in any format, or an opened `Checkpoint`) and wrap it in the chosen
     back end.
@@ -205,11 +229,17 @@ def create_backend(
     auto: the megakernel when the device is a CUDA GPU and `onestream.kernels` can build it for the model (bf16
     weights, or block-quantized ones in the formats its GEMV streams: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q5_1),
     else the reference. megakernel: that or a `BackendUnavailableError` saying why not.
+
+    prefill (default `$ONESTREAM_PREFILL`, else auto): auto runs prompts on the fast prefill path on a CUDA
+    device, except for kind="reference", which stays the ground truth throughout; reference or fast force it.
     """
     from .loading import load_model
 
     if kind not in BACKEND_CHOICES:
         raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {kind!r}")
+    prefill = prefill or os.environ.get(PREFILL_ENV, "auto")
+    if prefill not in PREFILL_CHOICES:
+        raise BackendUnavailableError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
     if kind == "megakernel" and not torch.cuda.is_available():
         raise BackendUnavailableError(
             "backend 'megakernel' needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)"
@@ -220,14 +250,15 @@ def create_backend(
     dtype = dtype or default_dtype(device)
     loaded = load_model(model, dtype=dtype, device=device, progress=progress)
     if kind == "reference" or device.type != "cuda":
-        return ReferenceBackend(loaded)
+        return ReferenceBackend(loaded, prefill="reference" if prefill == "auto" else prefill)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
         from onestream.kernels.tuning import tuning_from_env  # type: ignore[import-not-found]
 
-        return MegakernelBackend(loaded, tuning=tuning_from_env())  # the operator's $ONESTREAM_MK_* settings
+        # the operator's $ONESTREAM_MK_* settings
+        return MegakernelBackend(loaded, tuning=tuning_from_env(), prefill=prefill)
     except Exception as e:  # auto falls back on any build failure, and says why
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
         log.warning("megakernel back end unavailable (%s); using the reference back end", e)
-        return ReferenceBackend(loaded)
+        return ReferenceBackend(loaded, prefill=prefill)

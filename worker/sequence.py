@@ -94,15 +94,20 @@ class Sequence:
             self._backlog_hidden.append(previous)
 
     # ---- running tokens ---------------------------------------------------------------------------
+    def _tokens_per_call(self) -> int:
+        """The back end's prompt piece (a fast prefill path takes long ones), else MAX_TOKENS_PER_CALL."""
+        return int(getattr(self.backend, "prefill_tokens", MAX_TOKENS_PER_CALL))
+
     def feed(self, tokens: Seq[int], *, ids: torch.Tensor | None = None) -> StepOutput:
         """Run `tokens` (a prompt or one decoded token) through the main model, in chunks; returns the
         last chunk's output. `ids`: the same tokens already on the device (saves an upload)."""
         out = None
         # One upload: a copy per chunk would wait for the previous chunk to finish.
         all_ids = self.ids(tokens) if ids is None else ids
-        for start in range(0, len(tokens), MAX_TOKENS_PER_CALL):
-            piece = tokens[start : start + MAX_TOKENS_PER_CALL]
-            piece_ids = all_ids[start : start + MAX_TOKENS_PER_CALL]
+        step = self._tokens_per_call()
+        for start in range(0, len(tokens), step):
+            piece = tokens[start : start + step]
+            piece_ids = all_ids[start : start + step]
             if len(piece) > 1:
                 out = self.backend.prefill(piece_ids, self.state)
             else:
@@ -175,8 +180,9 @@ class Sequence:
         """MTP pairs in chunks (a whole prompt's backlog would make T x T attention scores)."""
         out = None
         ids = self.ids(tokens)
-        for start in range(0, len(tokens), MAX_TOKENS_PER_CALL):
-            end = start + MAX_TOKENS_PER_CALL
+        step = self._tokens_per_call()
+        for start in range(0, len(tokens), step):
+            end = start + step
             out = self.backend.draft(ids[start:end], hidden[start:end], self.state)
             self.on_step()
         assert out is not None
