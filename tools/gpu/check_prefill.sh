@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The fast prefill on the GPU machine, in one call: its GPU tests, the benchmark, then the megakernel
+# continuing from its state (last: that test compiles a megakernel build).
+#   run: bash tools/gpu/check_prefill.sh        (carry .whl holding fla_core-*.whl and einops-*.whl to test and
+#   time flash-linear-attention's kernels; without them the torch delta rule runs alone)
+# Logs and prefill.json go to $OUT. Stage limits (TEST_TIMEOUT 75, BENCH_TIMEOUT 115, MK_TIMEOUT 40 s) fit a
+# 240 s device call; BENCH_ARGS replaces the benchmark's options.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/onestream-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
+REPO=$PWD
+
+# The project is not installed there: the package layout of pyproject.toml through links (as check_kernels.sh).
+PKG=/tmp/onestream-pkg
+rm -rf "$PKG" && mkdir -p "$PKG/onestream"
+cp -r onestream/. "$PKG/onestream/"
+for part in kernels worker cluster protos; do ln -s "$PWD/$part" "$PKG/onestream/$part"; done
+SITE=/tmp/onestream-wheels
+rm -rf "$SITE" && mkdir -p "$SITE"
+for wheel in .whl/*.whl; do  # pure-Python wheels: unpacking them is installing them
+  [ -f "$wheel" ] && python3 -m zipfile -e "$wheel" "$SITE"
+done
+export PYTHONPATH="$PKG:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+cd "$PKG"
+
+{
+  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import fla; from fla.ops.gated_delta_rule import chunk_gated_delta_rule; print('fla', fla.__version__)" 2>&1 | tail -1
+} 2>&1 | tee "$OUT/env.log"
+
+PYTEST=(python3 -m pytest -q -s -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml")
+echo "== GPU tests" | tee -a "$OUT/env.log"
+timeout "${TEST_TIMEOUT:-75}" "${PYTEST[@]}" -k "not megakernel" "$REPO/tests/test_prefill_gpu.py" 2>&1 | tee "$OUT/tests.log"
+echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+
+echo "== prefill bench" | tee -a "$OUT/env.log"
+timeout "${BENCH_TIMEOUT:-115}" python3 "$REPO/tools/gpu/prefill_bench.py" ${BENCH_ARGS:---budget-s 90} \
+  --json "$OUT/prefill.json" 2>&1 | tee "$OUT/bench.log"
+echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
+
+echo "== megakernel after the fast prefill" | tee -a "$OUT/env.log"
+timeout "${MK_TIMEOUT:-40}" "${PYTEST[@]}" -k megakernel "$REPO/tests/test_prefill_gpu.py" 2>&1 | tee "$OUT/tests_mk.log"
+echo "megakernel test exit: ${PIPESTATUS[0]}" | tee -a "$OUT/env.log"
