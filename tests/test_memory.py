@@ -47,3 +47,19 @@ def test_stored_bytes_of_block_types() -> None:
     assert stored_bytes("Q4_K", (4, 512)) == 4 * 2 * 144
     assert stored_bytes("Q8_0", (3, 64)) == 3 * 2 * 34
     assert stored_bytes("BF16", (5, 7)) == 70
+
+
+def test_fast_prefill_pieces_on_a_24_gb_card() -> None:
+    from onestream.worker.prefill import DEFAULT_PIECE_TOKENS
+
+    config = config_27b(mtp=True)
+    types = preset_weight_types(config, "q4_k_m")
+    reference = device_memory(config, types, 32768)
+    fast = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS)
+    half = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS // 2)
+    print(fast.format(), half.format(), sep="\n")
+    # longer pieces hold more activations, but no [T, T] score matrix
+    assert fast.parts["prefill_activations"] > reference.parts["prefill_activations"]
+    # the default piece is for the large cards; a 24 GB one serving 32K contexts takes half of it
+    # ($ONESTREAM_PREFILL_TOKENS), which `serve`'s fit line reports
+    assert half.fits(CARD_24GB), half.format()

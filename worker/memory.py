@@ -84,11 +84,13 @@ def device_memory(
     dtype: torch.dtype = torch.bfloat16,
     spec_k: int = 2,
     dequantizes: bool = True,
+    prefill_tokens: int | None = None,
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
     `dequantizes`: the back end dequantizes a block-quantized matrix into `dtype` before using it (the
-    reference back end), so the largest such matrix is part of the workspace."""
+    reference back end), so the largest such matrix is part of the workspace. `prefill_tokens`: the piece of
+    the fast prefill path (worker/prefill/), or None for the reference path's pieces."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -121,13 +123,15 @@ def device_memory(
     deltanet = (conv + recurrent) * linear_layers
     verify_tokens = spec_k + 1
     rollback = (verify_tokens + 1) * (conv + recurrent) * linear_layers if spec_k else 0
-    chunk = MAX_TOKENS_PER_CALL
+    chunk = prefill_tokens or MAX_TOKENS_PER_CALL
     wide = max(
         2 * config.num_attention_heads * config.head_dim, config.linear_qkv_dim, config.intermediate_size
     )
-    prefill = (
-        chunk * (4 * config.hidden_size + 3 * wide) * elem + chunk * chunk * 4 * config.num_attention_heads
-    )
+    prefill = chunk * (4 * config.hidden_size + 3 * wide) * elem
+    if prefill_tokens is None:  # the reference path's masked attention materialises its fp32 scores
+        prefill += chunk * chunk * 4 * config.num_attention_heads
+    else:
+        prefill += fast_prefill_workspace(config, chunk, context, elem)
     logits = verify_tokens * config.vocab_size * 4
     workspace = (largest_dequantized if dequantizes else 0) + max(prefill, logits) + kv_growth
     return MemoryPlan(
@@ -145,6 +149,21 @@ def device_memory(
             "largest_dequantized": largest_dequantized,
         },
     )
+
+
+def fast_prefill_workspace(config: ModelConfig, piece: int, context: int, elem: int) -> int:
+    """What the fast prefill holds beyond the projections at its peak: the torch delta rule's fp32 tensors
+    (q, k, v per value head, the solve's right-hand side and solution, the writes, the states at every chunk
+    start, three [C, C] matrices per chunk and head) or the attention's key/value heads expanded over the
+    context, whichever is larger (they are not alive together)."""
+    from .prefill.deltanet import DEFAULT_CHUNK
+
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    chunks = -(-piece // DEFAULT_CHUNK)
+    per_token = hv * (2 * dk + dv + 2 * (dk + dv) + dv)
+    delta = 4 * (piece * per_token + (chunks + 1) * hv * dk * dv + 3 * chunks * hv * DEFAULT_CHUNK**2)
+    attention = 2 * config.num_attention_heads * context * config.head_dim * elem
+    return max(delta, attention)
 
 
 def checkpoint_weight_types(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, str]:
@@ -185,12 +204,19 @@ def fit_report(
     context: int | None = None,
     spec_k: int = 2,
     device_bytes: int | None = None,
+    prefill_tokens: int | None = None,
 ) -> str:
-    """One line for `serve`: what a card needs for this model, format and context, and whether it fits."""
+    """One line for `serve`: what a card needs for this model, format and context, and whether it fits
+    (`prefill_tokens`: the fast prefill path's piece, on a GPU)."""
     config = checkpoint.config
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
     plan = device_memory(
-        config, checkpoint_weight_types(checkpoint, dtype), context, dtype=dtype, spec_k=spec_k
+        config,
+        checkpoint_weight_types(checkpoint, dtype),
+        context,
+        dtype=dtype,
+        spec_k=spec_k,
+        prefill_tokens=prefill_tokens,
     )
     line = f"{checkpoint.name} [{checkpoint.format.label}] needs {plan.format()}"
     if device_bytes is not None:

@@ -231,6 +231,7 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
     from onestream.worker.checkpoints import open_checkpoint
     from onestream.worker.engine import parse_dtype
     from onestream.worker.memory import fit_report
+    from onestream.worker.prefill import piece_tokens_from_env
 
     checkpoint = open_checkpoint(model_dir, quantize=args.quantize, tokenizer_dir=args.tokenizer)
     gpu = args.cpu_cards is None and torch.cuda.is_available()
@@ -242,6 +243,7 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
         context=engine_options.get("max_context"),
         spec_k=_max_drafts(engine_options),
         device_bytes=device_bytes,
+        prefill_tokens=piece_tokens_from_env() if gpu else None,  # a GPU card prefills on the fast path
     )
 
 
