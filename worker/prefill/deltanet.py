@@ -29,6 +29,7 @@ DEFAULT_CHUNK = 64
 # The probe that admits the fla kernel: its output and final state against the torch form's, relative to
 # their scale. bf16 inputs round at about 4e-3; a kernel that maps heads or states differently is off by O(1).
 PROBE_TOLERANCE = 3e-2
+PROBE_HEADS = (2, 4, 128, 128)  # key heads, grouped value heads, key and value head dims
 
 
 def chunk_gated_delta_rule_torch(
@@ -101,15 +102,24 @@ def _fla_function() -> Callable[..., Any] | None:
 class DeltaRuleKernel:
     """The delta-rule kernel of a prefill: `fla` where it imports and passes the probe, else `torch`."""
 
-    def __init__(self, device: torch.device, kind: str | None = None, chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        kind: str | None = None,
+        chunk: int = DEFAULT_CHUNK,
+        heads: tuple[int, int, int, int] = PROBE_HEADS,
+    ) -> None:
+        """`heads`: (key heads, value heads, key dim, value dim) of the probe; the model's own, so that Triton compiles
+        and tunes fla's kernels for them when the back end is made rather than in a user's first prompt."""
         kind = kind or os.environ.get(KERNEL_ENV, "auto")
         if kind not in KERNELS:
             raise InvalidRequestError(f"deltanet kernel must be one of {KERNELS}, got {kind!r}")
         self.chunk = chunk
+        self.probe_errors: list[float] = []
         self._fla = None
         if kind != "torch" and device.type == "cuda":
             self._fla = _fla_function()
-            if self._fla is not None and not self._probe(device):
+            if self._fla is not None and not self._probe(device, heads):
                 self._fla = None
         if kind == "fla" and self._fla is None:
             raise InvalidRequestError(
@@ -118,15 +128,15 @@ class DeltaRuleKernel:
             )
         self.name = "fla" if self._fla is not None else "torch"
 
-    def _probe(self, device: torch.device) -> bool:
-        """Run both kernels on random inputs with grouped heads and a non-zero state; keep fla if they agree."""
+    def _probe(self, device: torch.device, heads: tuple[int, int, int, int]) -> bool:
+        """Run both kernels on random inputs with a non-zero state; keep fla if they agree."""
         gen = torch.Generator(device=device).manual_seed(0)
-        t, hk, hv, d = 200, 2, 4, 128
-        q, k = (torch.randn(t, hk, d, device=device, generator=gen) for _ in range(2))
-        v = torch.randn(t, hv, d, device=device, generator=gen)
+        t, (hk, hv, dk, dv) = 200, heads
+        q, k = (torch.randn(t, hk, dk, device=device, generator=gen) for _ in range(2))
+        v = torch.randn(t, hv, dv, device=device, generator=gen)
         g = -torch.rand(t, hv, device=device, generator=gen) * 0.5
         beta = torch.rand(t, hv, device=device, generator=gen)
-        state = torch.randn(hv, d, d, device=device, generator=gen) * 0.1
+        state = torch.randn(hv, dk, dv, device=device, generator=gen) * 0.1
         try:
             want = self._run_torch(q, k, v, g, beta, state.clone())
             got = self._run_fla(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), state.clone())
@@ -134,6 +144,7 @@ class DeltaRuleKernel:
             log.warning("flash-linear-attention failed its probe (%s); prefill uses the torch delta rule", e)
             return False
         errors = [float((a.float() - b).norm() / b.norm()) for a, b in zip(got, want, strict=True)]
+        self.probe_errors = errors
         if max(errors) > PROBE_TOLERANCE:
             log.warning(
                 "flash-linear-attention disagrees with the torch delta rule (relative errors %s); not using it",

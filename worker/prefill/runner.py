@@ -51,12 +51,21 @@ class FastPrefill:
         chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.model = model
-        self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk)
+        c = model.config
+        heads = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk, heads)
         self.sdpa = sdpa_choice(sdpa)
 
     @property
     def description(self) -> str:
-        return f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}), SDPA {self.sdpa}"
+        probe = self.delta_rule.probe_errors
+        checked = f", probe error {max(probe):.1e}" if probe else ""
+        return f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}{checked}), SDPA {self.sdpa}"
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, state: SequenceState) -> StepOutput:
