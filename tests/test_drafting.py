@@ -117,7 +117,7 @@ def copied_draft_outputs(p: torch.Tensor, drafts: list[int], q: torch.Tensor, tr
 
 
 def test_a_copied_draft_verified_with_a_one_hot_q_keeps_the_target_distribution() -> None:
-    vocab, trials = 6, 20_000
+    vocab, trials = 6, 8_000
     generator = torch.Generator().manual_seed(1)
     p = torch.softmax(torch.randn(3, vocab, generator=generator) * 1.5, dim=-1)
     drafts = [2, 4]  # fixed: what the context held, whatever p says
@@ -127,15 +127,15 @@ def test_a_copied_draft_verified_with_a_one_hot_q_keeps_the_target_distribution(
     outputs = copied_draft_outputs(p, drafts, q, trials)
     assert chi_square([o[0] for o in outputs], p[0]) < CHI2_999_DOF5
     second = [o[1] for o in outputs if o[0] == drafts[0]]  # after the first draft was emitted
-    assert len(second) > 2000 and chi_square(second, p[1]) < CHI2_999_DOF5
+    assert len(second) > 800 and chi_square(second, p[1]) < CHI2_999_DOF5
     # The first draft is accepted with probability p_0(d1): min(1, p / q) with q = 1.
     accepted = sum(len(o) > 1 for o in outputs) / trials
-    assert abs(accepted - float(p[0, drafts[0]])) < 0.02
+    assert abs(accepted - float(p[0, drafts[0]])) < 0.03
 
 
 def test_the_test_detects_a_copied_draft_verified_with_the_wrong_q() -> None:
     """Negative control: verifying the same fixed drafts as if drawn from p (q = p) accepts them too often."""
-    vocab, trials = 6, 20_000
+    vocab, trials = 6, 2_000
     generator = torch.Generator().manual_seed(1)
     p = torch.softmax(torch.randn(3, vocab, generator=generator) * 1.5, dim=-1)
     drafts = [int(p[0].argmin()), 4]
@@ -185,7 +185,7 @@ def test_greedy_with_copied_drafts_equals_plain_greedy(
     engine.ngram, engine.lookup_k, engine.adaptive_drafts = ngram, lookup_k, adaptive
     accepted = drafted = 0
     sources: set[str] = set()
-    for prompt in copy_prompts(10, engine.config.vocab_size, seed=lookup_k):
+    for prompt in copy_prompts(6, engine.config.vocab_size, seed=lookup_k):
         request = GenerateRequest(prompt, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
         engine.spec_k, engine.drafting = 0, "mtp"
         plain, _ = generate_ids(engine, request)
@@ -261,9 +261,11 @@ def test_sampling_with_copied_drafts_matches_plain_sampling_in_distribution(engi
         engine.spec_k, engine.drafting = (0, "mtp") if mode == "plain" else (0, "lookup")
         for seed in range(runs):
             params = SamplingParams(temperature=1.0, seed=seed)
-            ids, finished = generate_ids(
-                engine, GenerateRequest(prompt, params, max_tokens=3, ignore_eos=True)
+            # One session per mode: each run restores the prompt's checkpoint instead of prefilling it.
+            request = GenerateRequest(
+                prompt, params, max_tokens=3, ignore_eos=True, session_id=f"dist-{mode}"
             )
+            ids, finished = generate_ids(engine, request)
             seen[tuple(ids[:2])] = seen.get(tuple(ids[:2]), 0) + 1
             if mode == "lookup":
                 lookup_drafts += finished.usage.by_source.get(LOOKUP, None) is not None
