@@ -3,10 +3,13 @@ and the accounting's parts agree with what the engine really allocates."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from onestream.kernels.random_model import config_27b
 from onestream.worker.memory import GIB, device_memory, dtype_weight_types, preset_weight_types, stored_bytes
-from onestream.worker.testing import tiny_config
+from onestream.worker.testing import tiny_config, write_tiny_checkpoint
 
 CARD_24GB = 24 * GIB  # an RTX 3090 / 4090
 
@@ -63,3 +66,66 @@ def test_fast_prefill_pieces_on_a_24_gb_card() -> None:
     # the default piece is for the large cards; a 24 GB one serving 32K contexts takes half of it
     # ($ONESTREAM_PREFILL_TOKENS), which `serve`'s fit line reports
     assert half.fits(CARD_24GB), half.format()
+
+
+# ---- what `serve` states for quantized models ------------------------------------------------------
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the loaded weights: parameters, quantized blocks and their dequantized copies."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return held + sum(
+        b.numel() * b.element_size()
+        for name, b in model.named_buffers()
+        if name.endswith((".raw", ".dequantized"))
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_and_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from onestream.worker.checkpoints import open_checkpoint
+    from onestream.worker.checkpoints.gguf_writer import write_gguf
+
+    root = tmp_path_factory.mktemp("fit")
+    hf_dir = write_tiny_checkpoint(root / "hf", dtype=torch.bfloat16)
+    gguf_file = write_gguf(open_checkpoint(hf_dir), root / "q8.gguf", preset="q8_0")
+    return hf_dir, gguf_file
+
+
+# (source, loaded with dequantized copies): both ways for the GGUF; quantizing on load costs seconds, once
+@pytest.mark.parametrize(
+    ("source", "once"), [("gguf", True), ("gguf", False), ("quantize", True), ("hf", True)]
+)
+def test_serve_states_what_a_quantized_model_needs(
+    hf_and_gguf: tuple[Path, Path], source: str, once: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve`'s line for a GGUF, a --quantize and a plain model: the format, and weights that are the bytes
+    the loader really holds, whether it keeps dequantized copies (a small model) or not."""
+    from onestream.worker import loading
+    from onestream.worker.checkpoints import open_checkpoint
+    from onestream.worker.memory import checkpoint_weight_types
+
+    from onestream.cli import build_parser
+    from onestream.commands import serve
+
+    hf_dir, gguf_file = hf_and_gguf
+    model, quantize = {"gguf": (gguf_file, None), "quantize": (hf_dir, "q8_0"), "hf": (hf_dir, None)}[source]
+    monkeypatch.setattr(loading, "DEQUANTIZE_ONCE_BYTES", loading.DEQUANTIZE_ONCE_BYTES if once else 0)
+    argv = ["serve", "--model", str(model), "--cpu-cards", "1", "--dtype", "bf16"]
+    args = build_parser(only="serve").parse_args([*argv, *(["--quantize", quantize] if quantize else [])])
+    options = {"max_context": 1024}
+    line = serve._memory_report(str(model), args, options)
+    checkpoint = open_checkpoint(model, quantize=quantize)
+    assert line.startswith(f"{checkpoint.name} [{checkpoint.format.label}] needs ")
+    assert "at 1024 tokens" in line
+    plan = device_memory(
+        checkpoint.config,
+        checkpoint_weight_types(checkpoint, torch.bfloat16),
+        1024,
+        spec_k=serve._max_drafts(options),
+        dequantize_once=loading.dequantizes_once(checkpoint.config, torch.bfloat16),
+    )
+    assert f"needs {plan.format()}" in line
+    loaded = loading.load_model(checkpoint, dtype=torch.bfloat16)
+    assert plan.weights + plan.dequantized_copies == _weight_bytes(loaded)
+    assert ("dequantized copies" in line) == (once and source != "hf")

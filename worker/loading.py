@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .errors import CheckpointError
 from .layout import expected_tensor_shapes, listing, parameter_dtype
 
-__all__ = ["default_model_dir", "expected_tensor_shapes", "load_model", "parameter_dtype"]
+__all__ = ["default_model_dir", "dequantizes_once", "expected_tensor_shapes", "load_model", "parameter_dtype"]
 
 if TYPE_CHECKING:
     from .checkpoints import Checkpoint, WeightValue
@@ -66,8 +66,7 @@ def load_model(
     move_buffers(built, device)
     weights = checkpoint.tensors(device)
     if dequantize_once is None:
-        numel = sum(math.prod(shape) for shape in expected_tensor_shapes(checkpoint.config).values())
-        dequantize_once = numel * torch.empty((), dtype=dtype).element_size() <= DEQUANTIZE_ONCE_BYTES
+        dequantize_once = dequantizes_once(checkpoint.config, dtype)
     fill_parameters(
         built,
         progress.track(weights) if progress is not None else weights,
@@ -77,6 +76,13 @@ def load_model(
     )
     built.eval()
     return built
+
+
+def dequantizes_once(config: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether `load_model` keeps a dequantized copy of each quantized weight by default: when the whole model
+    in `dtype` takes at most DEQUANTIZE_ONCE_BYTES."""
+    numel = sum(math.prod(shape) for shape in expected_tensor_shapes(config).values())
+    return numel * torch.empty((), dtype=dtype).element_size() <= DEQUANTIZE_ONCE_BYTES
 
 
 @contextlib.contextmanager

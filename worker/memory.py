@@ -45,6 +45,7 @@ class MemoryPlan:
     rollback_history: int  # the states a verify step keeps per position for rollback
     workspace: int  # the largest transient of a step (dequantized matrix, logits, prefill activations)
     parts: dict[str, int] = field(default_factory=dict)
+    dequantized_copies: int = 0  # a small model's quantized weights kept dequantized too (loading.py)
 
     @property
     def weights(self) -> int:
@@ -59,6 +60,7 @@ class MemoryPlan:
             + self.deltanet_state
             + self.rollback_history
             + self.workspace
+            + self.dequantized_copies
         )
 
     def fits(self, device_bytes: int) -> bool:
@@ -68,9 +70,14 @@ class MemoryPlan:
         types = ", ".join(
             f"{t} {b / GIB:.2f}" for t, b in sorted(self.weights_by_type.items(), key=lambda i: -i[1])
         )
+        copies = (
+            f" + their dequantized copies {self.dequantized_copies / GIB:.2f}"
+            if self.dequantized_copies
+            else ""
+        )
         return (
             f"{self.total / GIB:.2f} GiB at {self.context} tokens: weights {self.weights / GIB:.2f} ({types}; "
-            f"MTP head {self.mtp_weights / GIB:.2f}), KV {self.kv_cache / GIB:.2f} + MTP KV "
+            f"MTP head {self.mtp_weights / GIB:.2f}){copies}, KV {self.kv_cache / GIB:.2f} + MTP KV "
             f"{self.mtp_kv_cache / GIB:.2f}, DeltaNet state {self.deltanet_state / GIB:.3f} + rollback "
             f"{self.rollback_history / GIB:.3f}, workspace {self.workspace / GIB:.2f}"
         )
@@ -85,12 +92,15 @@ def device_memory(
     spec_k: int = 2,
     dequantizes: bool = True,
     prefill_tokens: int | None = None,
+    dequantize_once: bool = False,
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
     `dequantizes`: the back end dequantizes a block-quantized matrix into `dtype` before using it (the
-    reference back end), so the largest such matrix is part of the workspace. `prefill_tokens`: the piece of
-    the fast prefill path (worker/prefill/), or None for the reference path's pieces."""
+    reference back end), so the largest such matrix is part of the workspace; with `dequantize_once` it keeps
+    every such matrix dequantized beside its blocks instead (a small model, `loading.dequantizes_once`).
+    `prefill_tokens`: the piece of the fast prefill path (worker/prefill/), or None for the reference path's
+    pieces."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -98,6 +108,7 @@ def device_memory(
     by_type: dict[str, int] = {}
     mtp_weights = 0
     largest_dequantized = 0
+    all_dequantized = 0
     elem = torch.empty((), dtype=dtype).element_size()
     plain = set(DTYPE_TYPE_NAMES.values())
     for name, shape in shapes.items():
@@ -111,6 +122,7 @@ def device_memory(
             for d in shape:
                 numel *= d
             largest_dequantized = max(largest_dequantized, numel * elem)
+            all_dequantized += numel * elem
 
     kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * context * elem
     kv_cache = kv_per_layer * len(config.full_attention_layers)
@@ -133,7 +145,8 @@ def device_memory(
     else:
         prefill += fast_prefill_workspace(config, chunk, context, elem)
     logits = verify_tokens * config.vocab_size * 4
-    workspace = (largest_dequantized if dequantizes else 0) + max(prefill, logits) + kv_growth
+    per_call = dequantizes and not dequantize_once
+    workspace = (largest_dequantized if per_call else 0) + max(prefill, logits) + kv_growth
     return MemoryPlan(
         context=context,
         weights_by_type=by_type,
@@ -143,6 +156,7 @@ def device_memory(
         deltanet_state=deltanet,
         rollback_history=rollback,
         workspace=workspace,
+        dequantized_copies=all_dequantized if dequantizes and dequantize_once else 0,
         parts={
             "prefill_activations": prefill,
             "verify_logits": logits,
@@ -208,6 +222,8 @@ def fit_report(
 ) -> str:
     """One line for `serve`: what a card needs for this model, format and context, and whether it fits
     (`prefill_tokens`: the fast prefill path's piece, on a GPU)."""
+    from .loading import dequantizes_once
+
     config = checkpoint.config
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
     plan = device_memory(
@@ -217,6 +233,7 @@ def fit_report(
         dtype=dtype,
         spec_k=spec_k,
         prefill_tokens=prefill_tokens,
+        dequantize_once=dequantizes_once(config, dtype),
     )
     line = f"{checkpoint.name} [{checkpoint.format.label}] needs {plan.format()}"
     if device_bytes is not None:
