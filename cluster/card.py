@@ -121,9 +121,10 @@ class CardActor:
             import torch
 
             torch.set_num_threads(settings.torch_threads)
-        self._engine = _build_engine(settings, _load_reporter(load_board, f"{_node()[0]}/{settings.slot}"))
+        reporter = _load_reporter(load_board, f"{_node()[0]}/{settings.slot}")
+        self._engine = _build_engine(settings, reporter)
         try:  # compile the megakernel's builds before the card says it is ready, not in the first request
-            self._engine.warm_up()
+            self._engine.warm_up(reporter)
         except Exception as e:  # the first request then compiles (or reports) whatever failed here
             log.warning("card warm-up failed: %s: %s", type(e).__name__, e)
         info = _plain(self._engine.model_info())
@@ -302,15 +303,17 @@ class CardActor:
 
 
 def _load_reporter(board: Any, key: str) -> Callable[[Any], None] | None:
-    """Posts the load's fraction to the LoadBoard at every whole percent (a remote call per tensor would be
-    thousands for a large model)."""
+    """Posts the fraction of the current stage (the weights' load, then the kernels' compilation) to the
+    LoadBoard at every whole percent (a remote call per tensor would be thousands for a large model)."""
     if board is None:
         return None
-    posted = [-1.0]
+    posted = ["", -1.0]
 
     def report(progress: Any) -> None:
-        if progress.fraction - posted[0] >= 0.01 or progress.fraction >= 1.0:
-            posted[0] = progress.fraction
+        if progress.stage != posted[0]:  # a new stage starts from its own zero
+            posted[:] = [progress.stage, -1.0]
+        if progress.fraction - posted[1] >= 0.01 or progress.fraction >= 1.0:
+            posted[1] = progress.fraction
             board.report.remote(key, progress.fraction)
 
     return report

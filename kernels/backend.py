@@ -10,6 +10,7 @@ kernel reads and writes in place, so switching between them costs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,8 +63,12 @@ class MegakernelBackend(ReferenceBackend):
         out = self.runner.mtp_step(input_ids.reshape(-1), hidden, state)
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
-    def prepare(self, max_tokens: int) -> None:
+    def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now: a verify of k
-        drafts takes k + 1 and a first draft step up to k + 1 pairs, and a build costs seconds to compile."""
-        for n in range(1, min(max_tokens, MAX_TOKENS_PER_LAUNCH) + 1):
+        drafts takes k + 1 and a first draft step up to k + 1 pairs, and a build costs seconds to compile.
+        `on_step(done, total)` hears each build done (worker/progress.py's step_reporter)."""
+        total = min(max_tokens, MAX_TOKENS_PER_LAUNCH)
+        for n in range(1, total + 1):
             self.runner.prepare(n)
+            if on_step is not None:
+                on_step(n, total)

@@ -3,6 +3,7 @@ chunks, stop tokens, EOS, max_tokens), usage and timings, cancellation, one sequ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from onestream.worker.backend import BackendUnavailableError, ReferenceBackend, 
 from onestream.worker.engine import Engine, EngineBusyError, Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import ContextLengthError, InvalidRequestError
 from onestream.worker.loading import load_model
+from onestream.worker.progress import ProgressReport
 from onestream.worker.stop import StopChecker
 from onestream.worker.testing_spec import write_draftable_checkpoint
 from onestream.worker.tokenizer import load_tokenizer
@@ -298,15 +300,24 @@ class PreparingBackend(ReferenceBackend):
         super().__init__(model)
         self.prepared: list[int] = []
 
-    def prepare(self, max_tokens: int) -> None:
+    def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         self.prepared.append(max_tokens)
+        for n in range(1, max_tokens + 1):  # one build per tokens-per-launch, as kernels/backend.py does
+            if on_step is not None:
+                on_step(n, max_tokens)
 
 
 def test_warm_up_prepares_the_launch_sizes_a_speculative_cycle_runs(model_dir: Path) -> None:
     backend = PreparingBackend(load_model(model_dir, dtype=torch.float32))
     engine = Engine(model_dir, backend=backend, spec_k=3, drafting="mtp")
-    engine.warm_up()
+    reports: list[ProgressReport] = []
+    engine.warm_up(reports.append)
     assert backend.prepared == [4]  # a verify of 3 drafts is 4 tokens; first draft steps take up to 4 pairs
+    # each build reported as a load reports its tensors: the card's `loading` fraction while it compiles
+    assert [(r.stage, r.done_tensors, r.total_tensors) for r in reports] == [
+        ("compiling kernels", n, 4) for n in range(1, 5)
+    ]
+    assert [r.fraction for r in reports] == [0.25, 0.5, 0.75, 1.0]
     engine.drafting = "combined"  # copies from the context draft up to lookup_k
     engine.lookup_k = 6
     engine.warm_up()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from onestream.worker.checkpoints import open_checkpoint
 from onestream.worker.loading import load_model
-from onestream.worker.progress import LoadProgress, ProgressReport
+from onestream.worker.progress import LoadProgress, ProgressReport, step_reporter
 from onestream.worker.testing import write_tiny_checkpoint
 
 
@@ -54,3 +54,29 @@ def test_report_line_mid_load() -> None:
     assert (
         report.line() == "quantizing to q4_k_m:  25.0% 2.0 GB/8.0 GB, 100/400 tensors, 200.0 MB/s, 30s left"
     )
+
+
+def test_steps_report_builds_done_rate_and_time_left(caplog: pytest.LogCaptureFixture) -> None:
+    terminal = Terminal()
+    reports: list[ProgressReport] = []
+    on_step = step_reporter("compiling kernels", "builds", stream=terminal, on_update=reports.append)
+    with caplog.at_level(logging.INFO, logger="onestream.worker.progress"):
+        for done in range(1, 4):
+            on_step(done, 3)
+    assert [(r.done_tensors, r.total_tensors, r.items) for r in reports] == [
+        (n, 3, "builds") for n in (1, 2, 3)
+    ]
+    assert [round(r.fraction, 3) for r in reports] == [0.333, 0.667, 1.0]
+    final = terminal.getvalue().rstrip("\n").rsplit("\r", 1)[-1]
+    assert final.startswith("compiling kernels: 100.0% 3/3 builds, ")
+    assert final.endswith("builds/s, 0s left\x1b[K")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "compiling kernels: 3 builds" in messages
+    assert any(m.startswith("compiling kernels done: 3 builds in ") for m in messages)
+    on_step(1, 2)  # a second sequence starts afresh
+    assert (reports[-1].done_tensors, reports[-1].total_tensors) == (1, 2)
+
+
+def test_report_line_of_steps() -> None:
+    report = ProgressReport("compiling kernels", 2, 8, 2, 8, 10.0, items="builds", sized=False)
+    assert report.line() == "compiling kernels:  25.0% 2/8 builds, 0.20 builds/s, 30s left"

@@ -44,7 +44,7 @@ from .prefixes import (
     message_boundaries,
     sharing_scope,
 )
-from .progress import LoadProgress, ProgressReport
+from .progress import LoadProgress, ProgressReport, step_reporter
 from .sampling import RequestSampler
 from .sequence import Sequence
 from .sessions import Session, SessionCache, SessionInfo
@@ -226,12 +226,14 @@ class Engine:
         settings = self.draft_settings()
         return settings.max_drafts if settings is not None else 0
 
-    def warm_up(self) -> None:
-        """Prepare now what the first request would otherwise pay for: a back end with a `prepare(max_tokens)`
-        (the megakernel: one compiled build per tokens-per-launch) gets the most a cycle's drafts run."""
+    def warm_up(self, on_progress: Callable[[ProgressReport], None] | None = None) -> None:
+        """Prepare now what the first request would otherwise pay for: a back end with a
+        `prepare(max_tokens, on_step)` (the megakernel: one compiled build per tokens-per-launch) gets the most a
+        cycle's drafts run, and reports each build as a load reports its tensors (terminal, log lines,
+        `on_progress`: the card's `loading` state)."""
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
-            prepare(self.max_drafts + 1)
+            prepare(self.max_drafts + 1, step_reporter("compiling kernels", "builds", on_update=on_progress))
 
     def default_sampling(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, with the `overrides` that are not

@@ -1,7 +1,8 @@
 """Progress of a long model load: bytes and tensors done, rate, time left.
 
 Reported three ways: a line rewritten in place on a terminal (when stderr is one), log lines every few
-seconds, and a callback with the fraction done (the card's `loading` state in `onestream status`).
+seconds, and a callback with the fraction done (the card's `loading` state in `onestream status`). Weight
+loads count bytes and tensors; kernel compilation (`step_reporter`) counts builds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ProgressReport:
     done_tensors: int
     total_tensors: int
     elapsed_s: float
+    items: str = "tensors"  # what is counted: "tensors", or "builds" for kernel compilation
+    sized: bool = True  # the bytes are meaningful (a weight load); else only the items count
 
     @property
     def fraction(self) -> float:
@@ -44,6 +47,12 @@ class ProgressReport:
 
     def line(self) -> str:
         eta = "?" if self.eta_s is None else f"{self.eta_s:.0f}s"
+        if not self.sized:
+            per_s = self.done_tensors / self.elapsed_s if self.elapsed_s > 0 else 0.0
+            return (
+                f"{self.stage}: {self.fraction * 100:5.1f}% {self.done_tensors}/{self.total_tensors} "
+                f"{self.items}, {per_s:.2f} {self.items}/s, {eta} left"
+            )
         return (
             f"{self.stage}: {self.fraction * 100:5.1f}% {_size(self.done_bytes)}/{_size(self.total_bytes)}, "
             f"{self.done_tensors}/{self.total_tensors} tensors, {_size(self.rate)}/s, {eta} left"
@@ -61,9 +70,13 @@ class LoadProgress:
         stage: str = "loading",
         stream: IO[str] | None = None,
         on_update: Callable[[ProgressReport], None] | None = None,
+        items: str = "tensors",
+        sized: bool = True,
     ) -> None:
         self.sizes = dict(sizes)
         self.stage = stage
+        self.items = items
+        self.sized = sized
         self.total_bytes = sum(self.sizes.values())
         self._stream = stream if stream is not None else sys.stderr
         self._draw = bool(getattr(self._stream, "isatty", lambda: False)())
@@ -81,11 +94,19 @@ class LoadProgress:
             self._done_tensors,
             len(self.sizes),
             time.monotonic() - self._start,
+            self.items,
+            self.sized,
         )
 
-    def track(self, items: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
+    def start(self) -> None:
         self._start = self._last_log = self._last_draw = time.monotonic()
-        log.info("%s: %d tensors, %s", self.stage, len(self.sizes), _size(self.total_bytes))
+        if self.sized:
+            log.info("%s: %d %s, %s", self.stage, len(self.sizes), self.items, _size(self.total_bytes))
+        else:
+            log.info("%s: %d %s", self.stage, len(self.sizes), self.items)
+
+    def track(self, items: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
+        self.start()
         for name, value in items:
             yield name, value
             self.advance(self.sizes.get(name, 0))
@@ -111,6 +132,9 @@ class LoadProgress:
         if self._draw:
             self._stream.write("\r" + report.line() + "\x1b[K\n")
             self._stream.flush()
+        if not self.sized:
+            log.info("%s done: %d %s in %.1fs", self.stage, report.done_tensors, self.items, report.elapsed_s)
+            return
         log.info(
             "%s done: %d tensors, %s in %.1fs (%s/s)",
             self.stage,
@@ -119,6 +143,40 @@ class LoadProgress:
             report.elapsed_s,
             _size(report.rate),
         )
+
+
+def step_reporter(
+    stage: str,
+    items: str,
+    *,
+    stream: IO[str] | None = None,
+    on_update: Callable[[ProgressReport], None] | None = None,
+) -> Callable[[int, int], None]:
+    """A callback `on_step(done, total)` for a sequence of steps of about equal cost whose count its runner
+    knows (the megakernel's builds): each call reports as a load does, on the terminal, in log lines and to
+    `on_update`; the call with done == total ends it. Lets kernels/ report without knowing this module."""
+    current: list[LoadProgress] = []
+
+    def on_step(done: int, total: int) -> None:
+        if not current:
+            current.append(
+                LoadProgress(
+                    dict.fromkeys(range(total), 1),
+                    stage=stage,
+                    stream=stream,
+                    on_update=on_update,
+                    items=items,
+                    sized=False,
+                )
+            )
+            current[0].start()
+        progress = current[0]
+        progress.advance(done - progress.report().done_tensors, done - progress.report().done_tensors)
+        if done >= total:
+            progress.finish()
+            current.clear()
+
+    return on_step
 
 
 def _size(nbytes: float) -> str:
