@@ -1,7 +1,8 @@
 """`onestream bench decode`: decode speed of the megakernel against the reference model (eager and in a CUDA
 graph) and transformers' `generate`, on the 27B shapes (random bf16 weights) and on a small model, with the
 copy and streaming-read bandwidth of the GPU measured in the same run. `onestream bench spec`: the cost of
-speculative decoding on the megakernel (SPEC_DOC below). Both need a CUDA GPU and CuPy."""
+speculative decoding on the megakernel (SPEC_DOC below). Both need a CUDA GPU and CuPy. `onestream bench load`: the
+peak host memory of one model load against its files' size (CPU; bench_load.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (GPU)", description=__doc__)
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks (decode and spec: GPU; load: CPU)", description=__doc__
+    )
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     sub.required = True
     decode = sub.add_parser(
@@ -68,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--json", default=None, help="write the results to this JSON file")
     decode.set_defaults(func=run_decode)
     _add_spec(sub)
+    from .bench_load import add_parser as add_load
+
+    add_load(sub)
 
 
 WEIGHT_PRESETS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
