@@ -6,12 +6,11 @@
 // a GEMV's segments are either all bf16 (the engine of gemv.cuh) or all quantized (this one; the host refuses a
 // mix, and gate/up pairs of different formats).
 //
-// An item is one row by one chunk of MK_QU units per lane (the scalar path's geometry with 32-element units
-// instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l, so each load instruction of a warp
-// reads 32 consecutive units of every plane. The lane turns a unit into 32 fp32 weights with the float operations
-// worker/quant's dequantization uses (so the weights are bit-for-bit the reference's), 8 at a time, and multiplies
-// each group of 8 by every token's inputs: the dequantization is paid once per launch, whatever MK_NT is, and a
-// token's sums do not depend on the other tokens. Items are double-buffered in registers like the bf16 register
+// An item is one row by one chunk of MK_QUMAX units per lane at most (the scalar path's geometry with 32-element
+// units instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l, so each load instruction of a
+// warp reads 32 consecutive units of every plane. The lane extracts a unit's levels once for all MK_NT tokens and
+// multiplies them by each token's inputs (q_unit_dot: the scales are applied per unit, with the inputs' sums), and
+// a token's sums do not depend on the other tokens. Items are double-buffered in registers like the bf16 register
 // path; the shared-memory ring is not used. Partials, rounds, passes over K windows and the row sums are those of
 // gemv_run, so results do not depend on MK_XW or on which block computes a row.
 //
@@ -31,10 +30,13 @@
 #define QF_TAG_SHIFT 56
 #define QF_ON(f) ((MK_QFMTS >> (f)) & 1)
 #ifndef MK_QUMAX
-#define MK_QUMAX 2  // units (32 elements each) per lane per item at most
+#define MK_QUMAX 4  // units (32 elements each) per lane per item at most
 #endif
 static_assert(!MK_MMA, "quantized weights run on the scalar GEMV (Tuning.mma off)");
 static_assert((MK_QFMTS & 1) == 0 && MK_QFMTS < (1 << 8), "MK_QFMTS: a mask of quantized format codes 1..7");
+static_assert(MK_XSW * 16 >= MK_XW && MK_XSW % 2 == 0 && MK_SMEM_XSUM % 16 == 0 &&
+                  MK_SMEM_XSUM + MK_NT * MK_XSW * 4 <= MK_SMEM_END,
+              "the carve holds a sum per 16 staged inputs per token");
 
 __device__ __forceinline__ int qf_code(const void* tagged) { return (int)((u64)tagged >> QF_TAG_SHIFT); }
 __device__ __forceinline__ const unsigned char* qf_ptr(const void* tagged) {
@@ -122,11 +124,6 @@ __device__ __forceinline__ float half_bits_to_float(u32 h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
     return f;
 }
-// Small non-negative integer q (< 2^23) minus `bias`, exactly, without an int-to-float conversion.
-__device__ __forceinline__ float q_minus(u32 q, float bias) {
-    return __fsub_rn(__uint_as_float(0x4B000000u | q), 8388608.0f + bias);
-}
-
 // One unit's bytes in registers: the payload (w) and its scales (s); a format uses only what it needs.
 struct QUnit {
     u32 w[8];
@@ -186,43 +183,130 @@ __device__ __forceinline__ void q_scales(const QUnit& q, int v, float& a, float&
     }
 }
 
-// Weights 8g..8g+7 of the unit (exactly worker/quant's values).
+// ---- the dot products -----------------------------------------------------------------------------------
+// A unit's weights are w = a q - b (or per 16-element half s_h (q - c) for Q6_K) on integer levels q. The lane
+// multiplies the levels, not the weights: each level is placed into the mantissa of a float constant M (one shift
+// and one logic op: F = M + q exactly), the token's sums S = sum F x over each half are taken, and the unit adds
+// a (S - M X) - b X, where X = sum x over the half is the same for every row and is summed once per staged
+// window (q_stage_sums). The levels are extracted once for all MK_NT tokens.
 template <int F>
-__device__ __forceinline__ void q_dequant8(const QUnit& q, int g, float a, float b, float (&w)[8]) {
+struct QMagic {
+    // Where a level's bits go (its top bit at bit 22) and the float with those mantissa bits clear: M = 2^(bits).
+    static constexpr int bits = F == QF_Q8_0 ? 8 : F == QF_Q6_K ? 6 : (F == QF_Q4_K || F == QF_Q4_0) ? 4 : 5;
+    static constexpr u32 magic = (u32)(127 + bits) << 23;
+    static constexpr float m = (float)(1 << bits);
+};
+// Bits [from, from + n) of w moved to [to, to + n), the rest cleared.
+template <int FROM, int TO, int N>
+__device__ __forceinline__ u32 q_place(u32 w) {
+    const u32 moved = TO >= FROM ? (w << (TO - FROM)) : (w >> (FROM - TO));
+    return moved & (((1u << N) - 1u) << TO);
+}
+// The float M + level of element 8g + I of the unit.
+template <int F, int G, int I>
+__device__ __forceinline__ float q_level_f(const QUnit& q) {
+    constexpr int B = QMagic<F>::bits, TO = 23 - B;
+    u32 bits;
     if (F == QF_Q8_0) {
-        const u32 lo = q.w[2 * g], hi = q.w[2 * g + 1];
+        bits = q_place<8 * (I & 3), TO, 8>(q.w[2 * G + (I >> 2)]);
+    } else {
+        bits = q_place<4 * I, TO, 4>(q.w[G]);
+        if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1) bits |= q_place<8 * G + I, 22, 1>(q.w[4]);
+        if (F == QF_Q6_K) bits |= q_place<2 * I + 16 * (G & 1), 21, 2>(q.w[4 + (G >> 1)]);
+    }
+    return __uint_as_float(bits | QMagic<F>::magic);
+}
+
+// sum F x over group G (elements 8G..8G+7) for every token, into the half's sums.
+template <int F, int G>
+__device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, float (&s)[MK_NT]) {
+    float f[8];
+    f[0] = q_level_f<F, G, 0>(q);
+    f[1] = q_level_f<F, G, 1>(q);
+    f[2] = q_level_f<F, G, 2>(q);
+    f[3] = q_level_f<F, G, 3>(q);
+    f[4] = q_level_f<F, G, 4>(q);
+    f[5] = q_level_f<F, G, 5>(q);
+    f[6] = q_level_f<F, G, 6>(q);
+    f[7] = q_level_f<F, G, 7>(q);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const u32 byte = ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu;
-            w[i] = __fmul_rn(a, q_minus(byte, 128.0f));
+    for (int t = 0; t < MK_NT; ++t) {
+        const vec16 x = ld_shared16(xv + t * MK_XLDV + G);
+        float v = s[t];
+        v = fmaf(f[0], bf_lo(x.x), v);
+        v = fmaf(f[1], bf_hi(x.x), v);
+        v = fmaf(f[2], bf_lo(x.y), v);
+        v = fmaf(f[3], bf_hi(x.y), v);
+        v = fmaf(f[4], bf_lo(x.z), v);
+        v = fmaf(f[5], bf_hi(x.z), v);
+        v = fmaf(f[6], bf_lo(x.w), v);
+        v = fmaf(f[7], bf_hi(x.w), v);
+        s[t] = v;
+    }
+}
+
+// Add unit v's products for every token: `xv` its staged inputs, `xh` its two half sums of token 0 (token t at
+// + t * MK_XSW).
+template <int F>
+__device__ __forceinline__ void q_unit_dot(const QUnit& q, int v, const vec16* xv, const float* xh,
+                                           float (&acc)[MK_NT]) {
+    float a, b;
+    q_scales<F>(q, v, a, b);
+    float s0[MK_NT], s1[MK_NT];
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) s0[t] = s1[t] = 0.0f;
+    q_group<F, 0>(q, xv, s0);
+    q_group<F, 1>(q, xv, s0);
+    q_group<F, 2>(q, xv, s1);
+    q_group<F, 3>(q, xv, s1);
+    constexpr float M = QMagic<F>::m;
+    if (F == QF_Q6_K) {  // per half: d sc_h (q - 32)
+        const float a0 = a * (float)(int)(signed char)(q.s[0] & 0xFFu);
+        const float a1 = a * (float)(int)(signed char)((q.s[0] >> 8) & 0xFFu);
+#pragma unroll
+        for (int t = 0; t < MK_NT; ++t) {
+            const float2 x = *(const float2*)(xh + t * MK_XSW);
+            acc[t] = fmaf(a0, fmaf(-(M + 32.0f), x.x, s0[t]), acc[t]);
+            acc[t] = fmaf(a1, fmaf(-(M + 32.0f), x.y, s1[t]), acc[t]);
         }
         return;
     }
-    const u32 nib = q.w[g];
-    if (F == QF_Q6_K) {
-        // Sub-block g / 2 of the unit's two: scale d * sc (int8), level - 32.
-        const int sc = (int)(signed char)((q.s[0] >> (8 * (g >> 1))) & 0xFFu);
-        const float s = __fmul_rn(a, (float)sc);
-        const u32 h2 = q.w[4 + (g >> 1)] >> (16 * (g & 1));
+    // The level's offset c (w = a (q - c) - b): Q8_0 stores q + 128, Q4_0 and Q5_0 are centred at 8 and 16.
+    constexpr float c = F == QF_Q8_0 ? 128.0f : F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const u32 level = ((nib >> (4 * i)) & 0xFu) | (((h2 >> (2 * i)) & 3u) << 4);
-            w[i] = __fmul_rn(s, q_minus(level, 32.0f));
-        }
-        return;
+    for (int t = 0; t < MK_NT; ++t) {
+        const float2 xx = *(const float2*)(xh + t * MK_XSW);
+        const float x = xx.x + xx.y, sum = s0[t] + s1[t];
+        const float lv = fmaf(-(M + c), x, sum);  // sum (q - c) x
+        acc[t] = fmaf(a, lv, acc[t]);
+        if (F == QF_Q4_K || F == QF_Q5_K) acc[t] = fmaf(-b, x, acc[t]);
+        if (F == QF_Q5_1) acc[t] = fmaf(b, x, acc[t]);
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        u32 level = (nib >> (4 * i)) & 0xFu;
-        if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1) level |= ((q.w[4] >> (8 * g + i)) & 1u) << 4;
-        if (F == QF_Q4_K || F == QF_Q5_K) {
-            w[i] = __fsub_rn(__fmul_rn(a, q_minus(level, 0.0f)), b);
-        } else if (F == QF_Q5_1) {
-            w[i] = __fadd_rn(__fmul_rn(a, q_minus(level, 0.0f)), b);
-        } else {
-            w[i] = __fmul_rn(a, q_minus(level, F == QF_Q4_0 ? 8.0f : 16.0f));
-        }
+}
+
+// The staged window's sums over each 16 inputs, per token (xsum[t * MK_XSW + h] for inputs k0 + 16 h ..), for
+// q_unit_dot. Every thread; ends with a block barrier.
+__device__ __forceinline__ void q_stage_sums(const bf16_t* xs_in, float* xsum, int k0, int k1) {
+    const int n16 = (k1 - k0) / 16;
+    const vec16* xs = (const vec16*)xs_in;
+    for (int e = tid_x(); e < MK_NT * n16; e += MK_THREADS) {
+        const int t = e / n16, h = e - t * n16;
+        const vec16 a = ld_shared16(xs + t * MK_XLDV + 2 * h), b = ld_shared16(xs + t * MK_XLDV + 2 * h + 1);
+        float s = bf_lo(a.x) + bf_hi(a.x);
+        s += bf_lo(a.y) + bf_hi(a.y);
+        s += bf_lo(a.z) + bf_hi(a.z);
+        s += bf_lo(a.w) + bf_hi(a.w);
+        s += bf_lo(b.x) + bf_hi(b.x);
+        s += bf_lo(b.y) + bf_hi(b.y);
+        s += bf_lo(b.z) + bf_hi(b.z);
+        s += bf_lo(b.w) + bf_hi(b.w);
+        xsum[t * MK_XSW + h] = s;
     }
+    __syncthreads();
+}
+// The half sums' region: the plan's carve (MK_SMEM_XSUM), found from the staged input's address.
+__device__ __forceinline__ float* q_xsum(const bf16_t* xs) {
+    return (float*)((unsigned char*)xs - MK_SMEM_XS + MK_SMEM_XSUM);
 }
 
 // ---- the loop ------------------------------------------------------------------------------------------
@@ -248,34 +332,12 @@ __device__ __forceinline__ void q_load_item_f(const QSeg& sg, int K, const QPlan
 // Multiply one item of format F: unit v covers input elements [32 v, 32 v + 32), staged from element k0 on.
 template <int F>
 __device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it, int chunk, int lane, bool rowok,
-                                                 const vec16* xs, int k0, float (&acc)[MK_NT]) {
+                                                 const vec16* xs, const float* xsum, int k0, float (&acc)[MK_NT]) {
 #pragma unroll
     for (int j = 0; j < MK_QUMAX; ++j) {
         const int v = (chunk * p.u + j) * 32 + lane;
-        if (rowok && j < p.u && v < p.nunits) {
-            float a, b;
-            q_scales<F>(it.u[j], v, a, b);
-            const vec16* xv = xs + (v * 32 - k0) / 8;
-#pragma unroll
-            for (int g = 0; g < 4; ++g) {
-                float w[8];
-                q_dequant8<F>(it.u[j], g, a, b, w);
-#pragma unroll
-                for (int t = 0; t < MK_NT; ++t) {
-                    const vec16 x = ld_shared16(xv + t * MK_XLDV + g);
-                    float s = acc[t];
-                    s = fmaf(w[0], bf_lo(x.x), s);
-                    s = fmaf(w[1], bf_hi(x.x), s);
-                    s = fmaf(w[2], bf_lo(x.y), s);
-                    s = fmaf(w[3], bf_hi(x.y), s);
-                    s = fmaf(w[4], bf_lo(x.z), s);
-                    s = fmaf(w[5], bf_hi(x.z), s);
-                    s = fmaf(w[6], bf_lo(x.w), s);
-                    s = fmaf(w[7], bf_hi(x.w), s);
-                    acc[t] = s;
-                }
-            }
-        }
+        if (rowok && j < p.u && v < p.nunits)
+            q_unit_dot<F>(it.u[j], v, xs + (v * 32 - k0) / 8, xsum + (v * 32 - k0) / 16, acc);
     }
 }
 
@@ -309,8 +371,9 @@ __device__ __forceinline__ void q_load_item(int fmt, const QSeg& sg, int K, cons
 #undef QF_LOAD
 }
 __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QItem& it, int chunk, int lane,
-                                               bool rowok, const vec16* xs, int k0, float (&acc)[MK_NT]) {
-#define QF_CONSUME(F) q_consume_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, it, chunk, lane, rowok, xs, k0, acc)
+                                               bool rowok, const vec16* xs, const float* xsum, int k0,
+                                               float (&acc)[MK_NT]) {
+#define QF_CONSUME(F) q_consume_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, it, chunk, lane, rowok, xs, xsum, k0, acc)
     QF_DISPATCH(fmt, QF_CONSUME)
 #undef QF_CONSUME
 }
@@ -323,6 +386,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
     const QPlan p = qplan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
+    float* xsum = q_xsum(xs_in);
     const int cpp = qplan_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     // The segment of row a (its start row and rows), or both halves of a gate/up interleave.
@@ -344,6 +408,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             if (q > 0 || !staged) {
                 __syncthreads();  // every warp is done with the previous window
                 stage(k0, k1);
+                q_stage_sums(xs_in, xsum, k0, k1);
             }
             const int count = gemv_units(warp, gemv_items(nr, nkq));
             float acc[MK_NT];
@@ -363,7 +428,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             };
             auto consume = [&](int k, const QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
-                q_consume_item(fmt, p, it, u.chunk, lane, u.rg < nr, xs, k0, acc);
+                q_consume_item(fmt, p, it, u.chunk, lane, u.rg < nr, xs, xsum, k0, acc);
 #pragma unroll
                 for (int t = 0; t < MK_NT; ++t) {
                     const float v = warp_sum(acc[t]);
@@ -412,6 +477,11 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
     if (tid_x() == 0 && r1 > r0 && mk_gemv_t[0] == 0) mk_gemv_t[0] = global_timer_ns();
 #endif
     bool staged = true;
+    {  // the sums of window 0, which the phase's prologue staged
+        int k0, k1;
+        qplan_pass_range(d, qplan(d.K), 0, k0, k1);
+        q_stage_sums(xs, q_xsum(xs), k0, k1);
+    }
     for (int a = r0; a < r1;) {
         int s = 0;
         for (int j = 0; j + 1 < d.nseg; ++j)

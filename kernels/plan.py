@@ -79,7 +79,7 @@ WEIGHT_FORMAT_CODES = {
     **{WeightFormat(qt.name.lower()): code for qt, code in FORMAT_CODES.items()},
 }
 # Units (32 elements) per lane per item of the quantized GEMV (gemv_quant.cuh MK_QUMAX).
-QUANT_UNITS = 2
+QUANT_UNITS = 4
 # The weight matrix kinds the GEMV streams, one format each: DeltaNet in/out projections, attention in/out
 # projections, MLP gate+up and down, the lm_head, the MTP fc.
 WEIGHT_KINDS = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head", "mtp_fc")
@@ -107,6 +107,7 @@ class SmemCarve(NamedTuple):
     part: int  # GEMV partial sums (T x part_rows floats); the DeltaNet scratch
     rowval: int  # GEMV row values of a round (the same size); with part, the attention scratch
     red: int  # block reductions
+    xsum: int  # quantized GEMV: the staged window's sums over each 16 inputs, per token (empty without)
     end: int
     total: int  # bytes a launch must give: the alignment slack and the regions
 
@@ -405,6 +406,8 @@ class KernelPlan:
         if union:  # bf16-only plans keep their defines (and their PTX)
             shapes["MK_QFMTS"] = union
             shapes["MK_QUMAX"] = QUANT_UNITS
+            shapes["MK_SMEM_XSUM"] = carve.xsum
+            shapes["MK_XSW"] = quant_sum_width(self.window)
         if not self.streams_bf16:
             shapes["MK_GEMV_BF16"] = 0
         if t.phase_timing:
@@ -437,8 +440,13 @@ class KernelPlan:
         part = xs + -(-nt * xld * 2 // 16) * 16
         rowval = part + part_bytes
         red = rowval + part_bytes
-        end = red + red_floats * 4
-        return SmemCarve(xs=xs, part=part, rowval=rowval, red=red, end=end, total=SMEM_ALIGN + end)
+        xsum = red + red_floats * 4
+        end = xsum + (-(-nt * quant_sum_width(window) * 4 // 16) * 16 if self._quantized else 0)
+        return SmemCarve(xs=xs, part=part, rowval=rowval, red=red, xsum=xsum, end=end, total=SMEM_ALIGN + end)
+
+    @property
+    def _quantized(self) -> bool:
+        return any(f is not WeightFormat.BF16 for _, f in self.weight_formats)
 
     @property
     def att_merge_chunks(self) -> int:
@@ -487,6 +495,12 @@ def quant_chunk_width(k: int) -> int:
     lanes_per_row = -(-(k // 32) // 32)
     chunks = -(-lanes_per_row // QUANT_UNITS)
     return -(-lanes_per_row // chunks) * 32 * 32
+
+
+def quant_sum_width(window: int) -> int:
+    """Floats per token of the quantized GEMV's input sums (one per 16 inputs of the window, an even count: the
+    GEMV reads a unit's two as one float2)."""
+    return -(-window // 32) * 2
 
 
 def weight_formats_of(kinds: dict[str, set[WeightFormat]]) -> tuple[tuple[str, WeightFormat], ...]:
