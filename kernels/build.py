@@ -91,8 +91,16 @@ def compile_module(plan: KernelPlan) -> BuiltModule:
     return built
 
 
-def nvcc_compile(plan: KernelPlan, arch: str, *, ptxas_verbose: bool = True, nvcc: str | None = None) -> str:
-    """Compile the assembled source with nvcc for `arch` (e.g. "sm_90"); return the compiler's messages.
+def nvcc_compile(
+    plan: KernelPlan,
+    arch: str,
+    *,
+    ptxas_verbose: bool = True,
+    nvcc: str | None = None,
+    extra_source: str = "",
+) -> str:
+    """Compile the assembled source (and `extra_source` after it: test kernels) with nvcc for `arch` (e.g.
+    "sm_90"); return the compiler's messages.
 
     Raises `RuntimeError` with the compiler output if the build fails.
     """
@@ -101,7 +109,7 @@ def nvcc_compile(plan: KernelPlan, arch: str, *, ptxas_verbose: bool = True, nvc
         raise RuntimeError("nvcc is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "megakernel_generated.cu"
-        src.write_text(assemble_source(plan))
+        src.write_text(assemble_source(plan) + extra_source)
         cmd = [
             nvcc,
             f"-arch={arch}",
