@@ -14,17 +14,7 @@ mkdir -p "$OUT"
 MODE=${1:-full}
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 
-# The GPU machine has the dependencies but not this project installed: expose the package layout of
-# pyproject.toml (onestream.kernels -> kernels/, onestream.worker -> worker/, ...) through links.
-PKG=/tmp/onestream-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/onestream"
-cp -r onestream/. "$PKG/onestream/"
-for part in kernels worker cluster protos; do ln -s "$PWD/$part" "$PKG/onestream/$part"; done
-export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
-REPO=$PWD
-# Run from the link tree: `python -m` puts the working directory first on sys.path, and the repository's own
-# onestream/ (without kernels/, worker/, ...) would shadow the linked package.
-cd "$PKG"
+. tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 {
   echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"

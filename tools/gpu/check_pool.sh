@@ -17,12 +17,8 @@ REPO=$PWD
 # Ray is not installed there: unpack the slim bundle.
 mkdir -p /tmp/site && tar -xJf .devpkgs/ray-slim.tar.xz -C /tmp/site &&
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devpkgs/*.whl || exit 1
-# The project is not installed either: expose pyproject.toml's package layout through links.
-PKG=/tmp/onestream-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/onestream" && cp -r onestream/. "$PKG/onestream/"
-for part in kernels worker cluster protos; do ln -s "$REPO/$part" "$PKG/onestream/$part"; done
-export PYTHONPATH="$PKG:/tmp/site"
-cd "$PKG"
+export PYTHONPATH=/tmp/site
+. tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool.log"
 timeout 120 python3 -m pytest -q -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" -m gpu \

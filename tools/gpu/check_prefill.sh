@@ -13,18 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 REPO=$PWD
 
-# The project is not installed there: the package layout of pyproject.toml through links (as check_kernels.sh).
-PKG=/tmp/onestream-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/onestream"
-cp -r onestream/. "$PKG/onestream/"
-for part in kernels worker cluster protos; do ln -s "$PWD/$part" "$PKG/onestream/$part"; done
-SITE=/tmp/onestream-wheels
-rm -rf "$SITE" && mkdir -p "$SITE"
-for wheel in .whl/*.whl; do  # pure-Python wheels: unpacking them is installing them
-  [ -f "$wheel" ] && python3 -m zipfile -e "$wheel" "$SITE"
-done
-export PYTHONPATH="$PKG:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-cd "$PKG"
+. tools/gpu/env.sh  # the package layout and carried wheels (gguf, fla-core, einops); leaves us in the link tree
 
 {
   echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"

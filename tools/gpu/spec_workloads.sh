@@ -19,13 +19,7 @@ if [ -d .data/default_model/spec_prompts ]; then
   for f in .data/default_model/spec_prompts/*; do [ "$(basename "$f")" = SOURCES.txt ] || FILES+=("$REPO/$f"); done
 fi
 
-# As check_kernels.sh: the project is not installed there; expose the package layout through links.
-PKG=/tmp/onestream-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/onestream"
-cp -r onestream/. "$PKG/onestream/"
-for part in kernels worker cluster protos; do ln -s "$REPO/$part" "$PKG/onestream/$part"; done
-export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
-cd "$PKG"
+. tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 {
   echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"

@@ -49,12 +49,8 @@ fi
 # The GPU machine has the dependencies but not this project installed: expose the package layout of
 # pyproject.toml (onestream.worker -> worker/, ...) through links, as check_kernels.sh does; tools/ comes from
 # the checkout (second on the path).
-PKG=/tmp/onestream-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/onestream"
-cp -r onestream/. "$PKG/onestream/"
-for part in kernels worker cluster protos; do ln -s "$REPO/$part" "$PKG/onestream/$part"; done
-export PYTHONPATH="$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-cd "$PKG"  # the checkout's own onestream/ (without worker/, ...) must not shadow the linked package
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+. tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git -C "$REPO" status --porcelain 2>/dev/null | grep -c . || true)
