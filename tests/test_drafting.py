@@ -11,6 +11,7 @@ import pytest
 import torch
 from onestream.worker.api import SamplingParams
 from onestream.worker.drafting import LOOKUP, MTP, AdaptiveLength, Draft, NGramIndex, draft_distributions
+from onestream.worker.drafting.policy import DraftPolicy, DraftSettings
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.speculative import accept_sampled
 from onestream.worker.testing_spec import write_draftable_checkpoint
@@ -95,6 +96,16 @@ def test_adaptive_length_shrinks_while_drafts_fail_and_grows_when_they_pass() ->
     for _ in range(5):
         length.update(length.k, length.k)
     assert length.k == 7
+
+
+def test_only_lookup_lengths_adapt_mtp_drafts_keep_their_k() -> None:
+    policy = DraftPolicy(DraftSettings(mode="combined", mtp_k=3, lookup_k=6), NGramIndex(2, 4))
+    for _ in range(4):  # four failed cycles from each source
+        policy.record(Draft(torch.zeros(3, dtype=torch.long), MTP), 0)
+        policy.record(Draft(torch.zeros(6, dtype=torch.long), LOOKUP, host_tokens=[0] * 6), 0)
+    assert policy.length(MTP, limit=7) == 3
+    assert policy.length(LOOKUP, limit=7) == 2
+    assert policy.length(MTP, limit=2) == 2  # the back end's bound still applies
 
 
 # ---- rejection sampling with a deterministic draft --------------------------------------------------------

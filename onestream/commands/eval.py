@@ -92,7 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="n-gram lengths the lookup matches",
     )
     spec.add_argument(
-        "--fixed-length", action="store_true", help="draft the most tokens every cycle (no adaptive length)"
+        "--fixed-length",
+        action="store_true",
+        help="copy the lookup's most tokens every cycle (no adaptive length)",
     )
     spec.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     spec.add_argument("--prompts-per-file", type=int, default=4)

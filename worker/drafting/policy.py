@@ -87,7 +87,7 @@ class AdaptiveLength:
 @dataclass
 class DraftSettings:
     """How a request's cycles draft: the mode, the most drafts per source, the lookup's n-gram lengths and
-    whether lengths adapt."""
+    whether the lookup's draft lengths adapt (MTP drafts always take `mtp_k`)."""
 
     mode: str = DEFAULT_MODE
     mtp_k: int = 2
@@ -135,7 +135,10 @@ class DraftPolicy:
 
     def length(self, source: str, limit: int) -> int:
         cap = self.settings.mtp_k if source == MTP else self.settings.lookup_k
-        k = self.lengths[source].k if self.settings.adaptive else cap
+        # MTP drafts keep their fixed k: on the H200 megakernel an adaptive MTP length cost 15 % of the tok/s
+        # at k = 3 (docs/benchmarks.md); a copied draft's length is what varies from cycle to cycle.
+        adapts = self.settings.adaptive and source == LOOKUP
+        k = self.lengths[source].k if adapts else cap
         return max(0, min(k, cap, limit))
 
     def propose(self, seq: Sequence, pending: int, sampler: RequestSampler, limit: int) -> Draft | None:
