@@ -470,8 +470,10 @@ def test_a_card_that_stops_progressing_is_down_within_5s_and_a_slow_prefill_is_n
     print(f"a wedged card was found down after {found_s:.2f}s")
     assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
     assert "no progress" in victim.error.details() and home in victim.error.details()
-    # The bound: the stall limit, plus at most one health interval until the next ping sees it.
-    assert found_s < config.stall_timeout_s + config.health_interval_s
+    # Found by the first ping after the stall limit: at most the limit plus one health interval (4.5 s by
+    # default), inside the 5 s that docs/pool.md promises, the rest being slack for a loaded test host.
+    assert config.stall_timeout_s + config.health_interval_s <= 4.5
+    assert found_s < 5.0
     assert {c.card_id: c.state for c in client.cards()}[home] != pb.CARD_STATE_BUSY
     assert client.pool_status().cards_busy == 0
     wait_for(
