@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from onestream.kernels.random_model import config_27b
-from onestream.worker.memory import GIB, device_memory, dtype_weight_types, preset_weight_types, stored_bytes
+from onestream.worker.memory import (
+    GIB,
+    device_memory,
+    dtype_weight_types,
+    largest_fitting_piece,
+    preset_weight_types,
+    stored_bytes,
+)
 from onestream.worker.testing import tiny_config, write_tiny_checkpoint
 
 CARD_24GB = 24 * GIB  # an RTX 3090 / 4090
@@ -66,6 +73,13 @@ def test_fast_prefill_pieces_on_a_24_gb_card() -> None:
     # the default piece is for the large cards; a 24 GB one serving 32K contexts takes half of it
     # ($ONESTREAM_PREFILL_TOKENS), which `serve`'s fit line reports
     assert half.fits(CARD_24GB), half.format()
+    # the piece `serve` names when the default does not fit: the longest that does
+    assert not fast.fits(CARD_24GB)
+    plan_for = lambda piece: device_memory(config, types, 32768, prefill_tokens=piece)  # noqa: E731
+    assert largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, CARD_24GB) == DEFAULT_PIECE_TOKENS // 2
+    assert (
+        largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, 8 * GIB) is None
+    )  # the weights alone: 15.6 GiB
 
 
 # ---- what `serve` states for quantized models ------------------------------------------------------
@@ -129,3 +143,34 @@ def test_serve_states_what_a_quantized_model_needs(
     loaded = loading.load_model(checkpoint, dtype=torch.bfloat16)
     assert plan.weights + plan.dequantized_copies == _weight_bytes(loaded)
     assert ("dequantized copies" in line) == (once and source != "hf")
+
+
+def test_fit_line_names_the_prefill_piece_that_fits(hf_and_gguf: tuple[Path, Path]) -> None:
+    """On a card too small for the default piece, `serve`'s line says which $ONESTREAM_PREFILL_TOKENS fits."""
+    from onestream.worker.checkpoints import open_checkpoint
+    from onestream.worker.loading import dequantizes_once
+    from onestream.worker.memory import MemoryPlan, checkpoint_weight_types, fit_report
+
+    checkpoint = open_checkpoint(hf_and_gguf[1])
+    types = checkpoint_weight_types(checkpoint, torch.bfloat16)
+    context = checkpoint.config.max_position_embeddings
+
+    def plan_for(piece: int) -> MemoryPlan:  # as fit_report plans it
+        once = dequantizes_once(checkpoint.config, torch.bfloat16)
+        return device_memory(
+            checkpoint.config,
+            types,
+            context,
+            dtype=torch.bfloat16,
+            prefill_tokens=piece,
+            dequantize_once=once,
+        )
+
+    card = plan_for(2048).total  # room for 2K pieces, not for 8K ones
+    assert plan_for(8192).total > card
+    line = fit_report(checkpoint, dtype=torch.bfloat16, device_bytes=card, prefill_tokens=8192)
+    assert "does NOT fit" in line and "(with $ONESTREAM_PREFILL_TOKENS=2048 it fits)" in line
+    roomy = fit_report(
+        checkpoint, dtype=torch.bfloat16, device_bytes=plan_for(8192).total, prefill_tokens=8192
+    )
+    assert "; fits a card" in roomy and "ONESTREAM_PREFILL_TOKENS" not in roomy

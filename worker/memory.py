@@ -7,7 +7,7 @@ reference back end's step holds at its peak (docs/design.md, "Memory").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -226,17 +226,42 @@ def fit_report(
 
     config = checkpoint.config
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
-    plan = device_memory(
-        config,
-        checkpoint_weight_types(checkpoint, dtype),
-        context,
-        dtype=dtype,
-        spec_k=spec_k,
-        prefill_tokens=prefill_tokens,
-        dequantize_once=dequantizes_once(config, dtype),
-    )
+    types = checkpoint_weight_types(checkpoint, dtype)
+
+    def plan_for(piece: int | None) -> MemoryPlan:
+        return device_memory(
+            config,
+            types,
+            context,
+            dtype=dtype,
+            spec_k=spec_k,
+            prefill_tokens=piece,
+            dequantize_once=dequantizes_once(config, dtype),
+        )
+
+    plan = plan_for(prefill_tokens)
     line = f"{checkpoint.name} [{checkpoint.format.label}] needs {plan.format()}"
     if device_bytes is not None:
         verdict = "fits" if plan.fits(device_bytes) else "does NOT fit"
         line += f"; {verdict} a card of {device_bytes / GIB:.1f} GiB"
+        if prefill_tokens is not None and not plan.fits(device_bytes):
+            smaller = largest_fitting_piece(plan_for, prefill_tokens, device_bytes)
+            if smaller is not None:
+                from .prefill.runner import PIECE_ENV
+
+                line += f" (with ${PIECE_ENV}={smaller} it fits)"
     return line
+
+
+MIN_PIECE_TOKENS = 512  # shorter prefill pieces leave the GEMMs far from the matrix peak
+
+
+def largest_fitting_piece(plan_for: Callable[[int], MemoryPlan], start: int, device_bytes: int) -> int | None:
+    """The longest fast-prefill piece, `start` halved until it is, whose plan fits `device_bytes`; None when
+    even MIN_PIECE_TOKENS does not (the weights, caches and states alone are too large)."""
+    piece = start
+    while piece >= MIN_PIECE_TOKENS:
+        if plan_for(piece).fits(device_bytes):
+            return piece
+        piece //= 2
+    return None
