@@ -18,17 +18,8 @@ from onestream.worker.checkpoints.gguf_layout import tensor_place
 from onestream.worker.checkpoints.quantize import preset_chooser
 from onestream.worker.quant import QuantizedWeight, QuantType, install_quantized_weights
 
-# Offsets of each type's fp16 fields in its block, and the largest |level x scale| product they multiply, so
+# The largest |level x scale| product of each type's fp16 scales (at BlockLayout.fp16_fields), so
 # that d = spread / that product gives weights of about `spread`.
-_FIELDS: dict[QuantType, tuple[int, ...]] = {
-    QuantType.Q8_0: (0,),
-    QuantType.Q4_0: (0,),
-    QuantType.Q5_0: (0,),
-    QuantType.Q5_1: (0, 2),
-    QuantType.Q4_K: (0, 2),
-    QuantType.Q5_K: (0, 2),
-    QuantType.Q6_K: (208,),
-}
 _RANGE = {
     QuantType.Q8_0: 128.0,
     QuantType.Q4_0: 8.0,
@@ -67,7 +58,7 @@ def random_blocks(
     spread = 2.0 / math.sqrt(k)
     d = spread / _RANGE[qtype]
     scale = torch.empty(count, device=device).uniform_(0.5 * d, 1.5 * d, generator=generator)
-    fields = _FIELDS[qtype]
+    fields = qtype.layout.fp16_fields
     blocks[:, fields[0] : fields[0] + 2] = scale.half().view(torch.uint8).reshape(count, 2)
     if len(fields) > 1:  # the offset: dmin of the K-quants (levels centred), m of Q5_1 (negative: centred)
         second = scale * (_RANGE[qtype] / 63.0 if qtype in (QuantType.Q4_K, QuantType.Q5_K) else -16.0)

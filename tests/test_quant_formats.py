@@ -14,16 +14,6 @@ from gguf import quants as gguf_quants
 from onestream.worker.quant import QuantShapeError, QuantType, UnsupportedQuantTypeError, dequantize, quantize
 
 BLOCK_TYPES = [t for t in QuantType if not t.is_float]
-# Where each block keeps its fp16 fields (the rest of a block is integers: any byte is valid there).
-FP16_FIELDS = {
-    QuantType.Q8_0: (0,),
-    QuantType.Q4_0: (0,),
-    QuantType.Q5_0: (0,),
-    QuantType.Q5_1: (0, 2),
-    QuantType.Q4_K: (0, 2),
-    QuantType.Q5_K: (0, 2),
-    QuantType.Q6_K: (208,),
-}
 # gguf's own quantizers (it has none for the K-quants).
 GGUF_QUANTIZERS = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q5_0, QuantType.Q5_1)
 # Relative RMS error on Gaussian weights, (lowest, highest) plausible: ~ the grid step / sqrt(12).
@@ -51,7 +41,7 @@ def generator() -> torch.Generator:
 def random_blocks(qtype: QuantType, count: int, generator: torch.Generator) -> torch.Tensor:
     """`count` blocks of random bytes whose fp16 fields are any finite half (subnormals and signs included)."""
     blocks = torch.randint(0, 256, (count, qtype.type_size), dtype=torch.uint8, generator=generator)
-    for offset in FP16_FIELDS[qtype]:
+    for offset in qtype.layout.fp16_fields:
         bits = torch.randint(0, 1 << 16, (count,), dtype=torch.int32, generator=generator)
         finite = torch.where((bits >> 10) & 0x1F == 0x1F, bits & ~(1 << 14), bits)  # exponent 31 -> 15
         blocks[:, offset : offset + 2] = finite.to(torch.int16).view(torch.uint8).reshape(count, 2)

@@ -18,17 +18,6 @@ from onestream.kernels.quant_layout import (
 )
 from onestream.worker.quant import QuantShapeError, QuantType, dequantize, quantize
 
-# Where each block keeps its fp16 fields (every other byte is integers: any value is valid there).
-FP16_FIELDS = {
-    QuantType.Q8_0: (0,),
-    QuantType.Q4_0: (0,),
-    QuantType.Q5_0: (0,),
-    QuantType.Q5_1: (0, 2),
-    QuantType.Q4_K: (0, 2),
-    QuantType.Q5_K: (0, 2),
-    QuantType.Q6_K: (208,),
-}
-
 
 @pytest.fixture
 def generator() -> torch.Generator:
@@ -41,7 +30,7 @@ def random_raw(qtype: QuantType, rows: int, k: int, generator: torch.Generator) 
     """GGUF bytes of a `[rows, k]` weight: random blocks whose fp16 fields are finite halves."""
     count = rows * k // qtype.block_size
     blocks = torch.randint(0, 256, (count, qtype.type_size), dtype=torch.uint8, generator=generator)
-    for offset in FP16_FIELDS[qtype]:
+    for offset in qtype.layout.fp16_fields:
         bits = torch.randint(0, 1 << 16, (count,), dtype=torch.int32, generator=generator)
         finite = torch.where((bits >> 10) & 0x1F == 0x1F, bits & ~(1 << 14), bits)
         blocks[:, offset : offset + 2] = finite.to(torch.int16).view(torch.uint8).reshape(count, 2)

@@ -20,6 +20,9 @@ class QuantShapeError(OnestreamError, ValueError):
 class BlockLayout:
     block_size: int  # elements per block, along the last (row) dimension
     type_size: int  # bytes per block
+    fp16_fields: tuple[
+        int, ...
+    ] = ()  # byte offsets of the block's fp16 scales (every other byte is integers)
 
 
 class QuantType(enum.IntEnum):
@@ -92,13 +95,13 @@ LAYOUTS: dict[QuantType, BlockLayout] = {
     QuantType.F32: BlockLayout(1, 4),
     QuantType.F16: BlockLayout(1, 2),
     QuantType.BF16: BlockLayout(1, 2),
-    QuantType.Q8_0: BlockLayout(32, 2 + 32),
-    QuantType.Q4_0: BlockLayout(32, 2 + 16),
-    QuantType.Q5_0: BlockLayout(32, 2 + 4 + 16),
-    QuantType.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16),
-    QuantType.Q4_K: BlockLayout(256, 2 + 2 + 12 + 128),
-    QuantType.Q5_K: BlockLayout(256, 2 + 2 + 12 + 32 + 128),
-    QuantType.Q6_K: BlockLayout(256, 128 + 64 + 16 + 2),
+    QuantType.Q8_0: BlockLayout(32, 2 + 32, (0,)),
+    QuantType.Q4_0: BlockLayout(32, 2 + 16, (0,)),
+    QuantType.Q5_0: BlockLayout(32, 2 + 4 + 16, (0,)),
+    QuantType.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16, (0, 2)),
+    QuantType.Q4_K: BlockLayout(256, 2 + 2 + 12 + 128, (0, 2)),
+    QuantType.Q5_K: BlockLayout(256, 2 + 2 + 12 + 32 + 128, (0, 2)),
+    QuantType.Q6_K: BlockLayout(256, 128 + 64 + 16 + 2, (208,)),
 }
 
 
