@@ -4,7 +4,6 @@ tokenizer files and generation_config.json."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -18,7 +17,8 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, InvalidRequestError
 from ..layout import expected_tensor_shapes, listing
 from ..tokenizer import Tokenizer, load_tokenizer
-from .base import PLAIN, Checkpoint, ModelFormat, drop_file_pages
+from .base import PLAIN, Checkpoint, ModelFormat
+from .reader import read_ahead
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -228,36 +228,14 @@ def checkpoint_has_mtp(model_dir: str | Path) -> bool:
 
 
 def read_checkpoint_tensors(model_dir: str | Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (model name, tensor view of the mapped file) for every text tensor, file by file.
+    """Yield (model name, CPU tensor) for every text tensor in file order, read ahead of their use (reader.py).
 
-    The whole checkpoint is validated before the first tensor is yielded. A view stays valid
-    while referenced, but its pages are dropped from this process's memory when the next tensor
-    is requested (reading it again re-reads the file). Copy from views; never write to them:
-    writes are private to the process and may be discarded.
+    The whole checkpoint is validated before the first tensor is yielded; every tensor is the caller's own.
     """
     tensors = checkpoint_text_tensors(model_dir, config)
-    by_file: dict[Path, list[tuple[str, StoredTensor]]] = {}
-    for name, tensor in sorted(tensors.items(), key=lambda item: (str(item[1].file), item[1].start)):
-        by_file.setdefault(tensor.file, []).append((name, tensor))
-    for path, entries in by_file.items():
-        yield from _file_views(path, entries)
-
-
-def _file_views(path: Path, entries: list[tuple[str, StoredTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    with path.open("rb") as f:
-        # A private mapping: writable for torch.frombuffer, never written, so it never copies.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    # No explicit close: torch.frombuffer keeps the mmap object alive, and closing it would unmap
-    # memory that views still handed out point to. It unmaps when the last view is freed.
-    for name, tensor in entries:
-        if tensor.end == tensor.start:
-            view = torch.empty(tensor.shape, dtype=tensor.dtype)
-        else:
-            count = (tensor.end - tensor.start) // tensor.dtype.itemsize
-            view = torch.frombuffer(mapped, dtype=tensor.dtype, count=count, offset=tensor.start)
-        yield name, view.view(tensor.shape)
-        del view
-        drop_file_pages(mapped, tensor.start, tensor.end)
+    ordered = sorted(tensors.items(), key=lambda item: (str(item[1].file), item[1].start))
+    for name, tensor in read_ahead(ordered):
+        yield str(name), tensor
 
 
 # generation_config.json keys that set a SamplingParams field of the same name when a request leaves it
