@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config.json, safetensors shards (memory-mapped, read tensor by tensor), the
+"""Hugging Face checkpoints: config.json, safetensors shards (read tensor by tensor, ahead of use: reader.py), the
 tokenizer files and generation_config.json."""
 
 from __future__ import annotations
