@@ -15,7 +15,15 @@ from onestream.worker.errors import BackendUnavailableError, InvalidRequestError
 from onestream.worker.layers.deltanet import l2_normalize, recurrent_delta_step
 from onestream.worker.model import Qwen35ForCausalLM
 from onestream.worker.prefill import DeltaRuleKernel, FastPrefill, chunk_gated_delta_rule_torch
-from onestream.worker.quant import QuantizedLinear, QuantizedWeight, QuantType, install_quantized_weights
+from onestream.worker.quant import (
+    QuantizedLinear,
+    QuantizedWeight,
+    QuantShapeError,
+    QuantType,
+    dequantize,
+    install_quantized_weights,
+)
+from onestream.worker.quant.scratch import DequantScratch
 from onestream.worker.sequence import Sequence
 from onestream.worker.state import SequenceState
 from onestream.worker.testing import random_weights, tiny_config, write_tiny_checkpoint
@@ -248,6 +256,86 @@ def test_quantized_weights_prefill_one_matrix_at_a_time() -> None:
     assert_states_equal(ref_state, fast_state)
     # each matrix was dequantized for its own GEMM and dropped: no dequantized copy stays behind
     assert all(m.dequantized is None for m in linears)
+
+
+def mixed_quantized_model() -> Qwen35ForCausalLM:
+    """Rows of 256 where the K-quants fit: Q4_K projections, Q6_K down projections and head, Q8_0 elsewhere
+    (q4_k_m's types), every linear layer and the output head quantized."""
+    model = build_model(seed=12, hidden_size=256, intermediate_size=512)
+    weights = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        cols = module.weight.shape[1]
+        qtype = QuantType.Q8_0 if cols % 256 else QuantType.Q4_K
+        if name.endswith(("down_proj", "lm_head")) and cols % 256 == 0:
+            qtype = QuantType.Q6_K
+        weights[f"{name}.weight"] = QuantizedWeight.from_float(qtype, module.weight.detach())
+    install_quantized_weights(model, weights, dtype=torch.float32)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.qtype == QuantType.Q6_K
+    return model
+
+
+@pytest.mark.parametrize("scratch_elements", [None, 5000])
+def test_quantized_prefill_dequantizes_into_one_scratch(monkeypatch, scratch_elements: int | None) -> None:
+    """The fast path over quantized weights (through its reused scratch, in row slices when the scratch is
+    smaller than a matrix) leaves the reference's state and logits, and never dequantizes a whole weight."""
+    model = mixed_quantized_model()
+    ids = tokens(model, 150, seed=6)
+    ref_state, fast_state = model.new_state(200), model.new_state(200)
+    with torch.inference_mode():
+        want = model.forward_step(ids, ref_state, logits="last")
+    fast = FastPrefill(model, chunk=32)
+    assert fast.scratch is not None
+    # the largest layer matrix: a head larger than that (a real vocabulary) goes through it in slices
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not model.lm_head]
+    assert fast.scratch.buffer.numel() == max(m.shape[0] * m.shape[1] for m in layers)
+    if scratch_elements is not None:
+        fast.scratch = DequantScratch(scratch_elements, torch.float32, torch.device("cpu"))
+    fills: list[int] = []
+    fill = DequantScratch.fill
+
+    def counting_fill(self, weight, start, stop):  # type: ignore[no-untyped-def]
+        fills.append((stop - start) * weight.shape[1])
+        return fill(self, weight, start, stop)
+
+    def whole(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the fast prefill dequantized a whole weight outside its scratch")
+
+    monkeypatch.setattr(DequantScratch, "fill", counting_fill)
+    monkeypatch.setattr(QuantizedWeight, "dequantize", whole)
+    got = fast(ids, fast_state)
+    monkeypatch.undo()
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.hidden, want.hidden, atol=5e-5, rtol=1e-4)
+    assert_states_equal(ref_state, fast_state)
+    assert fills and max(fills) <= fast.scratch.buffer.numel()
+    if scratch_elements is not None:  # every matrix went through in slices
+        assert len(fills) > len([m for m in model.modules() if isinstance(m, QuantizedLinear)])
+    assert "scratch (torch codec)" in fast.description
+
+
+def test_dequantize_into_a_buffer_equals_the_codec() -> None:
+    gen = torch.Generator().manual_seed(8)
+    weights = torch.randn(6, 512, generator=gen) * 0.05
+    for qtype in (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.F16):
+        quantized = QuantizedWeight.from_float(qtype, weights)
+        want = quantized.dequantize(torch.float32)
+        scratch = DequantScratch(512 * 4, torch.float32, torch.device("cpu"))
+        torch.testing.assert_close(scratch.fill(quantized, 2, 6), want[2:6], atol=0, rtol=0)
+        x = torch.randn(3, 512, generator=gen)
+        torch.testing.assert_close(scratch.linear(quantized, x), x @ want.T, atol=1e-5, rtol=1e-5)
+        out = torch.empty(6 * 512, dtype=torch.bfloat16)
+        assert dequantize(qtype, quantized.raw, (6, 512), out=out).data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out.view(6, 512), want.bfloat16(), atol=0, rtol=0)
+    with pytest.raises(QuantShapeError, match="out must be a contiguous tensor of 3072"):
+        dequantize(quantized.qtype, quantized.raw, (6, 512), out=torch.empty(10))
+    with pytest.raises(InvalidRequestError, match="rows 0:6 of a"):
+        DequantScratch(100, torch.float32, torch.device("cpu")).fill(quantized, 0, 6)
+    with pytest.raises(InvalidRequestError, match="dequantizer must be one of"):
+        DequantScratch(100, torch.float32, torch.device("cpu"), "fast")
+    with pytest.raises(InvalidRequestError, match="needs triton and a CUDA device"):
+        DequantScratch(100, torch.float32, torch.device("cpu"), "triton")
 
 
 def test_backend_prefill_choice(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

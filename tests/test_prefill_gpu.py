@@ -5,6 +5,8 @@ and its fp32 copy as the ground truth. Checked: each delta-rule kernel the machi
 flash-linear-attention's where it imports), each fused SDPA kernel on the attention shapes (head_dim 256,
 GQA, continuing from a cache), decode after the fast prefill against the fp32 reference (KLD and greedy
 tokens), pieces against one shot, and the megakernel continuing from the state the fast prefill leaves.
+Quantized weights (q4_k_m's random blocks): the Triton dequantizer against the torch codec, and the fast
+prefill dequantizing into its scratch against the fp32 reference on the same blocks.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a C
 
 if HAS_GPU:
     from onestream.kernels.random_model import config_27b, random_model
+    from onestream.kernels.random_quant import preset_types, quantize_randomly, random_blocks
     from onestream.worker.prefill import DeltaRuleKernel, FastPrefill, causal_attention
     from onestream.worker.prefill.deltanet import _fla_function
+    from onestream.worker.quant import QuantType, dequantize, triton_dequant
+    from onestream.worker.quant.scratch import PROBE_ABSOLUTE, PROBE_RELATIVE
 
 KLD_BAR = 1e-3  # nats: decode after the fast prefill against the fp32 reference
 TIE_MARGIN = 0.05  # top-2 logit gap (bf16 logits) under which a greedy choice is a tie
@@ -152,6 +157,69 @@ def test_pieces_equal_one_shot_on_the_gpu(models) -> None:
     print(f"\npieces of 1024 vs one shot: KLD {float(value.max()):.2e}")
     assert float(value.max()) <= KLD_BAR
     assert torch.equal(one.logits.argmax(-1), last.logits.argmax(-1))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_triton_dequantizer_equals_the_codec(qtype: str) -> None:
+    if not triton_dequant.importable():
+        pytest.skip("triton is not importable here")
+    kind = QuantType[qtype]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    shape = (17408, 5120)  # the MLP's, 89 M weights: the grid and the addresses of a real matrix
+    raw = random_blocks(kind, shape, generator=gen, device="cuda")
+    want = dequantize(kind, raw, shape, torch.float32)
+    got32 = triton_dequant.dequantize_into(kind, raw, torch.empty(shape, device="cuda"))
+    got16 = triton_dequant.dequantize_into(kind, raw, torch.empty(shape, device="cuda", dtype=torch.bfloat16))
+    exact32 = float((got32 == want).float().mean())
+    exact16 = float((got16 == want.bfloat16()).float().mean())
+    print(f"\n[{qtype}] Triton vs codec: fp32 identical {exact32:.6f}, bf16 identical {exact16:.6f}")
+    bound = PROBE_RELATIVE * want.abs() + PROBE_ABSOLUTE * float(want.abs().max())
+    assert bool(((got16.float() - want).abs() <= bound).all())
+    assert bool(((got32 - want).abs() <= 2.0**-20 * float(want.abs().max())).all())
+
+
+@pytest.fixture(scope="module")
+def quantized_models():
+    model = random_model(config_27b(4), seed=77)
+    quantize_randomly(model, preset_types(model, "q4_k_m"), seed=78)
+    fp32 = copy.deepcopy(model).float()
+    yield model, fp32
+    del model, fp32
+    torch.cuda.empty_cache()
+
+
+def test_quantized_fast_prefill_against_the_fp32_reference(quantized_models) -> None:
+    """q4_k_m blocks: the fast prefill (each matrix dequantized into the scratch by the Triton kernels, then
+    the codec) against the fp32 reference on the same blocks, and the bf16 reference's own distance."""
+    model, fp32 = quantized_models
+    ids = prompt(model, PROMPT, seed=9)
+    fast = FastPrefill(model)
+    codec = FastPrefill(model, dequant="torch")
+    assert fast.scratch is not None and codec.scratch is not None
+    with torch.inference_mode():
+        ref_state = fp32.new_state(PROMPT + 16)
+        want, fed = greedy_rows(fp32, ref_state, fp32.forward_step(ids, ref_state, logits="last").logits, 8)
+        bf_state = model.new_state(PROMPT + 16)
+        bf_rows, _ = greedy_rows(
+            model, bf_state, model.forward_step(ids, bf_state, logits="last").logits, 8, fed
+        )
+        fast_state = model.new_state(PROMPT + 16)
+        got, _ = greedy_rows(model, fast_state, fast(ids, fast_state).logits, 8, fed)
+        codec_state = model.new_state(PROMPT + 16)
+        by_codec, _ = greedy_rows(model, codec_state, codec(ids, codec_state).logits, 8, fed)
+    fast_kld, bf_kld, between = kld(want, got), kld(want, bf_rows), kld(by_codec, got)
+    print(
+        f"\n[q4_k_m] {fast.description}; probe {fast.scratch.probe_errors}\n"
+        f"KLD vs fp32 reference: fast prefill mean {fast_kld.mean():.2e} max {fast_kld.max():.2e}; bf16 "
+        f"reference prefill mean {bf_kld.mean():.2e}; Triton vs codec dequantizer {between.max():.2e}"
+    )
+    if triton_dequant.importable():
+        assert fast.scratch.triton_types.get(QuantType.Q4_K) and fast.scratch.triton_types.get(QuantType.Q6_K)
+    assert float(between.max()) <= KLD_BAR
+    assert float(fast_kld.mean()) <= max(KLD_BAR, 1.25 * float(bf_kld.mean()))
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= TIE_MARGIN
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="the megakernel needs cupy")

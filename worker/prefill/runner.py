@@ -1,7 +1,8 @@
 """The fast prefill of one sequence: the reference model's weights and state, kernels made for long pieces.
 
 Per layer it runs the layer's own projection, norm and MLP modules (cuBLAS GEMMs; a quantized matrix is
-dequantized when its GEMM runs, one matrix at a time), the chunked delta rule for the DeltaNet layers
+dequantized on the device into one reused scratch right before its GEMM, one matrix at a time: quant/scratch.py),
+the chunked delta rule for the DeltaNet layers
 (`deltanet.py`) and fused causal SDPA for the attention layers (`attention.py`). It writes exactly the
 `SequenceState` that `Qwen35ForCausalLM.forward_step` would (KV caches, conv windows, fp32 recurrent states,
 lengths), so the reference model and the megakernel continue from it unchanged.
@@ -9,12 +10,16 @@ lengths), so the reference model and the megakernel continue from it unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..model import Qwen35ForCausalLM, StepOutput
+from ..quant import QuantizedLinear
+from ..quant.scratch import DequantScratch
+from ..quant.weight import _QuantizedModule
 from ..state import SequenceState
 from .attention import attention_prefill, sdpa_choice
 from .deltanet import DEFAULT_CHUNK, DeltaRuleKernel, deltanet_prefill
@@ -23,6 +28,14 @@ PIECE_ENV = "ONESTREAM_PREFILL_TOKENS"
 # Tokens per call on a GPU: the pieces' GEMMs are long enough to run near the matrix peak well before
 # this, and a piece's activations (the MLP's [T, intermediate] pair above all) stay a few GB.
 DEFAULT_PIECE_TOKENS = 8192
+# Elements of the scratch when the output head is the only quantized matrix (its slices' size otherwise is
+# the largest layer matrix's): 64 Mi, 128 MiB of bf16.
+HEAD_SLICE_ELEMENTS = 1 << 26
+
+
+def _elements(module: torch.nn.Module) -> int:
+    rows, cols = module.shape  # type: ignore[misc]
+    return int(rows) * int(cols)
 
 
 def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
@@ -49,7 +62,9 @@ class FastPrefill:
         deltanet: str | None = None,
         sdpa: str | None = None,
         chunk: int = DEFAULT_CHUNK,
+        dequant: str | None = None,
     ) -> None:
+        """`dequant`: the quantized weights' decoder (triton, torch or auto; default $ONESTREAM_PREFILL_DEQUANT)."""
         self.model = model
         c = model.config
         heads = (
@@ -60,15 +75,54 @@ class FastPrefill:
         )
         self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk, heads)
         self.sdpa = sdpa_choice(sdpa)
+        self.scratch = self._make_scratch(dequant)
+
+    def _make_scratch(self, decoder: str | None) -> DequantScratch | None:
+        """A scratch as large as the largest quantized matrix but the output head's (that one, a vocabulary of
+        rows for the last token alone, goes through it in slices), or None for a model without any."""
+        model = self.model
+        head = self._head()
+        sizes = [
+            _elements(m)
+            for m in model.modules()
+            if isinstance(m, QuantizedLinear) and m.dequantized is None and m is not head
+        ]
+        if isinstance(head, _QuantizedModule) and head.dequantized is None and not sizes:
+            sizes.append(min(_elements(head), HEAD_SLICE_ELEMENTS))
+        if not sizes:
+            return None
+        return DequantScratch(max(sizes), model.dtype, model.device, decoder)
+
+    def _head(self) -> torch.nn.Module:
+        model = self.model
+        return model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+
+    def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's `_step_logits(hidden, "last")`; a quantized head multiplies through the scratch rather
+        than dequantizing its whole vocabulary at once."""
+        head = self._head()
+        if self.scratch is not None and isinstance(head, _QuantizedModule) and head.dequantized is None:
+            weight = head.quantized
+            if self.scratch.accepts(weight, head.compute_dtype):
+                return self.scratch.linear(weight, hidden[-1:]).float()
+        return self.model._step_logits(hidden, "last")
+
+    def _dequantizing(self) -> contextlib.AbstractContextManager[object]:
+        return self.scratch.active() if self.scratch is not None else contextlib.nullcontext()
 
     @property
     def description(self) -> str:
         probe = self.delta_rule.probe_errors
         checked = f", probe error {max(probe):.1e}" if probe else ""
-        return f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}{checked}), SDPA {self.sdpa}"
+        text = f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}{checked}), SDPA {self.sdpa}"
+        return text if self.scratch is None else f"{text}, {self.scratch.description}"
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, state: SequenceState) -> StepOutput:
+        with self._dequantizing():
+            return self._prefill(input_ids, state)
+
+    def _prefill(self, input_ids: torch.Tensor, state: SequenceState) -> StepOutput:
         model = self.model
         model._check_ids(input_ids, 1)
         model._check_state(state)
@@ -89,10 +143,14 @@ class FastPrefill:
         hidden = model.model.norm(h)
         state.advance(input_ids)
         state.history = None  # as a step without keep_states: nothing to roll back into
-        return StepOutput(model._step_logits(hidden, "last"), hidden)
+        return StepOutput(self._last_logits(hidden), hidden)
 
     @torch.inference_mode()
     def mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState) -> StepOutput:
+        with self._dequantizing():
+            return self._mtp(input_ids, hidden, state)
+
+    def _mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState) -> StepOutput:
         model = self.model
         mtp = model._require_mtp()
         model._check_ids(input_ids, 1)
@@ -112,4 +170,4 @@ class FastPrefill:
         )
         out = mtp.norm(layer._mlp_residual(h))
         state.mtp_length += t
-        return StepOutput(model._step_logits(out, "last"), out)
+        return StepOutput(self._last_logits(out), out)

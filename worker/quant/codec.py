@@ -49,9 +49,14 @@ def dequantize(
     raw: torch.Tensor,
     shape: tuple[int, ...] | torch.Size,
     dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The tensor of `shape` (torch order) stored as `raw` (uint8, any shape, GGUF's byte layout), as `dtype`
-    (float32 by default: exact, every format's values are float32 products), on `raw`'s device."""
+    (float32 by default: exact, every format's values are float32 products), on `raw`'s device.
+
+    `out` (contiguous, `shape`'s element count, on `raw`'s device) receives the result instead of a new
+    tensor, in its own dtype: a caller that dequantizes one matrix after another reuses one buffer."""
     qtype = QuantType.of(qtype)
     shape = tuple(int(n) for n in shape)
     if raw.dtype != torch.uint8:
@@ -63,16 +68,28 @@ def dequantize(
             f"{qtype.name} tensor of shape {list(shape)} takes {expected} bytes, got {raw.numel()}"
         )
     flat = raw.reshape(-1, qtype.row_bytes(row)) if expected else raw.reshape(0, max(qtype.row_bytes(row), 1))
+    if out is not None:
+        if out.numel() != flat.shape[0] * row or not out.is_contiguous() or out.device != raw.device:
+            raise QuantShapeError(
+                f"out must be a contiguous tensor of {flat.shape[0] * row} elements on {raw.device}, got "
+                f"{list(out.shape)} on {out.device}"
+            )
+        rows_out = out.view(flat.shape[0], row)
     if qtype.is_float:
-        return flat.view(FLOAT_DTYPES[qtype]).to(dtype).reshape(shape)
+        values = flat.view(FLOAT_DTYPES[qtype])
+        if out is None:
+            return values.to(dtype).reshape(shape)
+        rows_out.copy_(values)
+        return out.view(shape)
     decode = BLOCK_CODECS[qtype][0]
-    out = torch.empty((flat.shape[0], row), dtype=dtype, device=raw.device)
+    if out is None:
+        rows_out = torch.empty((flat.shape[0], row), dtype=dtype, device=raw.device)
     step = _chunk_rows(row, raw.device)
     for start in range(0, flat.shape[0], step):
         chunk = flat[start : start + step]
         blocks = chunk.reshape(-1, qtype.type_size)
-        out[start : start + step] = decode(blocks).reshape(chunk.shape[0], row).to(dtype)
-    return out.reshape(shape)
+        rows_out[start : start + step] = decode(blocks).reshape(chunk.shape[0], row)
+    return rows_out.view(shape)
 
 
 def quantize(qtype: QuantType | int | str, weights: torch.Tensor) -> torch.Tensor:

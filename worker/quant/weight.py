@@ -4,7 +4,8 @@ The model's layers call their projections as modules (`self.q_proj(x)`) and read
 quantized model is the same model with those modules swapped (`install_quantized_weights`, the one place
 that does it). Each module keeps its GGUF bytes on the model's device and dequantizes per call into the
 compute dtype (only that layer's weight exists in full precision at a time), or once at install when the
-caller has the memory for the dequantized model (`dequantize_once`).
+caller has the memory for the dequantized model (`dequantize_once`). Inside a `DequantScratch.active()` (the
+fast prefill) a linear layer dequantizes into that one reused buffer instead (scratch.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .codec import dequantize, quantize
+from .scratch import active_scratch
 from .types import QuantShapeError, QuantType
 
 
@@ -117,6 +119,11 @@ class QuantizedLinear(_QuantizedModule):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = active_scratch()
+        if scratch is not None and self.dequantized is None:
+            weight = self.quantized
+            if scratch.accepts(weight, self.compute_dtype):
+                return scratch.linear(weight, x)
         return F.linear(x, self.weight)
 
 
