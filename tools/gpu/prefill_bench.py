@@ -2,11 +2,19 @@
 one (the reference model's step in 512-token pieces), both through `Sequence.feed` as the engine runs them.
 
     python3 tools/gpu/prefill_bench.py --lengths 4096,8192,16384,32768 --json OUT.json
+    python3 tools/gpu/prefill_bench.py --lengths 8192 --weights bf16,q4_k_m --json OUT.json
+
+`--weights` times the fast path per weights format in one run: bf16, then each preset's random GGUF blocks
+(kernels/random_quant.py, typed tensor by tensor as the preset types a file) on a fresh model, each matrix
+dequantized on the device into the prefill's scratch right before its GEMM; a quantized row carries its
+rate against bf16's at the same length, and is timed again with the torch codec as the dequantizer; one pass
+of each dequantizer over every layer matrix is timed on its own ("dequant").
 
 Reports tok/s per prompt length and the share of the bf16 matrix peak measured in the same run (the best of
 a few large bf16 GEMMs), counting the FLOPs of the projections, the causal attention and the chunked delta
 rule. Then, as far as the time budget goes: the fast path with the torch delta rule, other piece sizes, and
 per-layer timings of each SDPA kernel and delta-rule kernel, so that the defaults are chosen by measurement.
+The bf16 extras run only while time is left for the quantized formats after them.
 Results are written to the JSON file after every measurement (a run cut short keeps what it measured).
 """
 
@@ -22,13 +30,18 @@ from typing import Any
 
 import torch
 from onestream.kernels.random_model import config_27b, random_model
+from onestream.kernels.random_quant import preset_types, quantize_randomly
 from onestream.worker.backend import ReferenceBackend
 from onestream.worker.config import ModelConfig
 from onestream.worker.prefill import DeltaRuleKernel, FastPrefill, causal_attention
 from onestream.worker.prefill.attention import SDPA_BACKENDS
+from onestream.worker.quant import PRESETS, QuantizedLinear, quantized_nbytes
 from onestream.worker.sequence import Sequence
 
 PEAK_SHAPES = ((8192, 8192, 8192), (16384, 5120, 17408), (16384, 17408, 5120))
+DEVICE = "cuda"  # where the prompts are drawn (a smoke run of the bench's logic on the CPU sets "cpu")
+# what one quantized format's build, warm-up and timings take: kept back from the bf16 extras
+QUANT_RESERVE_S = 45.0
 
 
 def cuda_time(fn: Callable[[], Any], repeats: int = 1) -> float:
@@ -86,7 +99,7 @@ def prefill_flops(config: ModelConfig, tokens: int, chunk: int = 64) -> float:
 class Results:
     def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
         self.path = path
-        self.data: dict[str, Any] = {**header, "prefill": [], "sdpa": [], "delta_rule": []}
+        self.data: dict[str, Any] = {**header, "prefill": [], "sdpa": [], "delta_rule": [], "dequant": []}
 
     def add(self, section: str, row: dict[str, Any]) -> None:
         self.data[section].append(row)
@@ -150,6 +163,62 @@ def bench_delta_rule(results: Results, config: ModelConfig, tokens: int) -> None
         )
 
 
+def time_dequant(results: Results, model: Any, fast: FastPrefill, weights: str) -> None:
+    """One pass of the prefill's dequantizer over every quantized layer matrix (what a piece pays besides its
+    GEMMs), through the fast path's own scratch."""
+    scratch = fast.scratch
+    head = fast._head()
+    mats = [m.quantized for m in model.modules() if isinstance(m, QuantizedLinear) and m is not head]
+    mats = [w for w in mats if w.shape[0] * w.shape[1] <= scratch.buffer.numel()]
+    seconds = cuda_time(lambda: [scratch.fill(w, 0, w.shape[0]) for w in mats], repeats=2)
+    elements = sum(w.shape[0] * w.shape[1] for w in mats)
+    read = sum(w.nbytes for w in mats)
+    row = {"weights": weights, "decoder": scratch.description, "matrices": len(mats), "seconds": seconds}
+    written = elements * scratch.buffer.element_size()
+    results.add(
+        "dequant",
+        {**row, "gb_read": read / 1e9, "gb_written": written / 1e9, "gb_s": (read + written) / seconds / 1e9},
+    )
+
+
+def bf16_extras(
+    results: Results,
+    model: Any,
+    fast: ReferenceBackend,
+    config: ModelConfig,
+    lengths: list[int],
+    pieces: str,
+    measure: Callable[[str, ReferenceBackend, int, int, str], float],
+    left: Callable[[], float],
+) -> None:
+    """The current path, the kernel sweeps and the other piece sizes, as far as `left()` allows."""
+    reference = ReferenceBackend(model, prefill="reference")
+    if left() > 20:
+        time_prefill(reference, torch.zeros(1024, dtype=torch.long, device=model.device), 1)
+    ref_rate = None
+    for n in lengths:
+        if left() < 20 or (ref_rate is not None and n / ref_rate > left()):
+            results.add("prefill", {"path": "reference", "tokens": n, "skipped": "time budget"})
+            continue
+        ref_rate = n / measure("reference (current path)", reference, n, 1, "bf16")
+    if left() > 20:
+        bench_delta_rule(results, config, 8192)
+    if left() > 20:
+        bench_sdpa(results, config, [8192, lengths[-1]])
+    longest = lengths[-1]
+    if fast.fast_prefill.delta_rule.name != "torch" and left() > 30:
+        torch_path = ReferenceBackend(model, prefill="fast")
+        torch_path.fast_prefill = FastPrefill(model, deltanet="torch")
+        measure(f"fast ({torch_path.fast_prefill.description})", torch_path, 8192, 1, "bf16")
+    default_piece = fast.prefill_tokens
+    for piece in [int(x) for x in pieces.split(",") if x]:
+        if left() < 25:
+            break
+        fast.prefill_tokens = piece
+        measure(f"fast ({fast.fast_prefill.description})", fast, longest, 1, "bf16")
+    fast.prefill_tokens = default_piece
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,7 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pieces", default="4096,16384", help="other fast-path piece sizes to time at the longest length"
     )
+    parser.add_argument(
+        "--weights",
+        default="bf16",
+        help="comma-separated weights formats: bf16 and/or quantization presets (q4_k_m, q5_k_m, q6_k, q8_0)",
+    )
     args = parser.parse_args(argv)
+    formats = [w.strip().lower() for w in args.weights.split(",") if w.strip()]
+    if not formats or any(f != "bf16" and f not in PRESETS for f in formats):
+        print(
+            f"prefill_bench: --weights takes bf16 or {', '.join(PRESETS)}, got {args.weights!r}",
+            file=sys.stderr,
+        )
+        return 2
+    if "bf16" in formats:  # first: the quantized rows are stated against it
+        formats.remove("bf16")
+        formats.insert(0, "bf16")
     if not torch.cuda.is_available():
         print("prefill_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -185,22 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"bf16 matrix peak (measured): {peak:.0f} TFLOP/s {peaks}", flush=True)
-    model = random_model(config, seed=11)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    prompts = {n: torch.randint(0, config.vocab_size, (n,), device="cuda", generator=gen) for n in lengths}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    prompts = {n: torch.randint(0, config.vocab_size, (n,), device=DEVICE, generator=gen) for n in lengths}
+    bf16_rates: dict[int, float] = {}
 
-    fast = ReferenceBackend(model, prefill="fast")
-    reference = ReferenceBackend(model, prefill="reference")
-    warm = prompts[lengths[0]][:1024]
-    for backend in (fast, reference):  # compiles fla's Triton kernels, cuBLAS heuristics, the allocator
-        time_prefill(backend, warm, 1)
-    print(f"fast path: {fast.fast_prefill.description}, {fast.prefill_tokens} tokens per call", flush=True)
-
-    def measure(label: str, backend: ReferenceBackend, n: int, repeats: int) -> float:
+    def measure(label: str, backend: ReferenceBackend, n: int, repeats: int, weights: str) -> float:
         seconds = time_prefill(backend, prompts[n], repeats)
         flops = prefill_flops(config, n)
         row = {
             "path": label,
+            "weights": weights,
             "tokens": n,
             "piece": backend.prefill_tokens,
             "seconds": seconds,
@@ -208,31 +286,50 @@ def main(argv: list[str] | None = None) -> int:
             "tflops": flops / seconds / 1e12,
             "pct_peak": 100.0 * flops / seconds / 1e12 / peak,
         }
+        if weights == "bf16" and label.startswith("fast") and n not in bf16_rates:
+            bf16_rates[n] = n / seconds
+        elif weights != "bf16" and n in bf16_rates:
+            row["ratio_to_bf16"] = n / seconds / bf16_rates[n]
         results.add("prefill", row)
         return seconds
 
-    ref_rate = None
-    for n in lengths:
-        measure(f"fast ({fast.fast_prefill.description})", fast, n, 2 if n <= 8192 else 1)
-    for n in lengths:
-        if ref_rate is not None and n / ref_rate > left():
-            results.add("prefill", {"path": "reference", "tokens": n, "skipped": "time budget"})
-            continue
-        ref_rate = n / measure("reference (current path)", reference, n, 1)
-    if left() > 20:
-        bench_delta_rule(results, config, 8192)
-    if left() > 20:
-        bench_sdpa(results, config, [8192, lengths[-1]])
-    longest = lengths[-1]
-    if fast.fast_prefill.delta_rule.name != "torch" and left() > 30:
-        torch_path = ReferenceBackend(model, prefill="fast")
-        torch_path.fast_prefill = FastPrefill(model, deltanet="torch")
-        measure(f"fast ({torch_path.fast_prefill.description})", torch_path, 8192, 1)
-    for piece in [int(x) for x in args.pieces.split(",") if x]:
-        if left() < 25:
-            break
-        fast.prefill_tokens = piece
-        measure(f"fast ({fast.fast_prefill.description})", fast, longest, 1)
+    for index, weights in enumerate(formats):
+        reserve = QUANT_RESERVE_S * sum(1 for f in formats[index + 1 :] if f != "bf16")
+        model = random_model(config, seed=11)
+        if weights != "bf16":
+            quantize_randomly(model, preset_types(model, weights), seed=8)
+            torch.cuda.empty_cache()
+            print(f"{weights}: {quantized_nbytes(model) / 2**30:.2f} GiB of GGUF blocks", flush=True)
+        fast = ReferenceBackend(model, prefill="fast")
+        warm = prompts[lengths[0]][:1024]
+        time_prefill(fast, warm, 1)  # compiles fla's and the dequantizer's kernels, cuBLAS heuristics
+        print(
+            f"{weights} fast path: {fast.fast_prefill.description}, {fast.prefill_tokens} tokens per call",
+            flush=True,
+        )
+        for n in lengths:
+            measure(f"fast ({fast.fast_prefill.description})", fast, n, 2 if n <= 8192 else 1, weights)
+        if weights == "bf16":
+            bf16_extras(
+                results, model, fast, config, lengths, args.pieces, measure, lambda r=reserve: left() - r
+            )
+        elif fast.fast_prefill.scratch is not None and left() > 20 + reserve:
+            time_dequant(results, model, fast.fast_prefill, weights)
+            codec = ReferenceBackend(model, prefill="fast")
+            codec.fast_prefill = FastPrefill(model, dequant="torch")
+            time_prefill(codec, warm, 1)
+            n = 8192 if 8192 in prompts else lengths[0]
+            measure(f"fast ({codec.fast_prefill.description})", codec, n, 1, weights)
+            time_dequant(results, model, codec.fast_prefill, weights)
+            del codec
+        del fast, model
+        torch.cuda.empty_cache()
+    for weights in formats[1:] if formats[0] == "bf16" else []:
+        for row in results.data["prefill"]:
+            if row.get("weights") == weights and "ratio_to_bf16" in row:
+                print(
+                    f"{weights} / bf16 at {row['tokens']} tokens: {row['ratio_to_bf16']:.3f} ({row['path']})"
+                )
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 
