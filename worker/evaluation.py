@@ -417,13 +417,17 @@ def time_runs(
     draftings: Sequence[str] = ("mtp",),
 ) -> list[SpecRun]:
     """Plain decoding (k = 0) then each drafting mode with each k (`lookup` ignores k: once), each after a
-    warm-up on one prompt (first-call costs stay out of the timing: the megakernel compiles its (k+1)-token
-    build on first use); raises SpeculativeMismatchError if a speculative output differs from the plain one."""
+    warm-up (first-call costs stay out of the timing: the engine's `warm_up` compiles the megakernel build of
+    every verify size the mode can draft, and one prompt runs untimed); raises SpeculativeMismatchError if a speculative output differs from the plain one."""
     configs = [("mtp", 0)]
     for drafting in draftings:
         configs += [(drafting, 0)] if drafting == "lookup" else [(drafting, k) for k in ks]
     runs: list[SpecRun] = []
     for drafting, k in configs:
+        engine.spec_k, engine.drafting = k, drafting
+        warm_up = getattr(engine, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
         run_spec(engine, prompts[:1], k=k, max_tokens=min(8, max_tokens), drafting=drafting)
         run = run_spec(engine, prompts, k=k, max_tokens=max_tokens, drafting=drafting)
         differing = differing_prompts(runs[0], run) if runs else []
