@@ -193,8 +193,9 @@ def test_quantized_fast_prefill_against_the_fp32_reference(quantized_models) -> 
     the codec) against the fp32 reference on the same blocks, and the bf16 reference's own distance."""
     model, fp32 = quantized_models
     ids = prompt(model, PROMPT, seed=9)
-    fast = FastPrefill(model)
-    codec = FastPrefill(model, dequant="torch")
+    # the torch delta rule: the distance from fp32 here is the dequantizer's and the GEMMs', not fla's
+    fast = FastPrefill(model, deltanet="torch")
+    codec = FastPrefill(model, deltanet="torch", dequant="torch")
     assert fast.scratch is not None and codec.scratch is not None
     with torch.inference_mode():
         ref_state = fp32.new_state(PROMPT + 16)
