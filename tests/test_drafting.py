@@ -31,6 +31,20 @@ def brute_continuation(tokens: list[int], n_min: int, n_max: int, limit: int) ->
     return [], 0
 
 
+def brute_continuation_after(
+    tokens: list[int], after: list[int], n_min: int, n_max: int, limit: int
+) -> tuple[list[int], int]:
+    """`brute_continuation` of tokens + after, counting only occurrences that lie within `tokens` (what the
+    index holds), the continuation read on into `after`."""
+    joined = tokens + after
+    for n in range(min(n_max, len(joined) - 1), n_min - 1, -1):
+        suffix = joined[len(joined) - n :]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n : end] == suffix:
+                return joined[end : end + limit], n
+    return [], 0
+
+
 # ---- the n-gram index ----------------------------------------------------------------------------------
 
 
@@ -64,6 +78,10 @@ def test_index_agrees_with_a_scan_on_random_token_streams(seed: int) -> None:
         tokens.extend(chunk)
         limit = rng.randint(1, 8)
         assert index.continuation(limit) == brute_continuation(tokens, n_min, n_max, limit)
+        after = [rng.randrange(8) for _ in range(rng.randint(1, 3))]  # an MTP draft to continue
+        assert index.continuation(limit, after=after) == brute_continuation_after(
+            tokens, after, n_min, n_max, limit
+        )
 
 
 def test_sync_extends_a_continued_session_and_rebuilds_a_changed_one() -> None:
@@ -76,6 +94,18 @@ def test_sync_extends_a_continued_session_and_rebuilds_a_changed_one() -> None:
     assert index.tokens == [7, 1, 5] and index.continuation(2) == ([], 0)
     index.extend([7])
     assert index.continuation(3) == ([1, 5, 7], 1)
+
+
+def test_an_mtp_draft_is_continued_by_what_followed_its_ngram() -> None:
+    index = NGramIndex(2, 3)
+    index.extend([4, 5, 6, 7, 8, 1, 2, 3])
+    # Context ... 2, 3 then the drafts 4, 5: [3, 4, 5] never occurred, [4, 5] did, followed by 6, 7, 8.
+    assert index.continuation(3, after=[4, 5]) == ([6, 7, 8], 2)
+    # The copy runs from the context on into the drafts themselves.
+    looping = NGramIndex(2, 3)
+    looping.extend([4, 5, 6, 1, 2, 3, 4])
+    assert looping.continuation(7, after=[5]) == ([6, 1, 2, 3, 4, 5], 2)
+    assert index.continuation(3, after=[9, 9]) == ([], 0)
 
 
 def test_index_rejects_bad_lengths() -> None:
@@ -154,6 +184,57 @@ def test_the_test_detects_a_copied_draft_verified_with_the_wrong_q() -> None:
     assert chi_square([o[0] for o in outputs], p[0]) > CHI2_999_DOF5
 
 
+def test_an_mtp_draft_continued_by_a_copy_keeps_the_target_distribution() -> None:
+    """A sampled MTP draft followed by a copy chosen from it (q: the head's row, then the copy's one-hot):
+    the first token follows p_0, the second (after an accepted first draft) p_1."""
+    vocab, trials = 6, 8_000
+    generator = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(3, vocab, generator=generator) * 1.5, dim=-1)
+    q0 = torch.softmax(torch.randn(vocab, generator=generator), dim=-1)
+    draws = torch.Generator().manual_seed(4)
+    outputs = []
+    for _ in range(trials):
+        first = int(torch.multinomial(q0, 1, generator=draws))
+        drafts = [first, (first * 5 + 1) % vocab]  # what the context held after the drafted token
+        q = torch.stack([q0, torch.nn.functional.one_hot(torch.tensor(drafts[1]), vocab).float()])
+        accepted, token = accept_sampled(p, q, drafts, draws)
+        outputs.append([*drafts[:accepted], token])
+    assert chi_square([o[0] for o in outputs], p[0]) < CHI2_999_DOF5
+    second = [o[1] for o in outputs if len(o) > 1]
+    assert len(second) > 2_000 and chi_square(second, p[1]) < CHI2_999_DOF5
+
+
+class HostSequence:
+    """What `DraftPolicy._extended` needs of a sequence: token ids on the (host) device."""
+
+    def ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_an_extended_mtp_draft_carries_one_hot_q_for_its_copy(sampled: bool) -> None:
+    index = NGramIndex(2, 4)
+    index.extend([3, 7, 1, 2, 6, 3, 7, 5])
+    policy = DraftPolicy(DraftSettings(mode="combined", mtp_k=2, lookup_k=5, adaptive=False), index)
+    vocab = 8
+    probs = torch.softmax(torch.randn(2, vocab), dim=-1) if sampled else None
+    head = Draft(torch.tensor([7, 1]), MTP, probs)  # context ... 3, 7, 5 then 7, 1: [7, 1] continued 2, 6, 3
+    draft = policy._extended(HostSequence(), head, limit=8)  # type: ignore[arg-type]
+    assert (
+        draft.source == MTP
+        and draft.host_tokens == [7, 1, 2, 6, 3]
+        and draft.tokens.tolist() == [7, 1, 2, 6, 3]
+    )
+    q = draft_distributions(draft, vocab)
+    expected = torch.nn.functional.one_hot(torch.tensor([7, 1, 2, 6, 3]), vocab).float()
+    if probs is not None:
+        expected[:2] = probs
+    assert torch.equal(q, expected)
+    assert policy._extended(HostSequence(), head, limit=2).k == 2  # the cycle's bound leaves no room
+    policy.settings.extend_mtp = False
+    assert policy._extended(HostSequence(), head, limit=8) is head
+
+
 # ---- through the engine ----------------------------------------------------------------------------------
 
 
@@ -187,15 +268,21 @@ def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], F
 
 
 @pytest.mark.parametrize(
-    ("drafting", "ngram", "lookup_k", "adaptive"),
-    [("lookup", (1, 3), 8, True), ("combined", (2, 4), 8, True), ("combined", (1, 2), 16, False)],
+    ("drafting", "ngram", "lookup_k", "adaptive", "extend"),
+    [
+        ("lookup", (1, 3), 8, True, True),
+        ("combined", (2, 4), 8, True, False),
+        ("combined", (1, 2), 24, False, True),  # past 16 drafts: the reference verifies any length
+    ],
 )
 def test_greedy_with_copied_drafts_equals_plain_greedy(
-    engine: Engine, drafting: str, ngram: tuple[int, int], lookup_k: int, adaptive: bool
+    engine: Engine, drafting: str, ngram: tuple[int, int], lookup_k: int, adaptive: bool, extend: bool
 ) -> None:
     engine.ngram, engine.lookup_k, engine.adaptive_drafts = ngram, lookup_k, adaptive
+    engine.extend_mtp = extend
     accepted = drafted = 0
     sources: set[str] = set()
+    longest_mtp = 0  # the longest draft a cycle started by the MTP head verified
     for prompt in copy_prompts(6, engine.config.vocab_size, seed=lookup_k):
         request = GenerateRequest(prompt, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
         engine.spec_k, engine.drafting = 0, "mtp"
@@ -210,8 +297,13 @@ def test_greedy_with_copied_drafts_equals_plain_greedy(
         accepted += usage.accepted_draft_tokens
         drafted += usage.draft_tokens
         sources |= set(usage.by_source)
+        if MTP in usage.by_source:
+            longest_mtp = max(longest_mtp, len(usage.by_source[MTP].accepted_per_position))
+    engine.extend_mtp = True
     assert LOOKUP in sources and (MTP in sources) == (drafting == "combined")
     assert 0 < accepted < drafted  # both the accepting and the rolling-back paths ran
+    if drafting == "combined":  # MTP drafts were continued by copies exactly when asked to
+        assert (longest_mtp > 2) == extend
 
 
 def test_greedy_with_penalties_and_copied_drafts_equals_plain(engine: Engine) -> None:

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "megakernel")
 # The most drafts one verify pass runs where a back end sets no launch bound of its own (the reference runs
-# any length; past this, copied drafts are rarely all accepted and the rollback records cost memory).
-MAX_VERIFY_DRAFTS = 16
+# any length: long copies are what an agent's rewritten file offers; past this, copied drafts are rarely all
+# accepted and the rollback records cost memory).
+MAX_VERIFY_DRAFTS = 32
 PREFILL_CHOICES = ("auto", "reference", "fast")
 PREFILL_ENV = "ONESTREAM_PREFILL"
 # Prompt tokens per prefill call on the reference path: bounds its T x T masked attention scores.

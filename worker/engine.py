@@ -117,13 +117,14 @@ class Engine:
         lookup_k: int | None = None,
         ngram: tuple[int, int] = DEFAULT_NGRAM,
         adaptive_drafts: bool = True,
+        extend_mtp: bool = True,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
         the checkpoint's own; `on_load_progress` hears how far the weights' load has got (a card's `loading`
         state), besides the terminal and log lines every load reports. `drafting`, `lookup_k`, `ngram`
-        (the lookup's shortest and longest n-gram) and `adaptive_drafts` say where speculative drafts come
-        from and how long they are (worker/drafting/)."""
+        (the lookup's shortest and longest n-gram), `adaptive_drafts` and `extend_mtp` (continue MTP drafts
+        with copies) say where speculative drafts come from and how long they are (worker/drafting/)."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
@@ -150,6 +151,7 @@ class Engine:
         DraftSettings(ngram=ngram)  # validates the lengths
         self.ngram = ngram
         self.adaptive_drafts = adaptive_drafts
+        self.extend_mtp = extend_mtp
         self._lookup_indexes: OrderedDict[str, NGramIndex] = OrderedDict()
         # Heal text prompts that end mid-token (tokenizer.TokenHealing); off by default so that a prompt's
         # tokens are exactly what the model is fed. `onestream generate` turns it on.
@@ -217,6 +219,7 @@ class Engine:
             lookup_k=self.lookup_k,
             ngram=self.ngram,
             adaptive=self.adaptive_drafts,
+            extend_mtp=self.extend_mtp,
         )
         return settings if settings.max_drafts > 0 else None
 

@@ -96,6 +96,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="copy the lookup's most tokens every cycle (no adaptive length)",
     )
+    spec.add_argument(
+        "--no-extend-mtp",
+        action="store_true",
+        help="combined: do not continue an MTP draft with a copy from the context",
+    )
     spec.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     spec.add_argument("--prompts-per-file", type=int, default=4)
     spec.add_argument("--max-prompts", type=int, default=32)
@@ -203,6 +208,7 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.ngram is not None:
         engine.ngram = tuple(args.ngram)
     engine.adaptive_drafts = not args.fixed_length
+    engine.extend_mtp = not args.no_extend_mtp
     if args.workload:
         prompts, described = _workload_prompts(engine, args)
     else:
@@ -241,6 +247,7 @@ def run_spec(args: argparse.Namespace) -> int:
             "lookup_k": engine.lookup_k,
             "ngram": list(engine.ngram),
             "adaptive": engine.adaptive_drafts,
+            "extend_mtp": engine.extend_mtp,
             "outputs_identical": True,
             "plain": plain.as_dict(),
             "speculative": [r.as_dict() | {"speedup": r.tokens_per_s / plain.tokens_per_s} for r in runs[1:]],

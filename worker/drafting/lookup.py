@@ -49,15 +49,23 @@ class NGramIndex:
         self.tokens, self._next = [], {}
         self.extend(tokens)
 
-    def continuation(self, limit: int) -> tuple[list[int], int]:
+    def continuation(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
         """(up to `limit` tokens that followed the latest earlier occurrence of the longest indexed suffix,
-        that suffix's length); ([], 0) when no suffix of n_min..n_max tokens occurred before."""
-        own = self.tokens
+        that suffix's length); ([], 0) when no suffix of n_min..n_max tokens occurred before.
+
+        `after`: tokens taken to follow the held ones without being indexed (an MTP draft to continue): the
+        suffix is that of the held tokens and `after`, the continuation may run on into `after`."""
         if limit < 1:
             return [], 0
-        for n in range(min(self.n_max, len(own) - 1), self.n_min - 1, -1):
-            key = own[len(own) - n :]
+        # Only the last n_max held tokens can be part of a suffix: no copy of the whole context.
+        tail = self.tokens[-self.n_max :] + list(after) if after else self.tokens
+        total = len(self.tokens) + len(after)
+        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
+            key = tail[len(tail) - n :]
             start = self._next.get(hash(tuple(key)))
-            if start is not None and own[start - n : start] == key:
-                return own[start : start + limit], n
+            if start is not None and self.tokens[start - n : start] == key:
+                copy = self.tokens[start : start + limit]
+                if len(copy) < limit and after:
+                    copy += list(after[: limit - len(copy)])
+                return copy, n
         return [], 0

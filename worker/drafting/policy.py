@@ -6,6 +6,11 @@ The comparison costs one small read-back per cycle that has a match: the head's 
 probability, against the lookup's recent first-position acceptance. Both are functions of the context
 only (not of a sampled draft), so the chosen draft's distribution is still the q rejection sampling uses.
 
+In `combined`, an MTP draft is continued by a copy (`extend_mtp`): when the context followed by the head's
+drafts ends in an n-gram seen before, what followed it is appended, up to the lookup's length. The head
+often drafts the token that brings a loop or a quoted stretch back to where the lookup finds it. The copied
+tokens are a function of the context and the drafts before them, so their q is the one-hot on each.
+
 Draft lengths adapt per source (`AdaptiveLength`): a cycle whose drafts were all accepted drafts more next
 time, one that failed drafts fewer, within [1, the source's maximum].
 """
@@ -86,14 +91,16 @@ class AdaptiveLength:
 
 @dataclass
 class DraftSettings:
-    """How a request's cycles draft: the mode, the most drafts per source, the lookup's n-gram lengths and
-    whether the lookup's draft lengths adapt (MTP drafts always take `mtp_k`)."""
+    """How a request's cycles draft: the mode, the most drafts per source, the lookup's n-gram lengths,
+    whether the lookup's draft lengths adapt (MTP drafts always take `mtp_k`) and whether `combined`
+    continues an MTP draft with a copy (`extend_mtp`, up to the lookup's length)."""
 
     mode: str = DEFAULT_MODE
     mtp_k: int = 2
     lookup_k: int = DEFAULT_LOOKUP_K
     ngram: tuple[int, int] = DEFAULT_NGRAM
     adaptive: bool = True
+    extend_mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,7 +156,9 @@ class DraftPolicy:
         if self.mtp is None or self.length(MTP, limit) == 0:
             return found
         if found is None:
-            return self.mtp.propose(seq, pending, sampler, self.length(MTP, limit))
+            return self._extended(
+                seq, self.mtp.propose(seq, pending, sampler, self.length(MTP, limit)), limit
+            )
         first = seq.draft_first(pending)  # keeps the MTP cache in step whichever draft is chosen
         probs = torch.softmax(first.logits[-1].float(), dim=-1)
         top_p, top = probs.max(dim=-1)
@@ -157,7 +166,27 @@ class DraftPolicy:
         assert found.host_tokens is not None
         if int(top_token) == found.host_tokens[0] or confidence <= self.lookup_confidence:
             return found
-        return continue_mtp_draft(seq, first, sampler, self.length(MTP, limit))
+        return self._extended(seq, continue_mtp_draft(seq, first, sampler, self.length(MTP, limit)), limit)
+
+    def _extended(self, seq: Sequence, draft: Draft, limit: int) -> Draft:
+        """`draft` (the MTP head's) continued by what followed the context's n-gram ending in it, up to the
+        lookup's length; unchanged when it already fills that or the context holds no such n-gram. Reads
+        the drafts back to the host (the cycle's one synchronisation moves before the verify)."""
+        if not self.settings.extend_mtp or self.lookup is None:
+            return draft
+        room = self.length(LOOKUP, limit) - draft.k
+        if room <= 0:
+            return draft
+        drafted = draft.tokens.tolist()
+        copy, _ = self.lookup.index.continuation(room, after=drafted)
+        if not copy:
+            return Draft(draft.tokens, draft.source, draft.probs, host_tokens=drafted)
+        copied = seq.ids(copy)
+        probs = draft.probs
+        if probs is not None:
+            one_hot = torch.nn.functional.one_hot(copied, probs.shape[-1]).to(probs.dtype)
+            probs = torch.cat([probs, one_hot])
+        return Draft(torch.cat([draft.tokens, copied]), draft.source, probs, host_tokens=drafted + copy)
 
     def record(self, draft: Draft, accepted: int) -> None:
         self.lengths[draft.source].update(draft.k, accepted)
