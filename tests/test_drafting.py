@@ -11,7 +11,7 @@ import pytest
 import torch
 from onestream.worker.api import SamplingParams
 from onestream.worker.drafting import LOOKUP, MTP, AdaptiveLength, Draft, NGramIndex, draft_distributions
-from onestream.worker.drafting.policy import DraftPolicy, DraftSettings
+from onestream.worker.drafting.policy import DraftPolicy, DraftSettings, LookupDrafter
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.speculative import accept_sampled
 from onestream.worker.testing_spec import write_draftable_checkpoint
@@ -233,6 +233,20 @@ def test_an_extended_mtp_draft_carries_one_hot_q_for_its_copy(sampled: bool) -> 
     assert policy._extended(HostSequence(), head, limit=2).k == 2  # the cycle's bound leaves no room
     policy.settings.extend_mtp = False
     assert policy._extended(HostSequence(), head, limit=8) is head
+
+
+def test_a_copy_continues_from_its_source_while_the_output_follows_it() -> None:
+    index = NGramIndex(2, 2)
+    index.extend([1, 2, 3, 4, 5, 6, 8, 3, 4, 9, 1, 2])
+    drafter = LookupDrafter(index)
+    seq = HostSequence()
+    assert drafter.propose(seq, 2, None, 1).host_tokens == [3]  # type: ignore[arg-type, union-attr]
+    index.extend([3, 4])  # the draft accepted, then the source's next token
+    # [3, 4] last occurred before 9, but the copy in progress goes on with 5, 6.
+    assert index.continuation(2) == ([9, 1], 2)
+    assert drafter.propose(seq, 4, None, 2).host_tokens == [5, 6]  # type: ignore[arg-type, union-attr]
+    index.extend([7])  # the output left the source: back to the lookup, which has no [4, 7]
+    assert drafter.propose(seq, 7, None, 2) is None  # type: ignore[arg-type]
 
 
 # ---- through the engine ----------------------------------------------------------------------------------

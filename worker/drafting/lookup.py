@@ -49,14 +49,12 @@ class NGramIndex:
         self.tokens, self._next = [], {}
         self.extend(tokens)
 
-    def continuation(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
-        """(up to `limit` tokens that followed the latest earlier occurrence of the longest indexed suffix,
-        that suffix's length); ([], 0) when no suffix of n_min..n_max tokens occurred before.
+    def match(self, after: Sequence[int] = ()) -> tuple[int, int] | None:
+        """(where the continuation of the latest earlier occurrence of the longest indexed suffix starts,
+        that suffix's length); None when no suffix of n_min..n_max tokens occurred before.
 
         `after`: tokens taken to follow the held ones without being indexed (an MTP draft to continue): the
-        suffix is that of the held tokens and `after`, the continuation may run on into `after`."""
-        if limit < 1:
-            return [], 0
+        suffix is that of the held tokens and `after`."""
         # Only the last n_max held tokens can be part of a suffix: no copy of the whole context.
         tail = self.tokens[-self.n_max :] + list(after) if after else self.tokens
         total = len(self.tokens) + len(after)
@@ -64,8 +62,17 @@ class NGramIndex:
             key = tail[len(tail) - n :]
             start = self._next.get(hash(tuple(key)))
             if start is not None and self.tokens[start - n : start] == key:
-                copy = self.tokens[start : start + limit]
-                if len(copy) < limit and after:
-                    copy += list(after[: limit - len(copy)])
-                return copy, n
-        return [], 0
+                return start, n
+        return None
+
+    def continuation(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
+        """(up to `limit` tokens from `match`'s start, read on into `after` past the held tokens, the
+        suffix's length); ([], 0) when nothing matched."""
+        found = self.match(after) if limit >= 1 else None
+        if found is None:
+            return [], 0
+        start, n = found
+        copy = self.tokens[start : start + limit]
+        if len(copy) < limit and after:
+            copy += list(after[: limit - len(copy)])
+        return copy, n

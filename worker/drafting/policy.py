@@ -56,20 +56,45 @@ class MTPDrafter:
 
 
 class LookupDrafter:
-    """Drafts from an `NGramIndex` that holds the session's tokens up to and including `pending`."""
+    """Drafts from an `NGramIndex` that holds the session's tokens up to and including `pending`.
+
+    A copy continues: while the tokens emitted since the last draft are what followed that draft's source,
+    the next draft is the source's continuation, without a lookup (the latest occurrence of a short n-gram
+    is often another stretch than the one being copied)."""
 
     source = LOOKUP
 
     def __init__(self, index: NGramIndex) -> None:
         self.index = index
+        self._copy: tuple[int, int] | None = None  # (where the last draft was copied from, tokens held then)
 
     def propose(self, seq: Sequence, pending: int, sampler: RequestSampler, k: int) -> Draft | None:
         if not self.index.tokens or self.index.tokens[-1] != pending:
             raise RuntimeError("the lookup index must hold every emitted token, the pending one included")
-        tokens, _ = self.index.continuation(k)
-        if not tokens:
+        if k < 1:
             return None
+        start = self._continued()
+        if start is None:
+            found = self.index.match()
+            if found is None:
+                self._copy = None
+                return None
+            start = found[0]
+        tokens = self.index.tokens[start : start + k]
+        self._copy = (start, len(self.index.tokens))
         return Draft(seq.ids(tokens), LOOKUP, host_tokens=tokens)
+
+    def _continued(self) -> int | None:
+        """Where the copy in progress continues, if every token emitted since its last draft followed it."""
+        if self._copy is None:
+            return None
+        start, held = self._copy
+        own = self.index.tokens
+        emitted = len(own) - held
+        end = start + emitted
+        if emitted < 1 or end >= len(own) or own[start:end] != own[held:]:
+            return None
+        return end
 
 
 class AdaptiveLength:
