@@ -93,6 +93,8 @@ def test_prompts_of_each_workload() -> None:
     assert [p.kind for p in complete] == ["complete"] * 4
     assert all(len(p.ids) == 60 and tokenizer.decode(p.ids) in CODE * 3 + CODE.replace("result", "found") * 3
                for p in complete)  # fmt: skip
+    assert all(tokenizer.decode(p.ids + p.expected) in CODE * 3 + CODE.replace("result", "found") * 3
+               and len(p.expected) == 24 for p in complete)  # fmt: skip
     edit = build_prompts("edit", sources, tokenizer, **options)
     assert edit and all(p.kind == "edit" for p in edit)
     texts = {source.name: source.text for source in sources}
@@ -101,6 +103,11 @@ def test_prompts_of_each_workload() -> None:
         assert header and original.strip() and original in texts[prompt.source]  # the snippet, unchanged
         edited_start = rest.split("----\n", 1)[1]
         assert RENAMED_SUFFIX in edited_start and edited_start.endswith("\n")  # up to its first edited line
+        # What a faithful continuation writes: the edited snippet's next tokens.
+        written = edited_start + tokenizer.decode(prompt.expected)
+        assert len(prompt.expected) == 24 and written in texts[prompt.source].replace(
+            *renamed(original)[1:]  # type: ignore[misc]
+        )
     mixed = build_prompts("mixed", sources, tokenizer, **options)
     assert [p.kind for p in mixed][:2] == ["complete", "edit"]
     assert mixed == build_prompts("mixed", sources, tokenizer, **options)  # deterministic

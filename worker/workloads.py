@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,8 @@ class WorkloadPrompt:
     kind: str  # "complete" or "edit"
     source: str
     ids: list[int]
+    # What a faithful continuation writes: the rest of the file (complete) or of the edited snippet (edit).
+    expected: list[int] = field(default_factory=list)
 
 
 def build_prompts(
@@ -132,21 +134,27 @@ def build_prompts(
             start = (last_start * i) // max(count - 1, 1) if count > 1 else 0
             kind = kinds[turn % len(kinds)]
             if kind == "complete":
-                ids = tokens[start : start + prompt_tokens]
+                end = start + prompt_tokens
+                parts: tuple[list[int], list[int]] | None = (
+                    tokens[start:end],
+                    tokens[end : end + max_tokens],
+                )
             else:
-                ids = _edit_prompt(tokenizer, tokens[start : start + prompt_tokens + max_tokens], max_tokens)
-            if ids is None:
+                parts = _edit_prompt(
+                    tokenizer, tokens[start : start + prompt_tokens + max_tokens], max_tokens
+                )
+            if parts is None:
                 continue
-            prompts.append(WorkloadPrompt(kind, source.name, ids))
+            prompts.append(WorkloadPrompt(kind, source.name, *parts))
             turn += 1
             if len(prompts) >= max_prompts:
                 return prompts
     return prompts
 
 
-def _edit_prompt(tokenizer: Any, window: list[int], max_tokens: int) -> list[int] | None:
-    """Original snippet, the edit line, and the edited snippet up to its first renamed line (inclusive),
-    provided at least `max_tokens` tokens of it remain to be written."""
+def _edit_prompt(tokenizer: Any, window: list[int], max_tokens: int) -> tuple[list[int], list[int]] | None:
+    """(original snippet, the edit line, and the edited snippet up to its first renamed line (inclusive);
+    the first `max_tokens` tokens of the rest of the edited snippet), provided that many remain."""
     # Whole lines: a snippet cut mid-line makes the copy start mid-token.
     text = tokenizer.decode(window)
     lines = text.split("\n")[1:-1]
@@ -162,4 +170,4 @@ def _edit_prompt(tokenizer: Any, window: list[int], max_tokens: int) -> list[int
     cut = edited.find("\n", first_change) + 1 or len(edited)
     prompt = tokenizer.encode(snippet + header + edited[:cut])
     rest = tokenizer.encode(edited[cut:])
-    return prompt if len(rest) >= max_tokens else None
+    return (prompt, rest[:max_tokens]) if len(rest) >= max_tokens else None
