@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -314,6 +315,8 @@ class SpecRun:
     outputs: list[list[int]] = field(repr=False, default_factory=list)
     drafting: str = "mtp"
     by_source: dict[str, SourceCounts] = field(default_factory=dict)
+    # This process's CPU time over the same span as decode_s: on a shared host, what the decode itself cost.
+    decode_cpu_s: float = 0.0
 
     @property
     def target_passes(self) -> int:
@@ -336,6 +339,11 @@ class SpecRun:
         return (self.generated_tokens - self.prompts) / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
+    def tokens_per_cpu_s(self) -> float:
+        """Decode speed in tokens per second of this process's CPU time (other load on the host left out)."""
+        return (self.generated_tokens - self.prompts) / self.decode_cpu_s if self.decode_cpu_s > 0 else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
@@ -350,6 +358,7 @@ class SpecRun:
         d = {k: v for k, v in asdict(self).items() if k != "outputs"}
         d |= {
             "tokens_per_s": self.tokens_per_s,
+            "tokens_per_cpu_s": self.tokens_per_cpu_s,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position(),
@@ -375,11 +384,16 @@ def run_spec(
             list(prompt), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True
         )
         ids: list[int] = []
+        cpu_first = None
         for item in engine.generate(request):
             if hasattr(item, "token_ids"):
+                if cpu_first is None and item.token_ids:
+                    cpu_first = time.process_time()  # the prefill's first token: decode starts
                 ids.extend(item.token_ids)
             else:
                 usage, timings = item.usage, item.timings
+        if cpu_first is not None:
+            run.decode_cpu_s += time.process_time() - cpu_first
         run.outputs.append(ids)
         run.generated_tokens += usage.generated_tokens
         run.decode_s += timings.decode_s

@@ -261,11 +261,11 @@ def run_spec(args: argparse.Namespace) -> int:
         f"{args.max_tokens} greedy tokens each; speculative outputs identical to plain"
     )
     print(
-        f"{'drafting':>8} {'k':>3} {'tok/s':>9} {'speedup':>8} {'verifies':>9} {'drafted':>8} {'accepted':>9} "
+        f"{'drafting':>8} {'k':>3} {'tok/s':>9} {'speedup':>8} {'cpu tok/s':>9} {'verifies':>9} {'drafted':>8} {'accepted':>9} "
         f"{'mean len':>9} {'tok/pass':>9}  per position  [by source: cycles, mean len]"
     )
     print(
-        f"{'plain':>8} {'-':>3} {plain.tokens_per_s:9.1f} {1.0:8.2f} {'-':>9} {'-':>8} {'-':>9} {'1.00':>9} "
+        f"{'plain':>8} {'-':>3} {plain.tokens_per_s:9.1f} {1.0:8.2f} {plain.tokens_per_cpu_s:9.1f} {'-':>9} {'-':>8} {'-':>9} {'1.00':>9} "
         f"{'1.00':>9}  ({plain.generated_tokens} tokens)"
     )
     for r in runs[1:]:
@@ -275,7 +275,8 @@ def run_spec(args: argparse.Namespace) -> int:
         )
         k = "-" if r.drafting == "lookup" else str(r.k)
         print(
-            f"{r.drafting:>8} {k:>3} {r.tokens_per_s:9.1f} {r.tokens_per_s / plain.tokens_per_s:8.2f} {r.drafts:9d} "
+            f"{r.drafting:>8} {k:>3} {r.tokens_per_s:9.1f} {r.tokens_per_s / plain.tokens_per_s:8.2f} "
+            f"{r.tokens_per_cpu_s:9.1f} {r.drafts:9d} "
             f"{r.draft_tokens:8d} {r.accepted_tokens:9d} {r.mean_accepted_length:9.2f} {r.tokens_per_pass:9.2f}  "
             f"{per_position}  [{sources}]"
         )
