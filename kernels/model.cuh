@@ -18,6 +18,13 @@
 #define MK_GQ (MK_NH / MK_KVH)                     // query heads per key/value head
 #define MK_GQ_PAIRS (MK_GQ * MK_NT)                // (query head, token) pairs per key/value head
 #define MK_VR (MK_HV / MK_HK)                      // DeltaNet value heads per key head
+// llama.cpp's converter stores ssm_out's columns with the value heads tiled (value head hv at hv % VR * HK + hv / VR);
+// its K-quant blocks span heads, so a GGUF's ssm_out keeps the file's columns and the kernel stages its input
+// (the gated norm's output) in that order instead (kernels/quant_weights.py decides, KernelPlan.dn_out_tiled).
+#ifndef MK_DN_OUT_TILED
+#define MK_DN_OUT_TILED 0
+#endif
+#define MK_DN_OUT_HEAD(hv) (MK_DN_OUT_TILED ? ((hv) % MK_VR) * MK_HK + (hv) / MK_VR : (hv))
 
 #define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define MK_KMAX MK_MAX2(MK_MAX2(2 * MK_H, MK_VD), MK_MAX2(MK_AD, MK_I))  // widest GEMV input (2H: MTP fc)

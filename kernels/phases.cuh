@@ -207,7 +207,7 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
             const bool ok = i < N;
             const int ii = ok ? i : 0;
             const int j = ii % GN_VH, th = ii / GN_VH, t = th / MK_HV, hv = th - t * MK_HV;
-            const int e0 = hv * MK_DV + j * 8;
+            const int e0 = MK_DN_OUT_HEAD(hv) * MK_DV + j * 8;  // ssm_out's column (tiled for a GGUF)
             float o[8], zz[8];
             unpack8(cv[b], o);
             unpack8(zv[b], zz);
@@ -239,8 +239,8 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     for (int th = warp; th < MK_NT * MK_HV; th += MK_NWARPS) {
         const int t = th / MK_HV, hv = th - t * MK_HV;
-        const int base = t * MK_VD + hv * MK_DV;
-        if (hv * MK_DV >= k1 || (hv + 1) * MK_DV <= k0) continue;  // warp-uniform: the head is outside the window
+        const int base = t * MK_VD + hv * MK_DV, col = MK_DN_OUT_HEAD(hv) * MK_DV;  // col: ssm_out's
+        if (col >= k1 || col + MK_DV <= k0) continue;  // warp-uniform: the head is outside the window
         float ss = 0.0f;
         for (int i = lane; i < MK_DV; i += 32) {
             const float o = bf2f(ld_cg_bf(core + base + i));
@@ -248,7 +248,7 @@ __device__ void stage_gated_norm(const bf16_t* core, const bf16_t* z, const bf16
         }
         const float r = rsqrtf(warp_sum(ss) / (float)MK_DV + MK_EPS);
         for (int i = lane; i < MK_DV; i += 32) {
-            const int e = hv * MK_DV + i;
+            const int e = col + i;
             if (e < k0 || e >= k1) continue;
             const float n = RBI(bf2f(ld_cg_bf(core + base + i)) * r);
             const float y = RBI(bf2f(__ldg(w + i)) * n);

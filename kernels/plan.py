@@ -148,6 +148,9 @@ class KernelPlan:
     # named once per format its tensors use (a Q4_K_M file mixes Q4_K and Q6_K within a kind); a kind not named is
     # bf16. Keep it sorted (`weight_formats_of` makes one) so that equal plans compare and hash equal.
     weight_formats: tuple[tuple[str, WeightFormat], ...] = ()
+    # ssm_out's columns hold the value heads in llama.cpp's tiled order (a GGUF with fewer key than value heads):
+    # the DeltaNet output phase stages its input in that order (model.cuh MK_DN_OUT_HEAD).
+    dn_out_tiled: bool = False
 
     def __post_init__(self) -> None:
         check_supported(self.config, self.tokens_per_launch, self.tuning)
@@ -410,6 +413,8 @@ class KernelPlan:
             shapes["MK_XSW"] = quant_sum_width(self.window)
         if not self.streams_bf16:
             shapes["MK_GEMV_BF16"] = 0
+        if self.dn_out_tiled:  # left out otherwise: plans in HF order keep their defines (and their PTX)
+            shapes["MK_DN_OUT_TILED"] = 1
         if t.phase_timing:
             shapes["MK_PHASE_TIMING"] = 1
         return {**preamble_defines(), **shapes}

@@ -2,9 +2,14 @@
 repacked once into kernels/quant_layout.py's device layout, and the table pointers that name them.
 
 A quantized model (worker/quant's `install_quantized_weights`) keeps GGUF bytes in its QuantizedLinear /
-QuantizedEmbedding modules, which the reference back end still reads (prefill, long steps); the megakernel gets
-its own repacked copy of each, uploaded when the runner is built. A weight slot of the kernel's tables holds the
+QuantizedEmbedding modules. The runner repacks each into the kernel's layout and the module hands its bytes over
+(`hand_over`): the reference back end (prefill, long steps) then dequantizes from the repacked copy, bit for bit
+the same values, so the device holds one copy of every weight. A weight slot of the kernel's tables holds the
 device pointer with the format code (quant_layout.FORMAT_CODES) in its top byte, 0 for bf16 (gemv_quant.cuh).
+
+A GGUF's ssm_out (fewer key than value heads) keeps llama.cpp's tiled value-head columns, since its K-quant blocks
+span heads (worker/layers/quantized.py's PermutedInputLinear permutes the input instead); the kernel stages that
+GEMV's input in the same order (`dn_out_tiled`, model.cuh MK_DN_OUT_HEAD).
 """
 
 from __future__ import annotations
@@ -18,9 +23,53 @@ from onestream.worker.quant import QuantType
 from onestream.worker.quant.weight import QuantizedEmbedding, QuantizedLinear
 
 from .plan import WeightFormat, weight_formats_of
-from .quant_layout import FORMAT_CODES, RepackedWeight, repack
+from .quant_layout import FORMAT_CODES, RepackedWeight, read_repacked, repack
 
 TAG_SHIFT = 56  # gemv_quant.cuh QF_TAG_SHIFT
+READ_CHUNK_ELEMENTS = 1 << 25  # rows read at a time: the reader's int32 / fp32 temporaries stay ~0.5 GB
+
+
+class RepackedSource:
+    """A module's weight read back from its repacked copy (worker/quant's WeightSource): what the reference
+    back end dequantizes once the module has handed its GGUF bytes over."""
+
+    def __init__(self, packed: RepackedWeight) -> None:
+        self.packed = packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.data.numel()
+
+    def _read(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows, k = data.shape[0], self.packed.shape[1]
+        out = torch.empty((rows, k), dtype=dtype, device=data.device)
+        step = max(1, READ_CHUNK_ELEMENTS // k)
+        for r0 in range(0, rows, step):
+            part = data[r0 : r0 + step]
+            out[r0 : r0 + part.shape[0]] = read_repacked(
+                RepackedWeight(self.packed.qtype, (part.shape[0], k), part)
+            ).to(dtype)
+        return out
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._read(self.packed.data, dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        picked = self.packed.data[index.reshape(-1).to(self.packed.data.device)]
+        return self._read(picked, dtype).reshape(*index.shape, self.packed.shape[1])
+
+
+def tiled_columns(config: Any) -> torch.Tensor:
+    """The column order of a GGUF's ssm_out (PermutedInputLinear.index) that MK_DN_OUT_HEAD stages."""
+    hk, hv, dv = config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim
+    r = hv // hk
+    heads = torch.tensor([(p % hk) * r + p // hk for p in range(hv)])  # the grouped head at tiled position p
+    return (heads[:, None] * dv + torch.arange(dv)[None, :]).reshape(-1)
+
+
+def _quantized_module(module: Any) -> Any:
+    """The module that holds a GEMV weight (a PermutedInputLinear's inner layer)."""
+    return module.inner if isinstance(module, PermutedInputLinear) else module
 
 
 def kind_modules(model: Any, layers: list[Any], has_mtp: bool) -> dict[str, list[list[Any]]]:
@@ -48,11 +97,7 @@ def kind_modules(model: Any, layers: list[Any], has_mtp: bool) -> dict[str, list
 
 
 def module_format(module: Any) -> WeightFormat:
-    if isinstance(module, PermutedInputLinear):
-        raise UnsupportedModelError(
-            "megakernel: a GGUF file's ssm_out keeps llama.cpp's tiled value-head columns (the layer permutes its "
-            "input), which the GEMV does not do yet"
-        )
+    module = _quantized_module(module)
     if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
         qtype = QuantType.of(module.qtype)
         if qtype not in FORMAT_CODES:
@@ -74,6 +119,7 @@ class DeviceWeights:
 
     def __init__(self, model: Any, layers: list[Any], has_mtp: bool) -> None:
         self.kinds = kind_modules(model, layers, has_mtp)
+        self.dn_out_tiled = _dn_out_tiled(model.config, self.kinds["dn_out"])
         formats: dict[str, set[WeightFormat]] = {}
         self._repacked: dict[int, RepackedWeight] = {}
         self.gemv_bytes = 0  # bytes the GEMVs read of every weight (the MTP head's included)
@@ -97,14 +143,22 @@ class DeviceWeights:
         self.quantized = bool(self._repacked)
 
     def _add(self, module: Any) -> int:
+        module = _quantized_module(module)
         if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             return module.weight.numel() * module.weight.element_size()
         if id(module) not in self._repacked:
-            self._repacked[id(module)] = repack(module.qtype, module.raw, tuple(module.shape))
+            if isinstance(module.source, RepackedSource):  # another runner on this model repacked it
+                packed = module.source.packed
+            else:
+                packed = repack(module.qtype, module.raw, tuple(module.shape))
+                # One copy on the device: the reference dequantizes from this one from now on.
+                module.hand_over(RepackedSource(packed))
+            self._repacked[id(module)] = packed
         return self._repacked[id(module)].streamed_bytes
 
     def pointer(self, module: Any) -> int:
         """The table entry of a GEMV weight: its device pointer, tagged with its format code when quantized."""
+        module = _quantized_module(module)
         packed = self._repacked.get(id(module))
         if packed is None:
             weight = module.weight
@@ -120,3 +174,23 @@ class DeviceWeights:
     def repacked_bytes(self) -> int:
         """Device bytes of the repacked copies (what the megakernel adds to the model's own weights)."""
         return sum(p.data.numel() for p in self._repacked.values())
+
+
+def _dn_out_tiled(config: Any, groups: list[list[Any]]) -> bool:
+    """Whether every DeltaNet layer's ssm_out keeps a GGUF's tiled columns (all or none: one build)."""
+    permuted = [isinstance(m, PermutedInputLinear) for group in groups for m in group]
+    if not any(permuted):
+        return False
+    if not all(permuted):
+        raise UnsupportedModelError(
+            "megakernel: some DeltaNet out_proj layers keep a GGUF's tiled value-head columns and others do not"
+        )
+    expected = tiled_columns(config)
+    for group in groups:
+        for module in group:
+            if not torch.equal(module.index.cpu(), expected):
+                raise UnsupportedModelError(
+                    "megakernel: a DeltaNet out_proj permutes its input in an order other than llama.cpp's "
+                    "tiled value heads"
+                )
+    return True

@@ -148,6 +148,7 @@ class MegakernelRunner:
             self.tuning,
             smem_limit=self.smem_limit,
             weight_formats=self.weights.weight_formats,
+            dn_out_tiled=self.weights.dn_out_tiled,
         )
         if plan.smem_bytes > plan.smem_limit:
             raise MegakernelError(

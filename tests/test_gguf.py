@@ -263,6 +263,37 @@ def test_quantize_round_trip_and_quantize_on_load(k_model_dir: Path, tmp_path: P
     assert kld(from_file, on_load.forward(TOKENS)[0]) < 0.05
 
 
+def test_a_gguf_in_llama_cpps_order_loads_to_its_source(tmp_path: Path) -> None:
+    """A file whose value heads our writer reordered as llama.cpp's converter does (2 key heads, 4 value heads)
+    loads to the model it was written from: every matrix holds Q8_0-exact values (levels times 2^-10, a 127 in
+    each block), so the file is lossless and the loaded model differs from the source only in the order of
+    ssm_out's sums (it keeps the file's tiled columns and permutes its input); the megakernel takes that
+    order as it is (kernels/quant_weights.py)."""
+    from onestream.kernels.quant_weights import DeviceWeights
+    from onestream.worker.layers.quantized import PermutedInputLinear
+    from safetensors.torch import load_file, save_file
+
+    directory = write_tiny_checkpoint(tmp_path / "hf", config=tiny_config(**K_CONFIG))
+    tensors = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            levels = torch.randint(-127, 128, t.shape, generator=generator).float()
+            levels[:, ::32] = 127.0
+            tensors[name] = levels * 2.0**-10
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    path = write_gguf(open_checkpoint(directory), tmp_path / "q8.gguf", choose=one_type(QuantType.Q8_0))
+    source = load_model(directory, dtype=torch.float32)
+    model = load_model(path, dtype=torch.float32)
+    assert isinstance(model.model.layers[0].linear_attn.out_proj, PermutedInputLinear)
+    expected, got = source.forward(TOKENS)[0], model.forward(TOKENS)[0]
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    weights = DeviceWeights(model, [*model.model.layers, *model.mtp.layers], has_mtp=True)
+    assert weights.dn_out_tiled and weights.quantized
+    # The reference reads the repacked copy now: the same model still.
+    assert torch.equal(model.forward(TOKENS)[0], got)
+
+
 def test_split_shards_load_as_one_model(k_model_dir: Path, tmp_path: Path) -> None:
     first = write_gguf(
         open_checkpoint(k_model_dir),

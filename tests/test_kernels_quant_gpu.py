@@ -26,8 +26,13 @@ if HAS_GPU:
     from onestream.kernels.layout import Phase
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.random_quant import preset_types, quantize_randomly
-    from onestream.worker.quant import QuantType
-    from onestream.worker.testing import tiny_config
+    from onestream.kernels.runtime import MegakernelRunner
+    from onestream.worker.checkpoints import open_checkpoint
+    from onestream.worker.checkpoints.gguf_writer import write_gguf
+    from onestream.worker.layers.quantized import PermutedInputLinear
+    from onestream.worker.loading import load_model
+    from onestream.worker.quant import QuantizedEmbedding, QuantizedLinear, QuantType
+    from onestream.worker.testing import tiny_config, write_tiny_checkpoint
 
 FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1"]
 
@@ -40,7 +45,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def dequantized(module) -> torch.Tensor:
     """The fp32 weight of a quantized module (worker/quant's dequantization: what the kernel multiplies)."""
-    return module.quantized.dequantize(torch.float32)
+    return module.dequantize(torch.float32)
 
 
 def small_config():
@@ -243,3 +248,56 @@ def test_q4_k_m_27b_verify_launch_equals_single_steps(q4_k_m_27b):
     four = runner.step(tokens, batch, keep_states=True).logits[:4].clone()
     for t in range(4):
         assert torch.equal(four[t], one[t]), (t, float((four[t] - one[t]).abs().max()))
+
+
+# ---- a GGUF in llama.cpp's order, and the device's one copy of the weights ----------------------------------
+@pytest.fixture(scope="module")
+def tiled_gguf(tmp_path_factory):
+    """The small model (2 key heads, 4 value heads, rows of 256) written by our writer as Q4_K_M in llama.cpp's
+    tiled value-head order: ssm_out's one Q4_K block per row spans all four heads, so it keeps the file's columns."""
+    tmp = tmp_path_factory.mktemp("tiled")
+    source = write_tiny_checkpoint(tmp / "hf", config=small_config())
+    path = write_gguf(open_checkpoint(source), tmp / "q4_k_m.gguf", preset="q4_k_m", device="cuda")
+    model = load_model(path, device="cuda", dtype=torch.bfloat16)
+    runner = DiagnosticRunner(model)
+    yield model, runner
+    del runner, model
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def test_a_gguf_in_llama_cpps_order_runs_on_the_megakernel(tiled_gguf):
+    model, runner = tiled_gguf
+    assert isinstance(model.model.layers[0].linear_attn.out_proj, PermutedInputLinear)
+    assert runner.plan.dn_out_tiled and "MK_DN_OUT_TILED" in runner.plan.defines()
+    assert_close_to_fp32("GGUF, tiled ssm_out", *steps_against_references(model, runner, steps=8))
+
+
+@torch.no_grad()
+def test_the_runner_keeps_one_copy_of_the_weights():
+    """Device bytes: building the runner repacks every quantized weight and the model's modules drop their GGUF
+    bytes, so the device grows by the runner's own buffers and the rows' padding, not by a second copy."""
+    model = random_model(config_27b(2), seed=3)
+    quantize_randomly(model, preset_types(model, "q4_k_m"), seed=9)
+    quantized = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    raw = sum(m.raw.numel() for m in quantized)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    runner = MegakernelRunner(model)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    own = [*runner.buf.values(), *runner._params.values(), runner.ctrl, runner._globals, runner._layers]
+    own_bytes = sum(t.numel() * t.element_size() for t in own) + sum(
+        b.sync.numel() * 8 for b in runner._builds.values()
+    )
+    padding = runner.weights.repacked_bytes - raw
+    print(
+        f"\nquantized {raw / 2**20:.1f} MiB, device grew {grown / 2**20:.1f} MiB (runner buffers "
+        f"{own_bytes / 2**20:.1f}, row padding {padding / 2**20:.2f})"
+    )
+    assert all(m.raw.numel() == 0 for m in quantized)
+    assert grown <= own_bytes + padding + (4 << 20)
+    assert raw > 8 * (own_bytes + (4 << 20))  # a second copy could not hide in the slack
+    del runner, model
+    torch.cuda.empty_cache()

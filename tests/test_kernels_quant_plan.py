@@ -22,7 +22,13 @@ from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.random_quant import preset_types, quantize_randomly
 from onestream.kernels.tuning import Tuning
 from onestream.worker.errors import UnsupportedModelError
-from onestream.worker.quant import QuantizedWeight, QuantType, install_quantized_weights
+from onestream.worker.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    QuantType,
+    install_quantized_weights,
+)
 from onestream.worker.testing import tiny_config
 
 W = WeightFormat
@@ -148,3 +154,69 @@ def test_the_q4_k_m_build_compiles_and_its_gemv_loop_does_not_spill(arch: str, s
     probe = report["mk_gemv_quant_probe"]
     assert probe["spill_stores"] == 0 and probe["spill_loads"] == 0, probe
     print(f"\nq4_k_m {arch}: mk_decode {report['mk_decode']}, GEMV loop {probe}")
+
+
+@torch.no_grad()
+def test_repacking_hands_the_bytes_over_and_the_reference_reads_the_copy() -> None:
+    """Once the runner's weights are repacked, each quantized module drops its GGUF bytes and dequantizes from
+    the repacked copy, bit for bit as before: the model's tensors and the copy together hold the weights once."""
+
+    def tensor_bytes(model) -> int:
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+        return sum(seen.values())
+
+    model = random_model(small_config(), seed=2, device="cpu")
+    quantize_randomly(model, preset_types(model, "q4_k_m"), seed=3)
+    quantized = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    before = {id(m): m.dequantize(torch.float32) for m in quantized}
+    ids = torch.tensor([5, 17, 3, 250, 9])
+    logits = model.forward(ids[None])[0]
+    raw_bytes, held_before = sum(m.raw.numel() for m in quantized), tensor_bytes(model)
+    layers = [*model.model.layers, *model.mtp.layers]
+    weights = DeviceWeights(model, layers, has_mtp=True)
+    assert all(m.raw.numel() == 0 and m.source is not None for m in quantized)
+    for m in quantized:
+        assert torch.equal(m.dequantize(torch.float32), before[id(m)])
+    assert torch.equal(model.forward(ids[None])[0], logits)
+    # One copy: the model's own tensors lost the GGUF bytes; the repacked copy adds them back (rows padded).
+    assert tensor_bytes(model) == held_before - raw_bytes
+    assert raw_bytes <= weights.repacked_bytes <= 1.05 * raw_bytes
+    with pytest.raises(RuntimeError, match="handed its GGUF bytes over"):
+        _ = quantized[0].quantized
+    # A second runner on the model shares the first one's copy.
+    again = DeviceWeights(model, layers, has_mtp=True)
+    assert again.pointer(model.lm_head) == weights.pointer(model.lm_head)
+    assert again.repacked_bytes == weights.repacked_bytes
+
+
+def test_the_kernels_tiled_columns_are_the_gguf_layouts() -> None:
+    """MK_DN_OUT_HEAD's order (quant_weights.tiled_columns) is the permutation the GGUF loader gives ssm_out."""
+    from onestream.kernels.quant_weights import tiled_columns
+    from onestream.worker.checkpoints.gguf_layout import grouped_to_tiled
+
+    for hk, hv in ((1, 2), (2, 4), (16, 48), (4, 4)):
+        config = tiny_config(linear_num_key_heads=hk, linear_num_value_heads=hv)
+        dv = config.linear_value_head_dim
+        assert torch.equal(tiled_columns(config), grouped_to_tiled(config, dv)), (hk, hv)
+
+
+def test_a_tiled_plan_defines_its_order_and_others_keep_their_defines() -> None:
+    plain = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats())
+    tiled = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats(), dn_out_tiled=True
+    )
+    assert "MK_DN_OUT_TILED" not in plain.defines()
+    assert {**plain.defines(), "MK_DN_OUT_TILED": 1} == tiled.defines()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_tiled_build_compiles() -> None:
+    # The 27B shapes take the vectorised gated norm (dv 128), value heads of 48 the per-warp one.
+    plan = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats(), dn_out_tiled=True
+    )
+    nvcc_compile(plan, "sm_90", ptxas_verbose=False)
+    odd = tiny_config(linear_value_head_dim=48)
+    nvcc_compile(
+        KernelPlan(odd, num_sms=132, smem_limit=227 * 1024, dn_out_tiled=True), "sm_90", ptxas_verbose=False
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,22 @@ class QuantizedWeight:
         )
 
 
+class WeightSource(Protocol):
+    """Another holder of a module's weight, in its own layout (the megakernel's repacked copy,
+    kernels/quant_weights.py): what the module reads once it has handed its bytes over."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in `dtype`, bit for bit what the GGUF bytes dequantize to."""
+        ...
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a 2-D weight in `dtype` -> `[*index.shape, cols]`."""
+        ...
+
+
 class _QuantizedModule(nn.Module):
     """Holds a weight's bytes as a buffer (moves with `.to(device)`) and its compute dtype (follows
     `.to(dtype)`); with `dequantize_once` also the dequantized weight, as a buffer that follows both."""
@@ -86,17 +103,41 @@ class _QuantizedModule(nn.Module):
         self.register_buffer(
             "dequantized", weight.dequantize(dtype) if dequantize_once else None, persistent=False
         )
+        self.source: WeightSource | None = None  # set by `hand_over`: the bytes live there, not in `raw`
 
     @property
     def quantized(self) -> QuantizedWeight:
+        if self.source is not None:
+            raise RuntimeError(
+                f"this {self.qtype.name} weight handed its GGUF bytes over (to the megakernel's copy); "
+                "read it with dequantize()"
+            )
         return QuantizedWeight(self.qtype, self.shape, self.raw)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight's blocks, wherever they live."""
+        return self.source.nbytes if self.source is not None else self.raw.numel()
+
+    def hand_over(self, source: WeightSource) -> None:
+        """Drop our bytes (`raw` becomes empty) and read the weight from `source`, which holds the same values
+        in its own layout: the device then holds one copy. Irreversible; `source` must stay where it is (it
+        does not follow `.to(device)`)."""
+        self.source = source
+        self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The full weight in `dtype`, from whichever copy holds it."""
+        if self.source is not None:
+            return self.source.dequantize(dtype)
+        return self.quantized.dequantize(dtype)
 
     @property
     def weight(self) -> torch.Tensor:
         """The full-precision weight in the compute dtype: the kept copy, or dequantized now."""
         if self.dequantized is not None:
             return self.dequantized
-        return self.quantized.dequantize(self.compute_dtype)
+        return self.dequantize(self.compute_dtype)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
@@ -139,6 +180,8 @@ class QuantizedEmbedding(_QuantizedModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dequantized is not None:
             return F.embedding(ids, self.dequantized)
+        if self.source is not None:
+            return self.source.rows(ids, self.compute_dtype)
         return self.quantized.rows(ids, self.compute_dtype)
 
 
@@ -175,4 +218,4 @@ def install_quantized_weights(
 
 def quantized_nbytes(model: nn.Module) -> int:
     """Bytes of the quantized weights a model holds (their GGUF blocks)."""
-    return sum(m.raw.numel() for m in model.modules() if isinstance(m, _QuantizedModule))
+    return sum(m.nbytes for m in model.modules() if isinstance(m, _QuantizedModule))
