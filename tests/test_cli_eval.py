@@ -84,6 +84,23 @@ def test_eval_kld_sees_a_different_model(
     assert mean_kld > 0.1  # two unrelated random models disagree
 
 
+def test_eval_kld_against_the_reference_runs_the_same_quantized_weights(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--quantize applies to `--against reference` too (the megakernel's bar: the fp32 reference on the same
+    quantized weights); --against-quantize overrides it."""
+    token_file = tmp_path / "ids.txt"
+    token_file.write_text(" ".join(map(str, torch.randint(0, 256, (200,)).tolist())))
+    common = ["eval", "kld", "--model", str(tiny_dir), "--tokens", str(token_file), "--ctx", "100",
+              "--backend", "reference", "--device", "cpu", "--dtype", "fp32", "--json", "--quantize", "q8_0",
+              "--against", "reference"]  # fmt: skip
+    assert main(common) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["positions"] == 198 and abs(same["mean_kld"]) < 1e-6 and same["same_top1_pct"] == 100.0
+    assert main([*common, "--against-quantize", "q4_k_m"]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_kld"] > 1e-4  # another quantization: it shows
+
+
 def test_kld_statistics_on_known_distributions() -> None:
     torch.manual_seed(0)
     ref = torch.randn(1000, 8)

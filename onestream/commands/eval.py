@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kld.add_argument(
         "--against",
         required=True,
-        help="hf (transformers on the same checkpoint), reference (our PyTorch model on the same checkpoint), "
-        "or another model in any format (a checkpoint DIR, a .gguf file; --against-quantize for a quantized variant)",
+        help="hf (transformers on the same checkpoint), reference (our PyTorch model on the same checkpoint and "
+        "--quantize preset), or another model in any format (a checkpoint DIR, a .gguf file; --against-quantize "
+        "for a quantized variant)",
     )
     add_format_arguments(kld, prefix="against-")
     source = kld.add_mutually_exclusive_group(required=True)
@@ -166,9 +167,14 @@ def run_kld(args: argparse.Namespace) -> int:
         ref: Any = TransformersForward(checkpoint.path, device=device, dtype=ref_dtype)
     else:
         same = args.against == "reference"
+        # `reference` runs the same weights: a --quantize preset applies to it too unless --against-quantize says
+        # otherwise (the megakernel's bar is the fp32 reference on the same quantized weights).
+        quantize = args.against_quantize
+        if same and quantize is None:
+            quantize = args.quantize
         against = open_checkpoint(
             checkpoint.path if same else Path(args.against),
-            quantize=args.against_quantize,
+            quantize=quantize,
             tokenizer_dir=args.against_tokenizer,
         )
         if against.config.vocab_size != backend.config.vocab_size:

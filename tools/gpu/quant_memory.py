@@ -1,0 +1,161 @@
+"""Device memory of the megakernel engine on a quantized 27B-shaped model at a long context (issue 21: "under 23 GB,
+so it fits a 24 GB card"), measured, beside worker/memory.py's accounting of the same model.
+
+    PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/quant_memory.py --preset q4_k_m --context 32768
+
+A random model of the 27B shapes (64 layers, MTP head) with every matrix, the embedding included, in fresh random
+GGUF blocks of the preset's per-tensor types (kernels/random_quant.py: what a Q4_K_M file holds), on the megakernel
+back end as the engine runs it: the runner (repacked weights, which the reference then reads: one copy), the builds
+of 1..k+1 tokens per launch, one sequence state of `--context` positions filled by the fast prefill, decode steps, a
+verify of k + 1 tokens recording its DeltaNet states, MTP drafts, a rollback. Reported: the torch allocator's peak
+(allocated and reserved) over the whole run, what the runner holds itself (its buffers, the bf16 embedding rows the
+kernel reads, the repacked weights), CuPy's pool, and the device's used memory (CUDA context and modules included),
+against the target. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+GIB = 1 << 30
+TARGET_BYTES = 23 * 10**9  # issue 21: under 23 GB
+
+
+def quantized_27b(layers: int, preset: str, device: torch.device) -> tuple[object, dict[str, str]]:
+    from onestream.kernels.random_model import config_27b, random_model
+    from onestream.kernels.random_quant import preset_types, quantize_randomly, random_blocks
+    from onestream.worker.quant import QuantizedWeight, install_quantized_weights
+
+    model = random_model(config_27b(layers, mtp=True), seed=0, device=device)
+    pick = preset_types(model, preset)
+    chosen = {n: t.name for n, t in quantize_randomly(model, pick, seed=1).items()}
+    embed = model.model.embed_tokens
+    if not model.config.tie_word_embeddings:  # a GGUF's token_embd is quantized too (Q4_K in a Q4_K_M file)
+        shape = (int(embed.weight.shape[0]), int(embed.weight.shape[1]))
+        qtype = pick("model.embed_tokens.weight", shape)
+        g = torch.Generator(device=device).manual_seed(2)
+        raw = random_blocks(qtype, shape, generator=g, device=device)
+        install_quantized_weights(
+            model, {"model.embed_tokens.weight": QuantizedWeight(qtype, shape, raw)}, dtype=torch.bfloat16
+        )
+        chosen["model.embed_tokens.weight"] = qtype.name
+    return model, chosen
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="q4_k_m")
+    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--prompt", type=int, default=None, help="prefill tokens (default: context - 64)")
+    parser.add_argument("--spec-k", type=int, default=3, help="drafts per verify (k + 1 tokens per launch)")
+    args = parser.parse_args()
+
+    from onestream.kernels.backend import MegakernelBackend
+    from onestream.worker.memory import device_memory, preset_weight_types
+
+    device = torch.device("cuda")
+    torch.cuda.init()
+    free0, total = torch.cuda.mem_get_info(device)
+    t0 = time.perf_counter()
+    model, chosen = quantized_27b(args.layers, args.preset, device)
+    config = model.config
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model_bytes = torch.cuda.memory_allocated()
+    print(f"model built in {time.perf_counter() - t0:.1f} s: {model_bytes / GIB:.2f} GiB on the device")
+
+    backend = MegakernelBackend(model)
+    runner = backend.runner
+    k = args.spec_k
+    backend.prepare(k + 1)
+    after_runner = torch.cuda.memory_allocated()
+    state = backend.new_state(args.context)
+    prompt_len = args.prompt or args.context - 64
+    g = torch.Generator(device=device).manual_seed(5)
+    ids = torch.randint(0, config.vocab_size, (prompt_len,), device=device, generator=g)
+    t1 = time.perf_counter()
+    out = backend.prefill(ids, state)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t1
+    token = out.logits[-1].argmax().reshape(1)
+    for _ in range(4):
+        step = backend.decode(token, state)
+        token = step.logits[-1].argmax().reshape(1)
+    drafts = torch.randint(0, config.vocab_size, (k,), device=device, generator=g)
+    verify, accepted, _, _ = backend.verify_greedy(torch.cat((token, drafts)), state)
+    backend.rollback(state, k - accepted)
+    hidden = verify.hidden[: accepted + 1]
+    pairs = torch.randint(0, config.vocab_size, (accepted + 1,), device=device, generator=g)
+    backend.draft(pairs, hidden, state)
+    torch.cuda.synchronize()
+
+    import cupy
+
+    stats = torch.cuda.memory_stats()
+    peak, reserved_peak = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+    free1, _ = torch.cuda.mem_get_info(device)
+    cupy_pool = cupy.get_default_memory_pool().total_bytes()
+    buffers = tensor_bytes(
+        [*runner.buf.values(), *runner._params.values(), runner.ctrl, runner._globals, runner._layers]
+        + [b.sync for b in runner._builds.values()]
+        + [runner._att_part, runner._hist, *runner._hist_conv.values(), *runner._hist_rec.values()]
+    )
+    embed_copy = runner._embed.numel() * 2 if runner._embed is not model.model.embed_tokens.weight else 0
+    state_bytes = backend.nbytes(state)
+    measured = {
+        "allocator_peak": peak,
+        "allocator_reserved_peak": reserved_peak,
+        "cupy_pool": cupy_pool,
+        "device_used_now": total - free1,
+        "device_used_by_process": free0 - free1,
+        "model_before_runner": model_bytes,
+        "runner_added": after_runner - model_bytes,
+        "runner_buffers": buffers,
+        "kernel_bf16_embedding": embed_copy,
+        "repacked_weights": runner.weights.repacked_bytes,
+        "sequence_state": state_bytes,
+    }
+    types = preset_weight_types(config, args.preset)
+    plan = device_memory(config, types, args.context, spec_k=k, prefill_tokens=backend.prefill_tokens)
+    # What the allocator held at its peak plus what lives outside it (CuPy's pool; the CUDA context and modules
+    # are in the device's used memory, which the reserved peak bounds from below).
+    engine = reserved_peak + cupy_pool
+    print(
+        f"{args.preset} 27B shapes, {args.layers} layers + MTP, context {args.context}, prompt {prompt_len} "
+        f"(prefill {prefill_s:.1f} s), verify k = {k}"
+    )
+    for name, value in measured.items():
+        print(f"  {name:26s} {value / GIB:8.3f} GiB  {value / 1e9:8.3f} GB")
+    print(f"  accounting (worker/memory.py): {plan.format()}")
+    verdict = "under" if engine < TARGET_BYTES and total - free1 < TARGET_BYTES else "NOT under"
+    print(
+        f"engine (reserved peak + CuPy pool) {engine / 1e9:.2f} GB, device used {(total - free1) / 1e9:.2f} GB: "
+        f"{verdict} the {TARGET_BYTES / 1e9:.0f} GB target"
+    )
+    print(json.dumps({
+        "preset": args.preset, "layers": args.layers, "context": args.context, "prompt": prompt_len,
+        "spec_k": k, "device": torch.cuda.get_device_name(device), "measured": measured,
+        "accounting_total": plan.total, "accounting_parts": {
+            "weights": plan.weights, "kv": plan.kv_cache + plan.mtp_kv_cache, "deltanet": plan.deltanet_state,
+            "rollback": plan.rollback_history, "workspace": plan.workspace,
+        },
+        "types": sorted(set(chosen.values())), "target_bytes": TARGET_BYTES,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
