@@ -464,6 +464,35 @@ class KernelPlan:
         return max(1, -(-capacity // self.tuning.att_chunk))
 
 
+def scratch_shapes(config: ModelConfig, fp32_act: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The runner's activation buffers, sized for the most tokens per launch (every build shares them): name ->
+    (shape, dtype name). worker/memory.py counts them for the megakernel's share of a card."""
+    c, nt = config, MAX_TOKENS_PER_LAUNCH
+    att_in_rows = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return {
+        "h": ((nt, c.hidden_size), "float32" if fp32_act else "bfloat16"),  # the residual stream
+        "xbuf": ((nt, c.linear_qkv_dim), "bfloat16"),
+        "zbuf": ((nt, c.linear_value_dim), "bfloat16"),
+        "beta": ((nt, c.linear_num_value_heads), "float32"),
+        "gdecay": ((nt, c.linear_num_value_heads), "float32"),
+        "core": ((nt, c.linear_value_dim), "bfloat16"),
+        "qkv_att": ((nt, att_in_rows), "bfloat16"),
+        "att_out": ((nt, c.num_attention_heads * c.head_dim), "bfloat16"),
+        "act": ((nt, c.intermediate_size), "bfloat16"),
+        "logits": ((nt, c.vocab_size), "float32"),
+        "hidden_out": ((nt, c.hidden_size), "bfloat16"),
+        "mtp_hidden_in": ((nt, c.hidden_size), "bfloat16"),
+        "argkey": ((nt,), "int64"),
+    }
+
+
+def att_partial_floats(config: ModelConfig, chunks: int) -> int:
+    """fp32 flash-decoding partials (max, sum, output per (query head, token) pair and chunk) for `chunks` chunks."""
+    c = config
+    pairs = c.num_attention_heads // c.num_key_value_heads * MAX_TOKENS_PER_LAUNCH
+    return c.num_key_value_heads * chunks * pairs * (c.head_dim + 2)
+
+
 def gemv_item_rows(tuning: Tuning) -> int:
     """Rows one GEMV item multiplies: 8 on the tensor cores (the mma's n), else 1."""
     return 8 if tuning.mma else 1

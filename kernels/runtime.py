@@ -35,7 +35,7 @@ from .layout import (
     L,
     ctrl_slots,
 )
-from .plan import KernelPlan
+from .plan import KernelPlan, att_partial_floats, scratch_shapes
 from .quant_weights import DeviceWeights
 from .tuning import Tuning
 
@@ -215,25 +215,11 @@ class MegakernelRunner:
 
     def _scratch(self) -> dict[str, torch.Tensor]:
         """Activation buffers, sized for the most tokens per launch (every build shares them)."""
-        c, nt, dev = self.config, MAX_TOKENS_PER_LAUNCH, self.device
-        bf, f32 = torch.bfloat16, torch.float32
-        att_in_rows = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        shapes = {
-            "h": ((nt, c.hidden_size), f32 if self.plan.tuning.fp32_act else bf),  # the residual stream
-            "xbuf": ((nt, c.linear_qkv_dim), bf),
-            "zbuf": ((nt, c.linear_value_dim), bf),
-            "beta": ((nt, c.linear_num_value_heads), f32),
-            "gdecay": ((nt, c.linear_num_value_heads), f32),
-            "core": ((nt, c.linear_value_dim), bf),
-            "qkv_att": ((nt, att_in_rows), bf),
-            "att_out": ((nt, c.num_attention_heads * c.head_dim), bf),
-            "act": ((nt, c.intermediate_size), bf),
-            "logits": ((nt, c.vocab_size), f32),
-            "hidden_out": ((nt, c.hidden_size), bf),
-            "mtp_hidden_in": ((nt, c.hidden_size), bf),
-            "argkey": ((nt,), torch.int64),
+        shapes = scratch_shapes(self.config, self.plan.tuning.fp32_act)
+        return {
+            name: torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device)
+            for name, (shape, dtype) in shapes.items()
         }
-        return {name: torch.zeros(shape, dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()}
 
     # ---- binding a sequence state --------------------------------------------------------------------
     def _caches(self, state: Any) -> list[Any]:
@@ -265,9 +251,7 @@ class MegakernelRunner:
         chunks = plan.att_chunks(capacity)
         if self._att_part_chunks < chunks:
             self._att_part_chunks = chunks
-            c = self.config
-            pairs = c.num_attention_heads // c.num_key_value_heads * MAX_TOKENS_PER_LAUNCH
-            size = c.num_key_value_heads * chunks * pairs * (c.head_dim + 2)
+            size = att_partial_floats(self.config, chunks)
             self._att_part = torch.zeros(size, dtype=torch.float32, device=self.device)
         # Everything the tables hold that belongs to the state: a new state object can reuse a freed one's id,
         # and the caching allocator can hand a regrown cache or a new state tensor a freed block's address.

@@ -174,3 +174,21 @@ def test_fit_line_names_the_prefill_piece_that_fits(hf_and_gguf: tuple[Path, Pat
         checkpoint, dtype=torch.bfloat16, device_bytes=plan_for(8192).total, prefill_tokens=8192
     )
     assert "; fits a card" in roomy and "ONESTREAM_PREFILL_TOKENS" not in roomy
+
+
+def test_the_megakernel_adds_its_buffers_and_keeps_one_copy_of_the_weights() -> None:
+    """On the megakernel the 27B Q4_K_M at 32K context adds the bf16 embedding rows the kernel reads and its
+    activation buffers; its verify records k states per layer (its rollback history); the weights count once."""
+    config = config_27b(mtp=True)
+    types = preset_weight_types(config, "q4_k_m")
+    reference = device_memory(config, types, 32768, spec_k=3)
+    kernel = device_memory(config, types, 32768, spec_k=3, megakernel=True)
+    assert kernel.weights == reference.weights
+    assert kernel.parts["megakernel_embedding_rows"] == config.vocab_size * config.hidden_size * 2
+    per_layer = config.linear_qkv_dim * 3 * 2 + config.linear_num_value_heads * 128 * 128 * 4
+    assert kernel.rollback_history == 3 * per_layer * len(config.linear_attention_layers)
+    assert kernel.kernel_buffers > kernel.parts["megakernel_embedding_rows"]
+    assert "megakernel buffers" in kernel.format()
+    bf16 = device_memory(config, dtype_weight_types(config, torch.bfloat16), 32768, megakernel=True)
+    assert bf16.parts["megakernel_embedding_rows"] == 0  # the kernel reads the model's own bf16 table
+    print(kernel.format())

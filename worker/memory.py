@@ -46,6 +46,9 @@ class MemoryPlan:
     workspace: int  # the largest transient of a step (dequantized matrix, logits, prefill activations)
     parts: dict[str, int] = field(default_factory=dict)
     dequantized_copies: int = 0  # a small model's quantized weights kept dequantized too (loading.py)
+    kernel_buffers: int = (
+        0  # the megakernel runner's own (megakernel_buffers): bf16 embedding rows, activations
+    )
 
     @property
     def weights(self) -> int:
@@ -61,6 +64,7 @@ class MemoryPlan:
             + self.rollback_history
             + self.workspace
             + self.dequantized_copies
+            + self.kernel_buffers
         )
 
     def fits(self, device_bytes: int) -> bool:
@@ -80,6 +84,7 @@ class MemoryPlan:
             f"MTP head {self.mtp_weights / GIB:.2f}){copies}, KV {self.kv_cache / GIB:.2f} + MTP KV "
             f"{self.mtp_kv_cache / GIB:.2f}, DeltaNet state {self.deltanet_state / GIB:.3f} + rollback "
             f"{self.rollback_history / GIB:.3f}, workspace {self.workspace / GIB:.2f}"
+            + (f", megakernel buffers {self.kernel_buffers / GIB:.2f}" if self.kernel_buffers else "")
         )
 
 
@@ -93,6 +98,7 @@ def device_memory(
     dequantizes: bool = True,
     prefill_tokens: int | None = None,
     dequantize_once: bool = False,
+    megakernel: bool = False,
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
@@ -100,7 +106,8 @@ def device_memory(
     reference back end), so the largest such matrix is part of the workspace; with `dequantize_once` it keeps
     every such matrix dequantized beside its blocks instead (a small model, `loading.dequantizes_once`).
     `prefill_tokens`: the piece of the fast prefill path (worker/prefill/), or None for the reference path's
-    pieces."""
+    pieces. `megakernel`: the decode megakernel's runner too (`megakernel_buffers`); its verify records the
+    DeltaNet states in its own buffers, which then are the rollback history."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -147,6 +154,9 @@ def device_memory(
     logits = verify_tokens * config.vocab_size * 4
     per_call = dequantizes and not dequantize_once
     workspace = (largest_dequantized if per_call else 0) + max(prefill, logits) + kv_growth
+    kernel = megakernel_buffers(config, weight_types, context, spec_k) if megakernel else {}
+    if kernel:
+        rollback = kernel.pop("history")
     return MemoryPlan(
         context=context,
         weights_by_type=by_type,
@@ -157,12 +167,44 @@ def device_memory(
         rollback_history=rollback,
         workspace=workspace,
         dequantized_copies=all_dequantized if dequantizes and dequantize_once else 0,
+        kernel_buffers=sum(kernel.values()),
         parts={
             "prefill_activations": prefill,
             "verify_logits": logits,
             "largest_dequantized": largest_dequantized,
+            **{f"megakernel_{name}": n for name, n in kernel.items()},
         },
     )
+
+
+def megakernel_buffers(
+    config: ModelConfig, weight_types: Mapping[str, str], context: int, spec_k: int
+) -> dict[str, int]:
+    """What the megakernel runner (kernels/runtime.py) holds beside the model and the sequence state: the bf16
+    embedding rows the kernel reads when the table is block-quantized (`embedding_rows`), the DeltaNet states a
+    verify of spec_k + 1 tokens records, one per token but the last (`history`), and its activation buffers and
+    flash-decoding partials for `context` positions (`scratch`). Its repacked weights are the model's only copy
+    of the quantized ones (the reference reads them), the same bytes with each row padded to 16."""
+    from onestream.kernels.plan import att_partial_floats, scratch_shapes
+    from onestream.kernels.tuning import Tuning
+
+    def nbytes(shape: tuple[int, ...], dtype: str) -> int:
+        numel = 1
+        for d in shape:
+            numel *= d
+        return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+    embed = weight_types["model.embed_tokens.weight"]
+    rows = 0 if embed in DTYPE_TYPE_NAMES.values() else config.vocab_size * config.hidden_size * 2
+    conv = nbytes((config.linear_qkv_dim, config.linear_conv_kernel_dim - 1), "bfloat16")
+    recurrent = nbytes(
+        (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim), "float32"
+    )
+    history = spec_k * (conv + recurrent) * len(config.linear_attention_layers)
+    tuning = Tuning()
+    scratch = sum(nbytes(shape, dtype) for shape, dtype in scratch_shapes(config, tuning.fp32_act).values())
+    scratch += 4 * att_partial_floats(config, max(1, -(-context // tuning.att_chunk)))
+    return {"embedding_rows": rows, "history": history, "scratch": scratch}
 
 
 def fast_prefill_workspace(config: ModelConfig, piece: int, context: int, elem: int) -> int:
@@ -219,9 +261,10 @@ def fit_report(
     spec_k: int = 2,
     device_bytes: int | None = None,
     prefill_tokens: int | None = None,
+    megakernel: bool = False,
 ) -> str:
     """One line for `serve`: what a card needs for this model, format and context, and whether it fits
-    (`prefill_tokens`: the fast prefill path's piece, on a GPU)."""
+    (`prefill_tokens`: the fast prefill path's piece, on a GPU; `megakernel`: its runner's buffers too)."""
     from .loading import dequantizes_once
 
     config = checkpoint.config
@@ -237,6 +280,7 @@ def fit_report(
             spec_k=spec_k,
             prefill_tokens=piece,
             dequantize_once=dequantizes_once(config, dtype),
+            megakernel=megakernel,
         )
 
     plan = plan_for(prefill_tokens)

@@ -244,6 +244,7 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
         spec_k=_max_drafts(engine_options),
         device_bytes=device_bytes,
         prefill_tokens=piece_tokens_from_env() if gpu else None,  # a GPU card prefills on the fast path
+        megakernel=gpu and args.backend != "reference",  # and decodes on the megakernel when it builds
     )
 
 
