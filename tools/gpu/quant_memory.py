@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -68,7 +69,18 @@ def main() -> None:
     device = torch.device("cuda")
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info(device)
-    t0 = time.perf_counter()
+    clock = time.perf_counter()
+
+    def stage(what: str) -> None:  # a line per stage: a run cut short by its time limit still says something
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        print(
+            f"[{time.perf_counter() - clock:6.1f} s] {what}: allocated {stats['allocated_bytes.all.current'] / 1e9:.2f} "
+            f"GB, peak {stats['allocated_bytes.all.peak'] / 1e9:.2f}, reserved peak "
+            f"{stats['reserved_bytes.all.peak'] / 1e9:.2f}, device used {(total - torch.cuda.mem_get_info()[0]) / 1e9:.2f}",
+            flush=True,
+        )
+
     model, chosen = quantized_27b(args.layers, args.preset, device)
     config = model.config
     gc.collect()
@@ -76,36 +88,62 @@ def main() -> None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model_bytes = torch.cuda.memory_allocated()
-    print(f"model built in {time.perf_counter() - t0:.1f} s: {model_bytes / GIB:.2f} GiB on the device")
+    stage(f"model ({sorted(set(chosen.values()))})")
+    k = args.spec_k
+    types = preset_weight_types(config, args.preset)
+    plan = device_memory(config, types, args.context, spec_k=k, prefill_tokens=None, megakernel=True)
 
     backend = MegakernelBackend(model)
     runner = backend.runner
-    k = args.spec_k
     after_runner = torch.cuda.memory_allocated()
+    stage("runner (weights repacked, the T = 1 build) and the fast prefill")
+    plan = device_memory(
+        config, types, args.context, spec_k=k, prefill_tokens=backend.prefill_tokens, megakernel=True
+    )
+    print(f"accounting (worker/memory.py, megakernel): {plan.format()}", flush=True)
     state = backend.new_state(args.context)
     prompt_len = args.prompt or args.context - 64
     g = torch.Generator(device=device).manual_seed(5)
     ids = torch.randint(0, config.vocab_size, (prompt_len,), device=device, generator=g)
-    t1 = time.perf_counter()
     out = backend.prefill(ids, state)
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - t1
+    stage(f"prefill of {prompt_len} tokens")
     token = out.logits[-1].argmax().reshape(1)
     for _ in range(4):
         step = backend.decode(token, state)
         token = step.logits[-1].argmax().reshape(1)
+    runner._reserve_history(
+        k
+    )  # what a verify of k + 1 tokens records (its build compiles below, if time allows)
+    stage(f"4 decode steps; the history of a {k + 1}-token verify")
+    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen)
     try:  # a verify of k + 1 tokens recording its states, a rollback, an MTP draft step (the engine's cycle)
         drafts = torch.randint(0, config.vocab_size, (k,), device=device, generator=g)
         verify, accepted, _, _ = backend.verify_greedy(torch.cat((token, drafts)), state)
         backend.rollback(state, k - accepted)
         pairs = torch.randint(0, config.vocab_size, (1,), device=device, generator=g)
         backend.draft(pairs, verify.hidden[accepted : accepted + 1], state)
-        torch.cuda.synchronize()
-    except Exception as e:  # the figures still say what the steps before it held
+        stage(f"a {k + 1}-token verify, a rollback, an MTP draft step")
+    except Exception as e:  # the figures above still say what the steps before it held
         print(f"verify / draft failed: {type(e).__name__}: {e}")
+    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen)
 
+
+def report(
+    args: argparse.Namespace,
+    runner: Any,
+    backend: Any,
+    model: Any,
+    state: Any,
+    plan: Any,
+    model_bytes: int,
+    after_runner: int,
+    free0: int,
+    total: int,
+    chosen: dict[str, str],
+) -> None:
     import cupy
 
+    device = runner.device
     stats = torch.cuda.memory_stats()
     peak, reserved_peak = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
     free1, _ = torch.cuda.mem_get_info(device)
@@ -116,7 +154,6 @@ def main() -> None:
         + [runner._att_part, runner._hist, *runner._hist_conv.values(), *runner._hist_rec.values()]
     )
     embed_copy = runner._embed.numel() * 2 if runner._embed is not model.model.embed_tokens.weight else 0
-    state_bytes = backend.nbytes(state)
     measured = {
         "allocator_peak": peak,
         "allocator_reserved_peak": reserved_peak,
@@ -128,34 +165,33 @@ def main() -> None:
         "runner_buffers": buffers,
         "kernel_bf16_embedding": embed_copy,
         "repacked_weights": runner.weights.repacked_bytes,
-        "sequence_state": state_bytes,
+        "sequence_state": backend.nbytes(state),
     }
-    types = preset_weight_types(config, args.preset)
-    plan = device_memory(config, types, args.context, spec_k=k, prefill_tokens=backend.prefill_tokens)
     # What the allocator held at its peak plus what lives outside it (CuPy's pool; the CUDA context and modules
     # are in the device's used memory, which the reserved peak bounds from below).
     engine = reserved_peak + cupy_pool
     print(
-        f"{args.preset} 27B shapes, {args.layers} layers + MTP, context {args.context}, prompt {prompt_len} "
-        f"(prefill {prefill_s:.1f} s), verify k = {k}"
+        f"{args.preset} 27B shapes, {args.layers} layers + MTP, context {args.context}, verify k = {args.spec_k}"
     )
     for name, value in measured.items():
         print(f"  {name:26s} {value / GIB:8.3f} GiB  {value / 1e9:8.3f} GB")
-    print(f"  accounting (worker/memory.py): {plan.format()}")
-    verdict = "under" if engine < TARGET_BYTES and total - free1 < TARGET_BYTES else "NOT under"
+    print(f"  accounting (worker/memory.py): {plan.total / 1e9:.3f} GB: {plan.format()}")
+    used = total - free1
+    verdict = "under" if max(engine, used) < TARGET_BYTES else "NOT under"
     print(
-        f"engine (reserved peak + CuPy pool) {engine / 1e9:.2f} GB, device used {(total - free1) / 1e9:.2f} GB: "
-        f"{verdict} the {TARGET_BYTES / 1e9:.0f} GB target"
+        f"engine (reserved peak + CuPy pool) {engine / 1e9:.2f} GB, device used {used / 1e9:.2f} GB: "
+        f"{verdict} the {TARGET_BYTES / 1e9:.0f} GB target",
+        flush=True,
     )
     print(json.dumps({
-        "preset": args.preset, "layers": args.layers, "context": args.context, "prompt": prompt_len,
-        "spec_k": k, "device": torch.cuda.get_device_name(device), "measured": measured,
-        "accounting_total": plan.total, "accounting_parts": {
+        "preset": args.preset, "layers": args.layers, "context": args.context, "spec_k": args.spec_k,
+        "device": torch.cuda.get_device_name(device), "measured": measured, "accounting_total": plan.total,
+        "accounting_parts": {
             "weights": plan.weights, "kv": plan.kv_cache + plan.mtp_kv_cache, "deltanet": plan.deltanet_state,
-            "rollback": plan.rollback_history, "workspace": plan.workspace,
+            "rollback": plan.rollback_history, "workspace": plan.workspace, "megakernel": plan.kernel_buffers,
         },
         "types": sorted(set(chosen.values())), "target_bytes": TARGET_BYTES,
-    }))  # fmt: skip
+    }), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
