@@ -65,8 +65,9 @@ def test_fast_prefill_pieces_on_a_24_gb_card() -> None:
     config = config_27b(mtp=True)
     types = preset_weight_types(config, "q4_k_m")
     reference = device_memory(config, types, 32768)
-    fast = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS)
-    half = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS // 2)
+    # a GPU card decodes on the megakernel (its buffers count: `serve`'s fit line on a GPU)
+    fast = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS, megakernel=True)
+    half = device_memory(config, types, 32768, prefill_tokens=DEFAULT_PIECE_TOKENS // 2, megakernel=True)
     print(fast.format(), half.format(), sep="\n")
     # longer pieces hold more activations, but no [T, T] score matrix
     assert fast.parts["prefill_activations"] > reference.parts["prefill_activations"]
@@ -75,7 +76,7 @@ def test_fast_prefill_pieces_on_a_24_gb_card() -> None:
     assert half.fits(CARD_24GB), half.format()
     # the piece `serve` names when the default does not fit: the longest that does
     assert not fast.fits(CARD_24GB)
-    plan_for = lambda piece: device_memory(config, types, 32768, prefill_tokens=piece)  # noqa: E731
+    plan_for = lambda piece: device_memory(config, types, 32768, prefill_tokens=piece, megakernel=True)  # noqa: E731
     assert largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, CARD_24GB) == DEFAULT_PIECE_TOKENS // 2
     assert (
         largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, 8 * GIB) is None

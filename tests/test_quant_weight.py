@@ -147,3 +147,27 @@ def test_quantized_model_on_cuda(dequantize_once: bool, seed: int) -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda")
     logits, expected = model(ids)[0], reference(ids)[0]
     assert torch.allclose(logits, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_quantized_head_multiplies_a_slab_of_rows_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """The logits of a quantized lm_head are the full product's (each output row is the same dot product); only
+    one slab of the weight is dequantized at a time, which the stand-in counts."""
+    from onestream.worker.quant import weight as weight_module
+
+    torch.manual_seed(seed)
+    head = QuantizedLinear(QuantizedWeight.from_float(QuantType.Q8_0, torch.randn(300, 64)), torch.float32)
+    x = torch.randn(3, 64)
+    full = torch.nn.functional.linear(x, head.weight)
+    assert torch.equal(weight_module.linear_in_slabs(head, x), full)  # one slab: the plain product
+    monkeypatch.setattr(weight_module, "SLAB_ELEMENTS", 64 * 128)
+    widest = []
+    read = head.read_rows
+    monkeypatch.setattr(
+        head, "read_rows", lambda index, dtype: widest.append(index.numel()) or read(index, dtype)
+    )
+    out = weight_module.linear_in_slabs(head, x)
+    assert widest == [128, 128, 44]
+    torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+    assert weight_module.linear_in_slabs(nn.Linear(64, 8, bias=False), x) is None

@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .checkpoints.base import PLAIN, Checkpoint
 from .config import ModelConfig
 from .layout import expected_tensor_shapes
+from .quant.weight import SLAB_ELEMENTS
 from .sequence import MAX_TOKENS_PER_CALL
 from .state import KV_CHUNK
 
@@ -118,6 +119,7 @@ def device_memory(
     all_dequantized = 0
     elem = torch.empty((), dtype=dtype).element_size()
     plain = set(DTYPE_TYPE_NAMES.values())
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     for name, shape in shapes.items():
         type_name = weight_types[name]
         nbytes = stored_bytes(type_name, shape)
@@ -128,8 +130,13 @@ def device_memory(
             numel = 1
             for d in shape:
                 numel *= d
-            largest_dequantized = max(largest_dequantized, numel * elem)
             all_dequantized += numel * elem
+            per_call = numel
+            if name == head:  # the logits dequantize a slab of rows at a time (quant.weight.linear_in_slabs)
+                per_call = min(numel, max(1, SLAB_ELEMENTS // shape[-1]) * shape[-1])
+            elif name == "model.embed_tokens.weight":  # lookups dequantize their rows only
+                per_call = 0
+            largest_dequantized = max(largest_dequantized, per_call * elem)
 
     kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * context * elem
     kv_cache = kv_per_layer * len(config.full_attention_layers)

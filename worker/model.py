@@ -21,6 +21,7 @@ from .layers.decoder import DecoderLayer
 from .layers.deltanet import GatedDeltaNet
 from .layers.mtp import MTPHead
 from .layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from .quant.weight import linear_in_slabs
 from .state import DeltaNetHistory, SequenceState
 
 INIT_STD = 0.02  # transformers' initializer_range default
@@ -86,7 +87,9 @@ class Qwen35ForCausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        out = linear_in_slabs(head, hidden)  # a quantized head: dequantized a slab of rows at a time
+        return (F.linear(hidden, self.lm_head_weight) if out is None else out).float()
 
     def _step_logits(self, hidden: torch.Tensor, rows: str) -> torch.Tensor:
         """Logits of every row, or of the last one only: a 512-token chunk of a 248k vocabulary would

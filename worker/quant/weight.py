@@ -126,6 +126,14 @@ class _QuantizedModule(nn.Module):
         self.source = source
         self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
 
+    def read_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a 2-D weight in `dtype` (only those rows dequantized)."""
+        if self.dequantized is not None:
+            return self.dequantized[index.to(self.dequantized.device)].to(dtype)
+        if self.source is not None:
+            return self.source.rows(index, dtype)
+        return self.quantized.rows(index, dtype)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight in `dtype`, from whichever copy holds it."""
         if self.source is not None:
@@ -180,9 +188,7 @@ class QuantizedEmbedding(_QuantizedModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dequantized is not None:
             return F.embedding(ids, self.dequantized)
-        if self.source is not None:
-            return self.source.rows(ids, self.compute_dtype)
-        return self.quantized.rows(ids, self.compute_dtype)
+        return self.read_rows(ids, self.compute_dtype)
 
 
 def install_quantized_weights(
@@ -214,6 +220,26 @@ def install_quantized_weights(
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, kind(weight, dtype, dequantize_once=dequantize_once))
+
+
+SLAB_ELEMENTS = 1 << 26  # weights `linear_in_slabs` dequantizes at a time: 128 MB in bf16
+
+
+def linear_in_slabs(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`x @ W.T` for a block-quantized `[out, in]` weight without a kept dequantized copy, dequantizing SLAB_ELEMENTS
+    weights' rows at a time, so that the transient is one slab rather than the whole matrix (the lm_head of a
+    248k vocabulary: 2.5 GB in bf16). None for any other module (the caller multiplies as usual)."""
+    if not isinstance(module, _QuantizedModule) or module.dequantized is not None or len(module.shape) != 2:
+        return None
+    rows, cols = module.shape
+    step = max(1, SLAB_ELEMENTS // cols)
+    if step >= rows:
+        return F.linear(x, module.weight)
+    out = torch.empty((*x.shape[:-1], rows), dtype=x.dtype, device=x.device)
+    for r0 in range(0, rows, step):
+        index = torch.arange(r0, min(r0 + step, rows), device=x.device)
+        out[..., r0 : r0 + index.numel()] = F.linear(x, module.read_rows(index, module.compute_dtype))
+    return out
 
 
 def quantized_nbytes(model: nn.Module) -> int:
