@@ -315,6 +315,26 @@ def test_quantized_prefill_dequantizes_into_one_scratch(monkeypatch, scratch_ele
     assert "scratch (torch codec)" in fast.description
 
 
+def test_quantized_prefill_after_the_megakernel_took_the_weights(monkeypatch) -> None:
+    """Once the megakernel's runner has repacked the weights (the modules hand their GGUF bytes over,
+    kernels/quant_weights.py), the fast path reads the repacked copy a slab at a time: the same logits and state."""
+    from onestream.kernels.quant_weights import DeviceWeights
+    from onestream.worker.quant import weight as weight_module
+
+    model = mixed_quantized_model()
+    ids = tokens(model, 150, seed=6)
+    ref_state, fast_state = model.new_state(200), model.new_state(200)
+    with torch.inference_mode():
+        want = model.forward_step(ids, ref_state, logits="last")
+    fast = FastPrefill(model, chunk=32)
+    DeviceWeights(model, [*model.model.layers, *model.mtp.layers], has_mtp=True)
+    assert all(m.source is not None for m in model.modules() if isinstance(m, QuantizedLinear))
+    monkeypatch.setattr(weight_module, "SLAB_ELEMENTS", 5000)  # every matrix in slabs
+    got = fast(ids, fast_state)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert_states_equal(ref_state, fast_state)
+
+
 def test_dequantize_into_a_buffer_equals_the_codec() -> None:
     gen = torch.Generator().manual_seed(8)
     weights = torch.randn(6, 512, generator=gen) * 0.05

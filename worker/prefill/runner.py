@@ -101,7 +101,8 @@ class FastPrefill:
         """The model's `_step_logits(hidden, "last")`; a quantized head multiplies through the scratch rather
         than dequantizing its whole vocabulary at once."""
         head = self._head()
-        if self.scratch is not None and isinstance(head, _QuantizedModule) and head.dequantized is None:
+        quantized = isinstance(head, _QuantizedModule) and head.dequantized is None
+        if self.scratch is not None and quantized and head.source is None:  # (handed over: no GGUF bytes)
             weight = head.quantized
             if self.scratch.accepts(weight, head.compute_dtype):
                 return self.scratch.linear(weight, hidden[-1:]).float()

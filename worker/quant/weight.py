@@ -169,6 +169,12 @@ class QuantizedLinear(_QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scratch = active_scratch()
+        if scratch is not None and self.dequantized is None and self.source is not None:
+            # The scratch decodes GGUF bytes, which a handed-over weight no longer has: its source is read a
+            # slab of rows at a time instead (the same bound on what exists in full precision at once).
+            out = linear_in_slabs(self, x)
+            assert out is not None
+            return out
         if scratch is not None and self.dequantized is None:
             weight = self.quantized
             if scratch.accepts(weight, self.compute_dtype):
