@@ -35,6 +35,10 @@ class MegakernelBackend(ReferenceBackend):
     ) -> None:
         super().__init__(model, prefill=prefill)  # auto: the fast prefill path (worker/prefill/)
         self.runner = MegakernelRunner(model, tuning=tuning, timeout_s=timeout_s)
+        if (
+            self.fast_prefill is not None
+        ):  # the runner took the quantized weights: resize the prefill's scratch
+            self.fast_prefill.weights_moved()
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:

@@ -329,6 +329,8 @@ def test_quantized_prefill_after_the_megakernel_took_the_weights(monkeypatch) ->
     fast = FastPrefill(model, chunk=32)
     DeviceWeights(model, [*model.model.layers, *model.mtp.layers], has_mtp=True)
     assert all(m.source is not None for m in model.modules() if isinstance(m, QuantizedLinear))
+    fast.weights_moved()
+    assert fast.scratch is None  # nothing decodes GGUF bytes any more: no scratch held for it
     monkeypatch.setattr(weight_module, "SLAB_ELEMENTS", 5000)  # every matrix in slabs
     got = fast(ids, fast_state)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from typing import Any
 
@@ -61,7 +62,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--prompt", type=int, default=None, help="prefill tokens (default: context - 64)")
     parser.add_argument("--spec-k", type=int, default=3, help="drafts per verify (k + 1 tokens per launch)")
+    parser.add_argument(
+        "--piece",
+        type=int,
+        default=4096,
+        help="fast-prefill piece ($ONESTREAM_PREFILL_TOKENS): half the default, what a 24 GB card serving 32K takes",
+    )
     args = parser.parse_args()
+    from onestream.worker.prefill.runner import PIECE_ENV
+
+    os.environ[PIECE_ENV] = str(args.piece)
 
     from onestream.kernels.backend import MegakernelBackend
     from onestream.worker.memory import device_memory, preset_weight_types

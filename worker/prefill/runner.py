@@ -75,7 +75,13 @@ class FastPrefill:
         )
         self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk, heads)
         self.sdpa = sdpa_choice(sdpa)
+        self.dequant = dequant
         self.scratch = self._make_scratch(dequant)
+
+    def weights_moved(self) -> None:
+        """Size the scratch again after quantized weights handed their bytes over (the megakernel's runner took
+        them, kernels/quant_weights.py): those no longer go through it, and a scratch nobody uses is dropped."""
+        self.scratch = self._make_scratch(self.dequant)
 
     def _make_scratch(self, decoder: str | None) -> DequantScratch | None:
         """A scratch as large as the largest quantized matrix but the output head's (that one, a vocabulary of
@@ -85,9 +91,14 @@ class FastPrefill:
         sizes = [
             _elements(m)
             for m in model.modules()
-            if isinstance(m, QuantizedLinear) and m.dequantized is None and m is not head
+            if isinstance(m, QuantizedLinear) and m.dequantized is None and m.source is None and m is not head
         ]
-        if isinstance(head, _QuantizedModule) and head.dequantized is None and not sizes:
+        if (
+            isinstance(head, _QuantizedModule)
+            and head.dequantized is None
+            and head.source is None
+            and not sizes
+        ):
             sizes.append(min(_elements(head), HEAD_SLICE_ELEMENTS))
         if not sizes:
             return None
