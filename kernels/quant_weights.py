@@ -26,7 +26,7 @@ from .plan import WeightFormat, weight_formats_of
 from .quant_layout import FORMAT_CODES, RepackedWeight, read_repacked, repack
 
 TAG_SHIFT = 56  # gemv_quant.cuh QF_TAG_SHIFT
-READ_CHUNK_ELEMENTS = 1 << 25  # rows read at a time: the reader's int32 / fp32 temporaries stay ~0.5 GB
+READ_CHUNK_ELEMENTS = 1 << 24  # weights read at a time: the reader's int32 / fp32 temporaries stay ~0.3 GB
 
 
 class RepackedSource:
