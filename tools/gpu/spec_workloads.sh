@@ -7,7 +7,8 @@
 # The held-out files: the 12 exported by `python -m tools.default_model.evaluate --export-prompts
 # .data/default_model/spec_prompts` (the GPU machine's packages may differ from the corpus' versions, so
 # the model's corpus list may find fewer of them there); without that folder, whatever the list finds.
-# The megakernel verifies at most 8 tokens per launch, so the lookup drafts at most 7 there.
+# The megakernel verifies at most 8 tokens per launch, so the lookup drafts at most 7 there. SPEC_ARGS: more
+# `eval spec` options (e.g. "--drafting combined --no-extend-mtp": the combination without MTP drafts' copies).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/onestream-gpu-logs}
@@ -29,6 +30,6 @@ for workload in ${WORKLOADS:-edit complete mixed}; do
   echo "== workload $workload" | tee -a "$OUT/env.log"
   timeout "${SPEC_TIMEOUT:-170}" python3 -m onestream eval spec --workload "$workload" --backend megakernel \
     --device cuda --k ${K:-3} --max-prompts ${MAX_PROMPTS:-12} --prompts-per-file 1 --max-tokens 64 --json \
-    "${FILES[@]}" > "$OUT/spec_$workload.json" 2> "$OUT/spec_$workload.err"
+    ${SPEC_ARGS:-} "${FILES[@]}" > "$OUT/spec_$workload.json" 2> "$OUT/spec_$workload.err"
   echo "exit: $?" | tee -a "$OUT/env.log"
 done
