@@ -189,6 +189,12 @@ class RequestSampler:
         """Whether the penalties look at the tokens before a row (`before`, `per_row`)."""
         return self.history is not None
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing applied to the logits (no penalties, no bias): the token is the logits' plain
+        argmax, which a back end can take on the device (the megakernel writes it with the logits)."""
+        return self.params.greedy and self.history is None and not self.params.logit_bias
+
     def commit(self, token_ids: TokenIds) -> None:
         """Tokens that were emitted: from now on the penalties count them."""
         if self.history is not None:

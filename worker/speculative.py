@@ -166,12 +166,12 @@ class SpeculativeDecoder:
 
         The sequence is left with every verified input run; `commit` rolls back the rejected suffix.
         """
-        pending_ids = seq.ids([pending])  # uploaded while the device is idle (see `Sequence.ids`)
+        pending_ids = seq.ids([pending])  # a non-blocking upload (see `Sequence.ids`)
         draft = self.policy.propose(seq, pending, sampler, min(k, self.k))
         if draft is None:
             return None
         drafts, k = draft.tokens, draft.k
-        if sampler.params.greedy and not sampler.uses_history:
+        if sampler.plain_argmax:
             # Plain argmax: the back end verifies and accepts (the megakernel on the device, reading back only
             # its control block).
             verify, accepted, targets, inputs = seq.run_verify_greedy(torch.cat([pending_ids, drafts]))
