@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from onestream.worker.backend import ReferenceBackend
+from onestream.worker.backend import AheadStep, ReferenceBackend
 from onestream.worker.model import StepOutput
 
 from .layout import MAX_TOKENS_PER_LAUNCH
@@ -47,6 +47,16 @@ class MegakernelBackend(ReferenceBackend):
         out = self.runner.step(input_ids.reshape(-1), state, keep_states=keep_states)
         # Copies: the runner's buffers are overwritten by the next launch (a draft step, say).
         return StepOutput(out.logits.clone(), out.hidden.clone())
+
+    @torch.inference_mode()
+    def decode_ahead(self, input_ids: torch.Tensor | None, state: Any) -> AheadStep:
+        """One greedy step queued on the kernel, fed by the previous step's argmax on the device when
+        `input_ids` is None (no host round trip between steps; the runner's `decode_ahead`)."""
+        slot = self.runner.decode_ahead(None if input_ids is None else input_ids.reshape(-1), state)
+        return AheadStep(self.runner.buf["hidden_out"][:1], slot)
+
+    def ahead_token(self, step: AheadStep) -> int:
+        return self.runner.ahead_token(step.token)
 
     @torch.inference_mode()
     def verify_greedy(

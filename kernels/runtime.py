@@ -41,6 +41,8 @@ from .tuning import Tuning
 
 DEFAULT_TIMEOUT_S = 2.0
 UPLOAD_RING = 32  # pinned control-block uploads in flight before one is reused (launches do not sync)
+# Pinned control-block read-backs in flight: a decode that runs one launch ahead has two at a time.
+READBACK_RING = 4
 
 
 class MegakernelError(OnestreamError, RuntimeError):
@@ -118,12 +120,26 @@ class MegakernelRunner:
             torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32).pin_memory()
             for _ in range(UPLOAD_RING)
         ]
+        # numpy views of the same pinned memory: host writes through them cost no torch dispatch
+        self._uploads_np = [u.numpy() for u in self._uploads]
         self._upload_done: list[Any] = [None] * UPLOAD_RING
         self._upload_next = 0
+        # Control-block read-backs land in pinned memory by an asynchronous copy that an event marks done, so
+        # reading one neither allocates nor waits for launches queued after it.
+        self._readbacks = [
+            torch.zeros(self.ctrl_slots["CTRL_INTS"], dtype=torch.int32).pin_memory()
+            for _ in range(READBACK_RING)
+        ]
+        self._readbacks_np = [r.numpy() for r in self._readbacks]
+        self._readback_done: list[Any] = [torch.cuda.Event() for _ in range(READBACK_RING)]
+        self._readback_next = 0
+        self._ahead: tuple[int, int] | None = None  # (id(state), next position) of a decode run ahead
         self._globals = torch.zeros(G.COUNT, dtype=torch.int64, device=self.device)
         rows = self.config.num_hidden_layers + (1 if self.has_mtp else 0)
         self._layers = torch.zeros(rows * L.COUNT, dtype=torch.int64, device=self.device)
         self._bound: tuple | None = None
+        self._bound_state: Any = None  # weak reference to the state the tables point at
+        self._buffers = 0  # reallocations of the buffers the tables point at (part of the bound key)
         self._hist: torch.Tensor | None = None
         self._att_part: torch.Tensor | None = None  # flash-decoding partials, sized by the largest cache
         self._att_part_chunks = 0
@@ -253,22 +269,17 @@ class MegakernelRunner:
             self._att_part_chunks = chunks
             size = att_partial_floats(self.config, chunks)
             self._att_part = torch.zeros(size, dtype=torch.float32, device=self.device)
-        # Everything the tables hold that belongs to the state: a new state object can reuse a freed one's id,
-        # and the caching allocator can hand a regrown cache or a new state tensor a freed block's address.
-        key = (
-            id(state),
-            tuple((_ptr(c.k), _ptr(c.v), c.capacity) for c in caches),
-            tuple(
-                (_ptr(state.conv[i]), _ptr(state.recurrent[i])) for i in self.config.linear_attention_layers
-            ),
-            _ptr(self._hist),
-            _ptr(self._att_part),
-            tuple(_ptr(t) for t in self._hist_rec.values()),
-        )
-        if key == self._bound:
+            self._buffers += 1
+        # What the tables hold that can change under one state object: its KV caches (regrown caches get new
+        # tensors, possibly at a freed block's address) and the runner's own buffers (`_buffers` counts their
+        # reallocations). The state is held by a weak reference, not its id (a new state can reuse a freed
+        # one's id); a state's conv and recurrent tensors are only ever updated in place, so they need no
+        # check (checking 96 pointers cost tens of microseconds per launch on the 27B shapes).
+        key = (self._buffers, tuple((_ptr(c.k), _ptr(c.v), c.capacity) for c in caches))
+        if key == self._bound and self._bound_state is not None and self._bound_state() is state:
             return
         self._write_tables(state, caches)
-        self._bound = key
+        self._bound, self._bound_state = key, weakref.ref(state)
 
     def _reserve_history(self, entries: int) -> None:
         if not self.config.linear_attention_layers or entries <= 0:
@@ -283,6 +294,7 @@ class MegakernelRunner:
         for i in c.linear_attention_layers:
             self._hist_conv[i] = torch.zeros(conv_shape, dtype=torch.bfloat16, device=self.device)
             self._hist_rec[i] = torch.zeros(rec_shape, dtype=torch.float32, device=self.device)
+        self._buffers += 1
 
     def _drop_history_owner(self) -> None:
         """The state whose DeltaNet history views the record buffers loses it (they are about to be
@@ -410,13 +422,13 @@ class MegakernelRunner:
         self._upload_next = (i + 1) % UPLOAD_RING
         if self._upload_done[i] is not None:
             self._upload_done[i].synchronize()  # its last copy has long finished (the ring is deep)
-        h = self._uploads[i]
-        h.zero_()
-        h[s["CTRL_POS"]], h[s["CTRL_FLAGS"]], h[s["CTRL_MODE"]] = pos, flags, mode
+        h, hn = self._uploads[i], self._uploads_np[i]
+        hn[:] = 0
+        hn[s["CTRL_POS"]], hn[s["CTRL_FLAGS"]], hn[s["CTRL_MODE"]] = pos, flags, mode
         device_ids = isinstance(tokens, torch.Tensor)
         hi = n_in if device_ids or tokens is None else n_in + len(tokens)
         if tokens is not None and not device_ids:
-            h[n_in:hi] = torch.tensor(tokens, dtype=torch.int32)
+            hn[n_in:hi] = tokens
         self.ctrl[lo:hi].copy_(h[lo:hi], non_blocking=True)
         event = self._upload_done[i] = self._upload_done[i] or torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
@@ -424,7 +436,27 @@ class MegakernelRunner:
             ids = tokens.reshape(-1)
             self.ctrl[n_in : n_in + ids.numel()].copy_(ids.to(torch.int32), non_blocking=True)
 
-    def _check(self, ctrl: torch.Tensor) -> None:
+    def _read_ctrl(self) -> np.ndarray:
+        """The control block as the launches queued so far leave it (waits for them; no allocation)."""
+        slot = self._queue_readback()
+        return self._readback(slot)
+
+    def _queue_readback(self) -> int:
+        """Queue a copy of the control block into a pinned slot behind the launches so far; returns the slot."""
+        i = self._readback_next
+        self._readback_next = (i + 1) % READBACK_RING
+        done = self._readback_done[i]
+        done.synchronize()  # the slot's previous copy (read long ago: the ring is deeper than the look-ahead)
+        self._readbacks[i].copy_(self.ctrl, non_blocking=True)
+        done.record(torch.cuda.current_stream(self.device))
+        return i
+
+    def _readback(self, slot: int) -> np.ndarray:
+        """Wait for the copy queued into `slot`; its values (a view: read before the slot comes round again)."""
+        self._readback_done[slot].synchronize()
+        return self._readbacks_np[slot]
+
+    def _check(self, ctrl: Any) -> None:
         s = self.ctrl_slots
         code = int(ctrl[s["CTRL_ERR"]])
         if code == 0:
@@ -439,7 +471,7 @@ class MegakernelRunner:
 
     def check(self) -> None:
         """Read the control block back (a synchronisation) and raise if any launch since the last check failed."""
-        self._check(self.ctrl.cpu())
+        self._check(self._read_ctrl())
 
     def reset(self) -> None:
         """Clear the barrier counters, argmax keys and error flag (after an error left them half-way)."""
@@ -447,6 +479,7 @@ class MegakernelRunner:
             build.sync.zero_()
         self.buf["argkey"].zero_()
         self.ctrl.zero_()
+        self._ahead = None
         torch.cuda.synchronize(self.device)
 
     def step(
@@ -479,13 +512,14 @@ class MegakernelRunner:
             self._drop_history_owner()
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), flags)
         self._launch("mk_decode", n)
+        self._ahead = None
         tokens, accepted, inputs = [], 0, None
         if check:
-            ctrl = self.ctrl.cpu()
+            ctrl = self._read_ctrl()
             self._check(ctrl)
             s = self.ctrl_slots
-            tokens = [int(x) for x in ctrl[s["CTRL_TOKEN_OUT"] : s["CTRL_TOKEN_OUT"] + n]]
-            inputs = [int(x) for x in ctrl[s["CTRL_TOKEN_IN"] : s["CTRL_TOKEN_IN"] + n]]
+            tokens = ctrl[s["CTRL_TOKEN_OUT"] : s["CTRL_TOKEN_OUT"] + n].tolist()
+            inputs = ctrl[s["CTRL_TOKEN_IN"] : s["CTRL_TOKEN_IN"] + n].tolist()
             accepted = int(ctrl[s["CTRL_ACCEPTED"]])
         state.advance(ids.to(state.device))  # the state's pending ids must all live on one device
         state.history = self._record_history(state, pos, n) if keep_states else None
@@ -519,6 +553,7 @@ class MegakernelRunner:
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), 0, MODE_MTP)
         self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
         self._launch("mk_decode", n)
+        self._ahead = None
         state.mtp_length += n
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], [])
 
@@ -532,20 +567,56 @@ class MegakernelRunner:
         pos = state.check_room(n)
         if self._hist is None or self._hist.numel() < state.max_len:
             self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
+            self._buffers += 1
         self.bind(state, pos + n)
         self._set_ctrl(pos, [first_token], CTRL_FLAG_FEEDBACK)
         build = self._build(1)
         args = self._table_args(build)
         for _ in range(n):
             self._launch_raw(build, "mk_decode", args)
+        self._ahead = None
         if not check:
             return []
-        ctrl = self.ctrl.cpu()
-        self._check(ctrl)
+        self._check(self._read_ctrl())
         generated = [int(x) for x in self._hist[pos : pos + n].cpu()]
         state.advance(torch.tensor([first_token, *generated[:-1]], dtype=torch.int64, device=state.device))
         state.history = None
         return generated
+
+    def decode_ahead(self, input_ids: torch.Tensor | None, state: Any) -> int:
+        """Queue one greedy decode step of `state` without waiting for anything; returns a handle for
+        `ahead_token`. `input_ids` ([1], on the GPU) starts a run; None continues one: the input is the token
+        the previous step (of this state, at the position before) wrote on the device, so step N + 1 is queued
+        before the host has seen token N. Each step's control block is copied to pinned memory behind it."""
+        pos = state.check_room(1)
+        if input_ids is None:
+            if self._ahead != (id(state), pos) or self._hist is None:
+                raise MegakernelError("decode_ahead(None) continues a run of this state's previous step only")
+            ids = self._hist[pos - 1 : pos].to(torch.int64)  # the fed-back token, for the state's own ids
+        else:
+            ids = _launch_ids(input_ids, "tokens")
+            if ids.numel() != 1 or not ids.is_cuda:
+                raise MegakernelError("decode_ahead starts from one token id on the GPU")
+        if self._hist is None or self._hist.numel() < state.max_len:
+            self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
+            self._buffers += 1
+        self.bind(state, pos + 1)
+        # Feedback: the kernel writes its argmax into the next launch's input slot (and at hist[pos]); a
+        # continued step uploads only its position and flags, so the input stays what the device wrote.
+        self._set_ctrl(pos, ids if input_ids is not None else None, CTRL_FLAG_FEEDBACK)
+        self._launch("mk_decode", 1)
+        slot = self._queue_readback()
+        state.advance(ids)
+        state.history = None
+        self._ahead = (id(state), pos + 1)
+        return slot
+
+    def ahead_token(self, handle: int) -> int:
+        """The greedy token of the `decode_ahead` step `handle` (waits for that step only; raises on an error
+        of it or of any launch before it)."""
+        ctrl = self._readback(handle)
+        self._check(ctrl)
+        return int(ctrl[self.ctrl_slots["CTRL_TOKEN_OUT"]])
 
 
 def _smem_optin(props: Any, device: torch.device) -> int:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .config import ModelConfig
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, StateError
 from .model import StepOutput
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ REFERENCE_PREFILL_TOKENS = 512
 __all__ = [
     "BACKEND_CHOICES",
     "MAX_VERIFY_DRAFTS",
+    "AheadStep",
     "Backend",
     "BackendUnavailableError",
     "ReferenceBackend",
@@ -129,6 +131,35 @@ class Backend(Protocol):
     def nbytes(self, state_or_snapshot: Any) -> int: ...
 
 
+class _HostCopy:
+    """A one-element device tensor on its way to the host: a non-blocking copy into pinned memory and an
+    event, so reading it waits for the work before it, not for what was queued since."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def value(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host.reshape(-1)[0])
+
+
+@dataclass
+class AheadStep:
+    """One queued `decode_ahead` step: its post-norm hidden ([1, H]; a back end's buffer, valid until its
+    next launch) and what `ahead_token` reads the token from."""
+
+    hidden: torch.Tensor
+    token: Any
+
+
 class ReferenceBackend:
     """The PyTorch reference model (`worker/model.py`) on any device and dtype.
 
@@ -147,6 +178,7 @@ class ReferenceBackend:
         self.dtype: torch.dtype = model.dtype
         self.fast_prefill: Any = None
         self.prefill_tokens = REFERENCE_PREFILL_TOKENS
+        self._ahead: tuple[Any, torch.Tensor] | None = None  # (state, its next input) of a decode_ahead run
         if prefill == "fast" or (prefill == "auto" and self.device.type == "cuda"):
             from .prefill import FastPrefill, piece_tokens_from_env
 
@@ -169,6 +201,22 @@ class ReferenceBackend:
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
         return self.model.forward_step(input_ids, state, keep_states=keep_states)
+
+    @torch.inference_mode()
+    def decode_ahead(self, input_ids: torch.Tensor | None, state: Any) -> AheadStep:
+        """Queue one greedy decode step without synchronising: `input_ids` ([1] on the device) starts a run,
+        None feeds the previous step's argmax (still on the device). `ahead_token` reads the step's token."""
+        if input_ids is None:
+            if self._ahead is None or self._ahead[0] is not state:
+                raise StateError("decode_ahead(None) continues a run of the same state only")
+            input_ids = self._ahead[1]
+        out = self.decode(input_ids.reshape(-1), state)
+        token = out.logits[-1:].argmax(dim=-1)
+        self._ahead = (state, token)
+        return AheadStep(out.hidden[-1:], _HostCopy(token))
+
+    def ahead_token(self, step: AheadStep) -> int:
+        return step.token.value()
 
     @torch.inference_mode()
     def verify_greedy(

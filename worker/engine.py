@@ -403,6 +403,34 @@ class Engine:
             timings.time_to_first_token_s = t_last - t_start
             yield TokenChunk(new_tokens, text)
 
+            plain_greedy = speculative is None and constraint is None and sampler.plain_argmax
+            if plain_greedy and not seq.track_mtp and not checker.finished and not self._cancel.is_set():
+                # Plain greedy: the back end runs one step ahead of the host (`Sequence.decode_greedy`), and
+                # stops are checked as each token is read back.
+                stream = seq.decode_greedy(pending, pending_ids, checker.max_tokens - checker.generated)
+                consistent = False
+                try:
+                    for token in stream:
+                        _, text = checker.push([token])
+                        now = time.perf_counter()
+                        timings.inter_token_s.append(now - t_last)
+                        t_last = now
+                        consistent = True  # the step run ahead is the stream's to settle if we stop here
+                        yield TokenChunk([token], text)
+                        consistent = False
+                        if checker.finished:
+                            break
+                        if self._cancel.is_set():
+                            checker.finish("cancelled")
+                            break
+                finally:
+                    # Waits for the step run ahead (it consumed the last token); the state is consistent
+                    # after it only if it was before (a GeneratorExit at the yield: yes; an error: no).
+                    was, consistent = consistent, False
+                    stream.close()
+                    consistent = was
+                consistent = True
+
             while not checker.finished:
                 if self._cancel.is_set():
                     checker.finish("cancelled")

@@ -10,7 +10,7 @@ Invariant (when MTP is tracked and the sequence is not empty):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -78,8 +78,13 @@ class Sequence:
     def ids(self, tokens: Seq[int]) -> torch.Tensor:
         """Host token ids as a tensor on the back end's device.
 
-        A copy from pageable host memory waits for the device's queue: upload before enqueueing work."""
-        return torch.tensor(list(tokens), dtype=torch.long, device=self.backend.device)
+        On a GPU the ids go through pinned memory by a non-blocking copy: a plain copy from pageable memory
+        would wait for every launch queued before it (the cycle's rollback, say) before returning."""
+        host = torch.tensor(list(tokens), dtype=torch.long)
+        device = torch.device(self.backend.device)
+        if device.type != "cuda":
+            return host.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
 
     def _owe_mtp(self, tokens: Seq[int], hidden: torch.Tensor) -> None:
         """Queue the MTP pairs completed by running `tokens` whose hiddens are `hidden` [T, H]."""
@@ -119,6 +124,59 @@ class Sequence:
             self.on_step()
         assert out is not None
         return out
+
+    def decode_greedy(self, pending: int, pending_ids: torch.Tensor | None, limit: int) -> Iterator[int]:
+        """Plain greedy decoding of up to `limit` tokens after `pending` (emitted, not yet run), yielding each
+        token as the host reads it back. One step runs ahead: step N + 1 is queued, fed by the token step N left
+        on the device, before the host reads token N, so the device never waits for the host in between.
+
+        When the caller stops taking tokens (a stop, a cancellation: it closes the generator), the step queued
+        ahead has already consumed the last token yielded; it completes and stays, so the state has run every
+        emitted token (a valid state: a later turn continues after it). Only for a sequence that does not
+        track MTP pairs (plain decoding owes none)."""
+        if self.track_mtp:
+            raise RuntimeError("decode_greedy is plain decoding: this sequence tracks MTP pairs")
+        if limit < 1:
+            return
+        backend = self.backend
+        ahead = getattr(backend, "decode_ahead", None)
+        if ahead is None:  # a back end without the queued step: one synchronising step at a time
+            yield from self._decode_greedy_synced(pending, pending_ids, limit)
+            return
+        ids = self.ids([pending]) if pending_ids is None else pending_ids.reshape(-1)
+        step, last = ahead(ids, self.state), None
+        self.tokens.append(pending)
+        produced = 0
+        try:
+            while step is not None:
+                produced += 1
+                # Queued before reading this step's token: it takes that token from the device.
+                following = ahead(None, self.state) if produced < limit else None
+                token = backend.ahead_token(step)
+                self.on_step()
+                last, step = step, following
+                if step is not None:
+                    self.tokens.append(token)
+                yield token
+        except GeneratorExit:
+            if step is not None:  # run ahead of a caller that stopped: it consumed the last token yielded
+                backend.ahead_token(step)  # waits for it (and raises what it raised)
+                self.on_step()
+                last = step
+            raise
+        finally:
+            if last is not None:
+                # The hidden of the last step run (H[len(tokens) - 1]), copied before anything overwrites it.
+                self.last_hidden = last.hidden[-1].clone()
+
+    def _decode_greedy_synced(
+        self, pending: int, pending_ids: torch.Tensor | None, limit: int
+    ) -> Iterator[int]:
+        for _ in range(limit):
+            out = self.feed([pending], ids=pending_ids)
+            pending_ids = out.logits[-1:].argmax(dim=-1)
+            pending = int(pending_ids.item())
+            yield pending
 
     def run_verify(self, inputs: torch.Tensor) -> StepOutput:
         """Run [pending, d1..dk] (on the device) keeping every position reachable; `accept_verified` then
