@@ -128,6 +128,13 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i, batched: a few launches on a GPU instead of one per tensor (one dtype
+    per call keeps torch's fused path)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
 @dataclass
 class DeltaNetHistory:
     """DeltaNet states recorded by a `keep_states=True` step: entry j is the state at position `start + j`."""
@@ -135,11 +142,17 @@ class DeltaNetHistory:
     start: int
     conv: dict[int, torch.Tensor]  # layer -> [n, C, kernel-1]
     recurrent: dict[int, torch.Tensor]  # layer -> [n, Hv, dk, dv] fp32
+    # Entries still reachable (None: all n). A rollback lowers it rather than re-slicing every layer's
+    # records, which would cost host time on the speculative cycle's critical path.
+    entries: int | None = None
 
     @property
     def end(self) -> int:
         """The last position recorded."""
-        return self.start + next(iter(self.conv.values())).shape[0] - 1 if self.conv else self.start
+        if not self.conv:
+            return self.start
+        n = next(iter(self.conv.values())).shape[0]
+        return self.start + (n if self.entries is None else min(n, self.entries)) - 1
 
     def nbytes(self) -> int:
         tensors = [*self.conv.values(), *self.recurrent.values()]
@@ -275,15 +288,11 @@ class SequenceState:
                     f"keep_states=True step ({reach}); restore a snapshot instead"
                 )
             j = target - hist.start
-            for i in self.conv:
-                self.conv[i].copy_(hist.conv[i][j])
-                self.recurrent[i].copy_(hist.recurrent[i][j])
+            layers = list(self.conv)
+            _copy_all([self.conv[i] for i in layers], [hist.conv[i][j] for i in layers])
+            _copy_all([self.recurrent[i] for i in layers], [hist.recurrent[i][j] for i in layers])
             # Positions after the target are gone; earlier recorded ones stay reachable.
-            self.history = DeltaNetHistory(
-                hist.start,
-                {i: t[: j + 1] for i, t in hist.conv.items()},
-                {i: t[: j + 1] for i, t in hist.recurrent.items()},
-            )
+            hist.entries = j + 1
         self.length = target
         self._truncate_tokens(target)
 
@@ -349,9 +358,9 @@ class SequenceState:
         if snap.kv is not None:
             for i, c in self.kv.items():
                 c.load_prefix(snap.kv[i], snap.length)
-        for i in self.conv:
-            self.conv[i].copy_(snap.conv[i])
-            self.recurrent[i].copy_(snap.recurrent[i])
+        layers = list(self.conv)
+        _copy_all([self.conv[i] for i in layers], [snap.conv[i] for i in layers])
+        _copy_all([self.recurrent[i] for i in layers], [snap.recurrent[i] for i in layers])
         if self.mtp_kv is not None and snap.mtp_kv is not None:
             self.mtp_kv.load_prefix(snap.mtp_kv, snap.mtp_length)
         self.length = snap.length
@@ -385,6 +394,7 @@ class SequenceState:
                 hist.start,
                 {i: t.clone() for i, t in hist.conv.items()},
                 {i: t.clone() for i, t in hist.recurrent.items()},
+                hist.entries,
             )
         )
         return out
