@@ -131,6 +131,7 @@ class SpecBenchResult:
     verify: VerifyResult | None = None
     draft: DraftResult | None = None
     embedded: EmbeddedResult | None = None
+    cycle: Any = None  # bench_cycle.CycleResult (`--cycle`)
 
 
 def _failure(e: BaseException) -> str:
@@ -530,6 +531,10 @@ def format_report(result: SpecBenchResult) -> str:
         lines += ["", format_verify(result.verify, result.ceilings)]
     if result.draft is not None:
         lines += ["", format_draft(result.draft)]
+    if result.cycle is not None:
+        from .bench_cycle import format_cycle
+
+        lines += ["", format_cycle(result.cycle)]
     if result.embedded is not None:
         lines += ["", format_embedded(result.embedded)]
     return "\n".join(lines)
@@ -588,4 +593,8 @@ def as_json(result: SpecBenchResult) -> dict[str, Any]:
         }
     else:
         out["embedded"] = None
+    if result.cycle is not None:
+        from .bench_cycle import cycle_json
+
+        out["cycle"] = cycle_json(result.cycle)
     return out

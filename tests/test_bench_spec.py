@@ -262,3 +262,66 @@ def test_embedded_part_reports_a_back_end_that_cannot_start(tmp_path: Path) -> N
     megakernel, reference = result.backends
     assert megakernel.error.startswith("cannot start: BackendUnavailableError") and not megakernel.runs
     assert [r.k for r in reference.runs] == [0, 1] and reference.differing == {1: []}
+
+
+# ---- part (d): whole cycles --------------------------------------------------------------------------
+def test_cycle_options_parse() -> None:
+    args = parse("--cycle", "--cycle-k", "1", "3", "--cycles", "4", "--profile", "mine:0.9,0.5")
+    assert args.cycle and args.cycle_k == [1, 3] and args.cycles == 4
+    assert args.profile == [("mine", [0.9, 0.5])]
+
+
+@pytest.mark.parametrize("profile", ["x:0.5,0.9", "x:1.2", "x:", "x:a,b"])
+def test_bad_profiles_are_refused(profile: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse("--cycle", "--profile", profile)
+    assert "--profile" in capsys.readouterr().err
+
+
+def cycle_result() -> object:
+    from onestream.kernels import bench_cycle as bc
+
+    r = bc.CycleResult("27B", context=48, cycles=10, repeats=3, chained_ms=14.0, engine_plain_ms=14.2)
+    for k in (1, 3):
+        for a in range(k + 1):
+            r.rows.append(bc.CycleRow(k, a, engine_ms=20.0 + k + 0.1 * a, device_ms=19.5 + k + 0.1 * a))
+    r.profiles = {"published": [0.96, 0.80, 0.64]}
+    return r
+
+
+def test_cycle_projection_weights_each_acceptance_by_its_probability() -> None:
+    r = cycle_result()
+    tok_s, length = r.projected(3, [0.96, 0.80, 0.64])  # type: ignore[attr-defined]
+    assert length == pytest.approx(3.40)
+    # P(a = 0..3) = 0.04, 0.16, 0.16, 0.64; cost 23.0 + 0.1 a
+    ms = 0.04 * 23.0 + 0.16 * 23.1 + 0.16 * 23.2 + 0.64 * 23.3
+    assert tok_s == pytest.approx(1e3 * 3.40 / ms)
+    assert r.projected(1, [0.96, 0.80, 0.64])[1] == pytest.approx(1.96)  # type: ignore[attr-defined,index]
+    assert r.projected(3, [0.9]) is None  # type: ignore[attr-defined]  # a profile shorter than k
+    assert r.projected(2, [0.9, 0.8]) is None  # type: ignore[attr-defined]  # k = 2 not measured
+
+
+def test_cycle_report_and_json() -> None:
+    from onestream.kernels import bench_cycle as bc
+
+    r = cycle_result()
+    text = bc.format_cycle(r)  # type: ignore[arg-type]
+    assert "98.6 % of the chained rate, met" in text
+    assert "engine against device, worst (k, a): 1.024 (target 1.03: met)" in text
+    assert "k = 3 cycle on the device (a = 0): 1.607x one plain step (target 1.30x: MISSED)" in text
+    assert "projected at published (0.96 0.80 0.64)" in text and "accepted length 3.40" in text
+    out = json.loads(json.dumps(bs.as_json(bs.SpecBenchResult("cpu", cycle=r))))
+    assert out["cycle"]["rows"][0]["engine_over_device"] == pytest.approx(21.0 / 20.5)
+    assert out["cycle"]["projected"]["published"]["3"]["engine"][1] == pytest.approx(3.40)
+
+
+def test_forced_acceptance_is_benchmark_only() -> None:
+    """Nothing `serve` builds can force acceptance: only the cycle bench names the back end that does."""
+    repo = Path(__file__).resolve().parent.parent
+    users = [
+        p.relative_to(repo).as_posix()
+        for folder in ("worker", "cluster", "kernels", "onestream")
+        for p in (repo / folder).rglob("*.py")
+        if "ForcedAcceptance" in p.read_text()
+    ]
+    assert users == ["kernels/bench_cycle.py"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -220,7 +221,11 @@ T = 1..8 tokens on the 27B shapes (random bf16 weights), plain and as a verify p
 (target: at most 1.15x at T = 4). (b) One MTP draft step relative to one main-model step, same shapes.
 (c) Greedy tok/s and mean accepted length on held-out code with the embedded model for k = 1..4, megakernel
 against plain megakernel decode and against the reference back end, and whether greedy speculative output
-equals plain greedy output. Needs a CUDA GPU and CuPy."""
+equals plain greedy output. `--cycle` replaces (a) and (b) with (d): one whole speculative cycle for k = 1..6
+through the engine, every number of accepted drafts a = 0..k forced by a benchmark-only back end, against the same
+launches on the device alone and against one plain step; plain decode through the engine against the kernel's
+chained rate; tok/s projected at stated per-position acceptance profiles (--profile), and at the embedded model's
+measured one when (c) runs. Needs a CUDA GPU and CuPy."""
 
 
 def _tokens_per_launch(text: str) -> int:
@@ -295,6 +300,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _profile(text: str) -> tuple[str, list[float]]:
+    label, sep, values = text.rpartition(":")
+    try:
+        probs = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL:P1,P2,... with numbers") from None
+    if not probs or any(not 0 <= p <= 1 for p in probs) or any(b > a for a, b in itertools.pairwise(probs)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: acceptance per position must be in [0, 1], non-increasing"
+        )
+    return (label if sep and label else "profile " + values), probs
+
+
 def _add_spec(sub: argparse._SubParsersAction) -> None:
     spec = sub.add_parser(
         "spec", help="verify/draft launch cost and speculative tok/s on the megakernel", description=SPEC_DOC
@@ -348,7 +366,31 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE,...",
         help="parts (a) and (b) with these Tuning fields changed (applied after --gemv and --phase-timing)",
     )
-    spec.add_argument("--skip-27b", action="store_true", help="leave out parts (a) and (b)")
+    spec.add_argument(
+        "--cycle",
+        action="store_true",
+        help="part (d), whole cycles through the engine with forced acceptance, instead of (a) and (b)",
+    )
+    spec.add_argument(
+        "--cycle-k",
+        type=_drafts_per_cycle,
+        nargs="+",
+        default=None,
+        help="drafts per cycle of part (d) (1..6)",
+    )
+    spec.add_argument(
+        "--cycles", type=_positive, default=10, help="cycles timed per (k, accepted) in part (d)"
+    )
+    spec.add_argument(
+        "--profile",
+        type=_profile,
+        action="append",
+        default=None,
+        metavar="LABEL:P1,P2,...",
+        help="a per-position acceptance profile (P(draft j accepted), non-increasing) to project part (d)'s "
+        "tok/s at (repeatable; default: the published 0.96,0.80,0.64 at k = 3)",
+    )
+    spec.add_argument("--skip-27b", action="store_true", help="leave out parts (a) and (b) (and (d))")
     spec.add_argument("--skip-embedded", action="store_true", help="leave out part (c)")
     spec.add_argument("--json", default=None, help="write the results to this JSON file (after every part)")
     spec.set_defaults(func=run_spec)
@@ -385,7 +427,30 @@ def run_spec(args: argparse.Namespace) -> int:
 
     result.ceilings = measure_ceilings()
     print(bs.format_report(result), flush=True)
-    if not args.skip_27b:
+    if args.cycle and not args.skip_27b:
+        from onestream.kernels import bench_cycle as bc
+        from onestream.kernels.tuning import tuning_from_env
+
+        try:
+            tuning = tuning_from_env(mma=args.gemv == "mma")
+        except ValueError as e:
+            print(f"onestream bench spec: {e}", file=sys.stderr)
+            return 2
+        profiles = dict(args.profile or [("published (k = 3, code)", list(bc.PUBLISHED_PROFILE))])
+        gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
+        result.cycle = bc.bench_cycle(
+            config_27b(args.layers),
+            name=f"27B shapes ({args.layers} layers), {gemv}",
+            ks=args.cycle_k or list(bc.CYCLE_KS),
+            context=args.context,
+            cycles=args.cycles,
+            repeats=args.repeats,
+            tuning=tuning,
+            profiles=profiles,
+        )
+        save()
+        print("\n" + bc.format_cycle(result.cycle), flush=True)
+    elif not args.skip_27b:
         tokens = sorted({1, *args.tokens})
         from onestream.kernels.tuning import tuning_from_env
 
@@ -426,6 +491,14 @@ def run_spec(args: argparse.Namespace) -> int:
             max_prompts=args.max_prompts,
             max_tokens=args.max_tokens,
         )
+        if result.cycle is not None:  # project the 27B cycle costs at the embedded model's own acceptance
+            runs = result.embedded.backend("megakernel")
+            measured = (
+                max((r for r in runs.runs if r.k > 0), key=lambda r: r.k, default=None) if runs else None
+            )
+            if measured is not None:
+                profile = [round(p, 3) for p in measured.acceptance_per_position()]
+                result.cycle.profiles[f"the embedded model's measured (k = {measured.k})"] = profile
         save()
     print("\n== summary\n" + bs.format_report(result))
     return 0
