@@ -513,16 +513,22 @@ class MegakernelRunner:
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), flags)
         self._launch("mk_decode", n)
         self._ahead = None
+        # The host's bookkeeping while the launch runs, not after the read-back waits for it.
+        state.advance(ids.to(state.device))  # the state's pending ids must all live on one device
+        state.history = self._record_history(state, pos, n) if keep_states else None
         tokens, accepted, inputs = [], 0, None
         if check:
             ctrl = self._read_ctrl()
-            self._check(ctrl)
+            try:
+                self._check(ctrl)
+            except MegakernelError:  # a failed launch did not advance the state
+                state.length, state.history = pos, None
+                state._truncate_tokens(pos)
+                raise
             s = self.ctrl_slots
             tokens = ctrl[s["CTRL_TOKEN_OUT"] : s["CTRL_TOKEN_OUT"] + n].tolist()
             inputs = ctrl[s["CTRL_TOKEN_IN"] : s["CTRL_TOKEN_IN"] + n].tolist()
             accepted = int(ctrl[s["CTRL_ACCEPTED"]])
-        state.advance(ids.to(state.device))  # the state's pending ids must all live on one device
-        state.history = self._record_history(state, pos, n) if keep_states else None
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], tokens, accepted, inputs)
 
     def _record_history(self, state: Any, start: int, n_tokens: int) -> DeltaNetHistory | None:
