@@ -406,7 +406,8 @@ class Engine:
             plain_greedy = speculative is None and constraint is None and sampler.plain_argmax
             if plain_greedy and not seq.track_mtp and not checker.finished and not self._cancel.is_set():
                 # Plain greedy: the back end runs one step ahead of the host (`Sequence.decode_greedy`), and
-                # stops are checked as each token is read back.
+                # stops are checked as each token is read back. The stream yields at most the tokens max_tokens
+                # leaves, so it ends with the checker finished.
                 stream = seq.decode_greedy(pending, pending_ids, checker.max_tokens - checker.generated)
                 consistent = False
                 try:
@@ -430,24 +431,24 @@ class Engine:
                     stream.close()
                     consistent = was
                 consistent = True
-
-            while not checker.finished:
-                if self._cancel.is_set():
-                    checker.finish("cancelled")
-                    break
-                consistent = False
-                new_tokens, text, pending_ids = self._step(
-                    seq, pending, pending_ids, sampler, checker, speculative, constraint
-                )
-                consistent = True
-                sampler.commit(new_tokens if pending_ids is None else pending_ids)
-                if index is not None:
-                    index.extend(new_tokens)
-                pending = new_tokens[-1]
-                now = time.perf_counter()
-                timings.inter_token_s.append(now - t_last)
-                t_last = now
-                yield TokenChunk(new_tokens, text)
+            else:
+                while not checker.finished:
+                    if self._cancel.is_set():
+                        checker.finish("cancelled")
+                        break
+                    consistent = False
+                    new_tokens, text, pending_ids = self._step(
+                        seq, pending, pending_ids, sampler, checker, speculative, constraint
+                    )
+                    consistent = True
+                    sampler.commit(new_tokens if pending_ids is None else pending_ids)
+                    if index is not None:
+                        index.extend(new_tokens)
+                    pending = new_tokens[-1]
+                    now = time.perf_counter()
+                    timings.inter_token_s.append(now - t_last)
+                    t_last = now
+                    yield TokenChunk(new_tokens, text)
 
             tail = checker.finish("length")
             if tail:
