@@ -209,6 +209,35 @@ def test_bench_variants_and_tuning_overrides_parse(capsys: pytest.CaptureFixture
     assert "labels repeat" in capsys.readouterr().err
 
 
+def test_bench_decode_takes_a_list_of_contexts() -> None:
+    from onestream.cli import build_parser
+    from onestream.commands import bench
+
+    parser = build_parser()
+    sweep = parser.parse_args(
+        ["bench", "decode", "--context", "512,8192,32768,131072", "--weights", "q4_k_m"]
+    )
+    assert sweep.context == [512, 8192, 32768, 131072] and sweep.weights == ["q4_k_m"]
+    assert parser.parse_args(["bench", "decode"]).context == [64]
+    for bad in ("", "0,512", "512,512", "5k"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench._contexts(bad)
+
+
+@torch.no_grad()
+def test_context_bench_state_holds_the_context_in_every_cache() -> None:
+    from onestream.kernels.bench_context import synthetic_state
+
+    model = random_model(tiny_config(), seed=3, device="cpu")
+    state = synthetic_state(model, 300, 340, seed=1)
+    assert state.length == 300 and len(state.token_ids) == 300
+    for cache in state.kv.values():
+        assert cache.capacity >= 340 and cache.k[:, :300].abs().sum() > 0
+        assert cache.k[:, 300:].abs().sum() == 0
+    model.forward_step(torch.tensor([5]), state)  # a step continues from it
+    assert state.length == 301
+
+
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:
     ampere = KernelPlan(config_27b(), num_sms=82)  # default limit: the sm_86 99 KB
     # Without the L1 preference both pick the same rows and window, so the ring is the only difference.

@@ -28,7 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--layers", type=int, default=64, help="layers of the 27B-shaped model (64 = the real depth)"
     )
     decode.add_argument(
-        "--context", type=int, default=64, help="prompt tokens before decoding (short context)"
+        "--context",
+        type=_contexts,
+        default=[64],
+        metavar="N[,N...]",
+        help="prompt tokens before decoding (default 64); several (e.g. 512,8192,32768,131072): instead of the "
+        "baselines, the megakernel at each context (random KV caches of that length), with the ratio to the "
+        "shortest, for bf16 and each --weights format",
     )
     decode.add_argument("--steps", type=int, default=64, help="decode steps timed for the megakernel")
     decode.add_argument("--ref-steps", type=int, default=16, help="decode steps timed for the baselines")
@@ -80,6 +86,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 WEIGHT_PRESETS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
 
 
+def _contexts(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"contexts are distinct positive token counts separated by commas, got {text!r}"
+        )
+    return values
+
+
+def run_contexts(args: argparse.Namespace, tuning: Any, ceilings: Any, device: str) -> int:
+    from onestream.kernels.bench_context import bench_contexts, contexts_json, format_contexts
+    from onestream.kernels.random_model import config_27b
+
+    formats = ["bf16", *[w for w in (args.weights or []) if w != "bf16"]]
+    name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
+    rows = bench_contexts(config_27b(args.layers), formats, args.context, steps=args.steps, tuning=tuning)
+    print(f"device: {device}")
+    print(
+        f"measured ceilings: copy {ceilings.copy_gbs:.0f} GB/s (read+write), read {ceilings.read_gbs:.0f} GB/s"
+    )
+    print(format_contexts(ceilings, rows, name), flush=True)
+    if args.json:
+        record = {"device": device, "layers": args.layers, **contexts_json(ceilings, rows)}
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0 if all(r.tok_s is not None for r in rows) else 1
+
+
 def _weights_list(text: str) -> list[str]:
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n != "bf16" and n not in WEIGHT_PRESETS]
@@ -96,19 +132,18 @@ def run_weights(args: argparse.Namespace, tuning: Any, ceilings: Any, device: st
 
     formats = args.weights if "bf16" in args.weights else ["bf16", *args.weights]
     name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
-    rows = bench_weights(
-        config_27b(args.layers), formats, context=args.context, steps=args.steps, tuning=tuning
-    )
+    context = args.context[0]
+    rows = bench_weights(config_27b(args.layers), formats, context=context, steps=args.steps, tuning=tuning)
     print(f"device: {device}")
     print(
         f"measured ceilings: copy {ceilings.copy_gbs:.0f} GB/s (read+write), read {ceilings.read_gbs:.0f} GB/s"
     )
-    print(format_weights(ceilings, rows, f"{name}, context {args.context}"), flush=True)
+    print(format_weights(ceilings, rows, f"{name}, context {context}"), flush=True)
     if args.json:
         record = {
             "device": device,
             "layers": args.layers,
-            "context": args.context,
+            "context": context,
             **weights_json(ceilings, rows),
         }
         Path(args.json).write_text(json.dumps(record, indent=2))
@@ -137,8 +172,11 @@ def run_decode(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name(0)
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbs:.0f} GB/s, read {ceilings.read_gbs:.0f} GB/s", flush=True)
+    if len(args.context) > 1:
+        return run_contexts(args, default, ceilings, device)
     if args.weights:
         return run_weights(args, default, ceilings, device)
+    args.context = args.context[0]
     results = []
     alternated: list = []
     if not args.skip_27b:

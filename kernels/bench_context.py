@@ -1,0 +1,130 @@
+"""`onestream bench decode --context A,B,...`: the megakernel's decode speed against the context length.
+
+Per weights format (bf16, or a quantization preset's random GGUF blocks as in bench_quant.py) one model and one
+runner; per context a state whose KV caches hold that many positions of random keys and values (the work of a
+decode step does not depend on their values, and a real prefill of 128K tokens would take most of a device call),
+timed as device-chained greedy decode (median of 3 chains). A row gives tok/s, the bytes a step must stream (the
+weights, the DeltaNet state, the KV cache read at that context), their share of the read ceiling measured in the
+same run, and the speed relative to the shortest context of the same format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from onestream.worker.config import ModelConfig
+
+from .bench_quant import BF16
+from .benchmark import Ceilings, _state_bytes, events_time
+from .random_model import random_model
+from .random_quant import preset_types, quantize_randomly
+from .runtime import MegakernelRunner
+from .tuning import Tuning
+
+
+@dataclass
+class ContextResult:
+    weights: str
+    context: int
+    tok_s: float | None
+    ms_per_token: float | None
+    bytes_per_token: int
+    note: str = ""
+
+    def read_share(self, ceilings: Ceilings) -> float | None:
+        if self.tok_s is None:
+            return None
+        return self.bytes_per_token * self.tok_s / (ceilings.read_gbs * 1e9)
+
+
+@torch.no_grad()
+def synthetic_state(model: Any, context: int, max_len: int, *, seed: int) -> Any:
+    """A state at `context` positions: random keys and values in every KV cache (room for `max_len` reserved, so
+    nothing reallocates in a timed chain), small random DeltaNet states, random token ids."""
+    c = model.config
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    state = model.new_state(max_len)
+    for cache in state.kv.values():
+        cache.reserve(max_len)
+        cache.k[:, :context].normal_(generator=g)
+        cache.v[:, :context].normal_(generator=g)
+    for rec in state.recurrent.values():
+        rec.normal_(std=0.02, generator=g)
+    state.advance(torch.randint(0, c.vocab_size, (context,), device=dev, generator=g))
+    return state
+
+
+def time_context(runner: MegakernelRunner, model: Any, context: int, steps: int) -> tuple[float, float]:
+    """(tok/s, ms per token) of `steps` device-chained greedy launches from `context` positions."""
+    state = synthetic_state(model, context, context + 4 * steps + 8, seed=context)
+    runner.greedy_chain(1, state, 2)  # warm-up (module load, tables) and a real token to chain from
+    token = state.token_ids[-1]
+
+    def chain() -> None:
+        runner.greedy_chain(token, state, steps, check=False)
+
+    t = events_time(chain, 3) / steps
+    runner._check(runner.ctrl.cpu())
+    return 1 / t, t * 1e3
+
+
+def bench_contexts(
+    config: ModelConfig, formats: list[str], contexts: list[int], *, steps: int, tuning: Tuning | None = None
+) -> list[ContextResult]:
+    """Each weights format's build at every context, shortest first (one model in memory at a time)."""
+    out = []
+    for fmt in formats:
+        model = random_model(config, seed=7)
+        if fmt != BF16:
+            quantize_randomly(model, preset_types(model, fmt), seed=8)
+        try:
+            runner = MegakernelRunner(model, tuning=tuning)
+        except Exception as e:
+            note = f"failed: {type(e).__name__}: {e}"[:300]
+            out += [ContextResult(fmt, n, None, None, 0, note) for n in sorted(contexts)]
+            del model
+            torch.cuda.empty_cache()
+            continue
+        weights = runner.weights.gemv_bytes + config.hidden_size * 2  # and one embedding row
+        for context in sorted(contexts):
+            row = ContextResult(fmt, context, None, None, weights + _state_bytes(config, context))
+            try:
+                row.tok_s, row.ms_per_token = time_context(runner, model, context, steps)
+            except Exception as e:
+                row.note = f"failed: {type(e).__name__}: {e}"[:300]
+            out.append(row)
+            print(f"  [{fmt}, context {context}] {row.tok_s} tok/s {row.note}", flush=True)
+            torch.cuda.empty_cache()
+        del runner, model
+        torch.cuda.empty_cache()
+    return out
+
+
+def format_contexts(ceilings: Ceilings, rows: list[ContextResult], title: str) -> str:
+    lines = [
+        f"== {title}: decode against the context length (device-chained greedy)",
+        f"   {'weights':8s} {'context':>8s} {'tok/s':>8s} {'ms/tok':>8s} {'GB/token':>9s} {'%read':>6s} "
+        f"{'x shortest':>10s}",
+    ]
+    for r in rows:
+        base = next((b.tok_s for b in rows if b.weights == r.weights and b.tok_s), None)
+        if r.tok_s is None:
+            lines.append(f"   {r.weights:8s} {r.context:8d} {'-':>8s} {'-':>8s}  {r.note}")
+            continue
+        ratio = f"{r.tok_s / base:10.3f}" if base else f"{'-':>10s}"
+        lines.append(
+            f"   {r.weights:8s} {r.context:8d} {r.tok_s:8.1f} {r.ms_per_token:8.3f} "
+            f"{r.bytes_per_token / 1e9:9.3f} {100 * (r.read_share(ceilings) or 0.0):6.1f} {ratio}"
+        )
+    return "\n".join(lines)
+
+
+def contexts_json(ceilings: Ceilings, rows: list[ContextResult]) -> dict[str, Any]:
+    return {
+        "ceilings": dataclasses.asdict(ceilings),
+        "contexts": [{**dataclasses.asdict(r), "read_share": r.read_share(ceilings)} for r in rows],
+    }
