@@ -251,7 +251,9 @@ class GGUFCheckpoint(Checkpoint):
             dense = QuantizedWeight(qtype, entry.shape, data).dequantize(torch.float32, torch.device("cpu"))
             return from_gguf(dense, place, self.config, shape)
         if place.reorder in ("rows", "v_rows"):  # block rows are independent: permute the bytes
-            data = data.index_select(0, reorder_index(place, self.config, shape[0], to_gguf=False))
+            data = data.index_select(
+                0, reorder_index(place, self.config, shape[0], to_gguf=False).to(data.device)
+            )
         weight = QuantizedWeight(qtype, entry.shape, data.to(device, copy=True))
         if place.reorder == "columns":  # blocks span heads: keep the columns and permute the layer's input
             return PermutedInputWeight(

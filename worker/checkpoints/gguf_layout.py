@@ -162,7 +162,7 @@ def to_gguf(tensor: torch.Tensor, place: TensorPlace, config: ModelConfig) -> to
         t = t.reshape(t.shape[0], t.shape[-1])
     if place.reorder is not None:
         dim = 1 if place.reorder == "columns" else 0
-        t = t.index_select(dim, reorder_index(place, config, t.shape[dim], to_gguf=True))
+        t = t.index_select(dim, reorder_index(place, config, t.shape[dim], to_gguf=True).to(t.device))
     return t.contiguous()
 
 
@@ -173,7 +173,7 @@ def from_gguf(
     t = tensor
     if place.reorder is not None:
         dim = 1 if place.reorder == "columns" else 0
-        t = t.index_select(dim, reorder_index(place, config, t.shape[dim], to_gguf=False))
+        t = t.index_select(dim, reorder_index(place, config, t.shape[dim], to_gguf=False).to(t.device))
     if place.squeeze:
         t = t.reshape(shape)
     if place.neg_exp:
