@@ -329,7 +329,7 @@ __device__ __noinline__ bool between_phases(const Tables& tb, BlockState& bs, in
         const int nb = nblocks();
         int busy = nb;  // blocks with work in the phase just finished
         if (phase == PH_DN_REC) busy = min(nb, dn_rec_items());
-        if (phase == PH_ATT) busy = min(nb, att_items(bs.si));
+        if (phase == PH_ATT) busy = min(nb, att_items(att_split(bs.si)));
         if (busy < nb && !had) {
             // Blocks without DeltaNet / attention work: the next stretch of EVERY block's share, split over the
             // idle blocks, so that most of the output projection is in L2 when the few busy blocks finish.

@@ -16,7 +16,8 @@ import numpy as np
 from onestream.worker.config import ModelConfig
 
 from .layout import Phase
-from .plan import launch_steps
+from .plan import att_split, launch_steps
+from .tuning import Tuning
 
 # The name a breakdown gives each phase.
 PHASE_NAMES = {phase: phase.name.lower() for phase in Phase} | {Phase.ATT: "attention"}
@@ -115,24 +116,32 @@ def format_breakdown(rows: list[PhaseRow], ms_per_token: float | None = None) ->
 
 # ---- per item: the phases where few blocks work ------------------------------------------------------
 def attention_items(
-    config: ModelConfig, tokens: int, context: int, grid: int, att_pairs: int, chunk: int
+    config: ModelConfig,
+    tokens: int,
+    context: int,
+    grid: int,
+    att_pairs: int,
+    chunk: int,
+    split_log: int | None = None,
 ) -> list[str]:
-    """A label per attention work item, in item order (block b runs item b while items fit the grid): mirrors
-    phases.cuh `att_pass_pairs` / `phase_attention` at `context` positions before a launch of `tokens`."""
-    kvh, gq = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
-    pairs = gq * tokens
+    """A label per attention work item, in item order (block b runs item b while items fit the grid): the plan's
+    `att_split` (phases.cuh mirrors it) at `context` positions before a launch of `tokens`."""
+    tuning = (
+        Tuning(att_chunk=chunk) if split_log is None else Tuning(att_chunk=chunk, att_split_log=split_log)
+    )
+    sp = att_split(config, tokens, context + tokens, grid, tuning, att_pairs)
     chunks = -(-(context + tokens) // chunk)
-    fit = max(1, grid // (kvh * chunks))
-    per_item = min(att_pairs, -(-pairs // fit))
-    passes = -(-pairs // per_item)
+    pairs = config.num_attention_heads // config.num_key_value_heads * tokens
     labels = []
-    for head in range(kvh):
-        for c in range(chunks):
-            for p in range(passes):
-                first, last = p * per_item, min(pairs, (p + 1) * per_item) - 1
+    for head in range(config.num_key_value_heads):
+        for s in range(sp.splits):
+            c0, c1 = s << sp.log, min(chunks, (s + 1) << sp.log) - 1
+            where = f"c{c0}" if c0 == c1 else f"c{c0}-{c1}"
+            for p in range(sp.passes):
+                first, last = p * sp.pairs, min(pairs, (p + 1) * sp.pairs) - 1
                 # Pair pp is query head pp // tokens of this key/value head, token pp % tokens.
                 who = ",".join(f"q{pp // tokens}t{pp % tokens}" for pp in range(first, last + 1))
-                labels.append(f"kv{head} c{c} {who}")
+                labels.append(f"kv{head} {where} {who}")
     return labels
 
 

@@ -609,12 +609,17 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 }
 
 // ---- gated full attention -----------------------------------------------------------------------
-// Work item = (key/value head, chunk of MK_ATT_CHUNK positions, pass of np <= MK_ATT_PAIRS (query head, token)
-// pairs): flash-decoding partials (max, sum, unnormalised output) per pair; the last item of a (key/value head,
-// pass) to finish (arrival counter) merges its pairs' chunks in chunk order, applies the sigmoid gate and writes the
-// attention output (with one chunk, each item writes its pairs' output itself). Chunk bounds do not depend
-// on the context length or the tokens of the launch, and a query skips the keys after its own position, so a
-// token's attention is bit-identical whether it runs alone or in a verify pass (and whichever block runs its pass).
+// Flash decoding over a fixed binary tree. The keys are cut into chunks of MK_ATT_CHUNK positions; a chunk's
+// partial (max, sum, unnormalised output) per (query head, token) pair is computed by one block, its warps merged
+// in warp order. Partials combine pairwise up a binary tree over the chunk index (att_join: left, then right; an
+// empty side leaves the other's bits unchanged), so a pair's result depends only on its position and the cache,
+// never on how the tree is cut into work: a token's attention is bit-identical whether it runs alone or in a
+// verify pass, and whatever split the context length and the grid give.
+// Work item = (key/value head, split, pass of np <= MK_ATT_PAIRS pairs). A split is an aligned subtree of 2^k
+// chunks (att_split: k from the context length and the grid, the rule of kernels/plan.py `att_split`): its
+// block computes the subtree's root (a stack of nodes per value, in registers) and writes it to the partials;
+// the last split item of a (key/value head, pass) to arrive folds the splits' roots up the rest of the tree,
+// applies the sigmoid gate and writes the attention output (with one split, the item writes it itself).
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
@@ -624,9 +629,11 @@ static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and v
 static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD &&
                   MK_ATT_SCRATCH_FLOATS <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
-// Chunks of a pair that the merge holds (the plan's limit, which the host checks first): its factors and its
-// denominator in the scratch (att_merge).
-static_assert(MK_ATT_MERGE_CHUNKS >= 1 && MK_ATT_MERGE_CHUNKS + 1 <= 2 * PART_FLOATS, "the merge's scratch");
+// Chunks the tree holds (the plan's limit, which the host checks first): splits of at most 2^MK_ATT_SPLIT_LOG
+// chunks, at most 2^MK_ATT_FOLD_LEVELS splits.
+static_assert(MK_ATT_SPLIT_LOG >= 0 && MK_ATT_SPLIT_LOG <= 10 && MK_ATT_FOLD_LEVELS >= 1 && MK_ATT_FOLD_LEVELS <= 16 &&
+                  MK_ATT_MERGE_CHUNKS == (1 << (MK_ATT_SPLIT_LOG + MK_ATT_FOLD_LEVELS)),
+              "the attention tree's limits");
 
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
 // out[0..HD) (fp32 holding bf16 values).
@@ -682,104 +689,121 @@ __device__ __forceinline__ int att_chunks(const StepInfo& si) {
     return (si.pos + MK_NT + MK_ATT_CHUNK - 1) / MK_ATT_CHUNK;
 }
 
-// (Query head, token) pairs per item at this step: the fewest (at most MK_ATT_PAIRS) whose items still fit the
-// grid: a block's time in the phase grows with its pairs while other blocks idle. At long context, where the
-// chunks alone fill the grid, an item takes MK_ATT_PAIRS.
-// Results do not depend on it: each pair's sums run in the same order whichever item computes it.
-__device__ __forceinline__ int att_pass_pairs(const StepInfo& si) {
-    const int fit = nblocks() / (MK_KVH * att_chunks(si));  // passes per (key/value head, chunk) the grid holds
-    return min(MK_ATT_PAIRS, (MK_GQ_PAIRS + max(1, fit) - 1) / max(1, fit));
+// How a step's attention is cut into work items. Mirrors kernels/plan.py `att_split` (the plan's tests pin the
+// rule): pairs per item, the fewest (at most MK_ATT_PAIRS) whose one-chunk items still fit the grid (a block's time
+// grows with its pairs while other blocks idle); when the chunks alone overfill the grid, splits of 2^k chunks with
+// k the one that gives the busiest block the fewest chunks (ties: the larger k, fewer items). Results do not
+// depend on it (the tree above).
+struct AttSplit {
+    int np;      // (query head, token) pairs per item
+    int passes;  // passes of np pairs over a key/value head's MK_GQ_PAIRS
+    int k;       // log2 of the chunks per split
+    int splits;  // splits per key/value head
+};
+__device__ __forceinline__ AttSplit att_split(const StepInfo& si) {
+    const int nch = att_chunks(si), nb = nblocks();
+    AttSplit a;
+    const int fit = max(1, nb / (MK_KVH * nch));  // passes per (key/value head, chunk) the grid holds
+    a.np = min(MK_ATT_PAIRS, (MK_GQ_PAIRS + fit - 1) / fit);
+    a.passes = (MK_GQ_PAIRS + a.np - 1) / a.np;
+    a.k = 0;
+    a.splits = nch;
+    if (MK_KVH * nch * a.passes <= nb && nch <= (1 << MK_ATT_FOLD_LEVELS)) return a;
+    int best = 0x7fffffff;
+    for (int k = 0; k <= MK_ATT_SPLIT_LOG; ++k) {
+        const int s = (nch + (1 << k) - 1) >> k;
+        if (s > (1 << MK_ATT_FOLD_LEVELS)) continue;
+        const int load = ((MK_KVH * a.passes * s + nb - 1) / nb) << k;
+        if (load <= best) best = load, a.k = k, a.splits = s;
+    }
+    return a;
 }
-__device__ __forceinline__ int att_passes(int np) { return (MK_GQ_PAIRS + np - 1) / np; }
 
-// Work items of the attention phase at this step (one per key/value head, chunk of positions and pass); blocks
-// [items, grid) have none. Must match the loop of phase_attention.
-__device__ __forceinline__ int att_items(const StepInfo& si) {
-    return MK_KVH * att_chunks(si) * att_passes(att_pass_pairs(si));
+// Work items of the attention phase at this step; blocks [items, grid) have none.
+__device__ __forceinline__ int att_items(const AttSplit& a) { return MK_KVH * a.splits * a.passes; }
+
+// One node of the tree for one value: the pair's maximum m (-inf: no key), its sum l, the value's output a.
+struct AttNode {
+    float m, l, a;
+};
+// left then right; an empty side returns the other unchanged, so empty subtrees past a pair's position (or past
+// the context) leave its bits alone.
+__device__ __forceinline__ AttNode att_join(const AttNode& x, const AttNode& y) {
+    if (y.m == -MK_INF) return x;
+    if (x.m == -MK_INF) return y;
+    const float M = fmaxf(x.m, y.m), fx = expf(x.m - M), fy = expf(y.m - M);
+    return AttNode{M, fmaf(x.l, fx, y.l * fy), fmaf(x.a, fx, y.a * fy)};
 }
-
-// Merge of the chunk partials of one pass's pairs (by the last of its items to arrive), in chunk order: a warp per
-// pair loads the chunks' maxima 32 at a time, takes their maximum M, keeps each chunk's factor exp(m - M) in
-// shared memory (-1: a chunk with no key for the pair) and chains the denominators through shuffles; then every
-// thread chains the numerators of its values, 8 chunks' loads in flight at once. The sums are those of a chunk
-// loop per value, so whichever pass merges a pair, its output has the same bits. Splitting the merge by pass and
-// keeping loads in flight keeps it short past the first chunk (one block per key/value head, one load at a time,
-// made that phase three times longer).
-__device__ void att_merge(const Tables& tb, int kvh, int pass, int np, int nch, int maxch, float* scratch) {
-    const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
-    const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
-    const float* part = tb.gp<const float>(G_ATT_PART);
-    bf16_t* att_out = tb.gp<bf16_t>(G_ATT_OUT);
-    const long long cstride = (long long)MK_GQ_PAIRS * (MK_HD + 2);  // floats between chunks of one pair
-    // Pairs [j0, j0 + ng) at a time: as many as their factors [ng][nch] and denominators [ng] fit the scratch
-    // (all np but at very long context).
-    const int ng = max(1, min(np, 2 * PART_FLOATS / (nch + 1)));
-    float* fac = scratch;
-    float* den = scratch + ng * nch;
-    for (int j0 = 0; j0 < np; j0 += ng) {
-        if (j0 > 0) __syncthreads();  // the previous group's factors are read
-        const int j = j0 + warp, pp = pass * np + j;
-        if (warp < ng && j < np && pp < MK_GQ_PAIRS) {
-            const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2);
-            float* f = fac + warp * nch;
-            float M = -MK_INF;
-            for (int c = lane; c < nch; c += 32) {
-                const float mc = ld_cg_f(pb + c * cstride + MK_HD);
-                f[c] = mc;
-                M = fmaxf(M, mc);
-            }
-            M = warp_max(M);
-            float dsum = 0.0f;
-            for (int c0 = 0; c0 < nch; c0 += 32) {
-                const int c = c0 + lane;
-                float fc = -1.0f, dc = 0.0f;
-                if (c < nch) {
-                    const float mc = f[c];
-                    dc = ld_cg_f(pb + c * cstride + MK_HD + 1);
-                    if (mc != -MK_INF) fc = expf(mc - M);
-                    f[c] = fc;
-                }
-                const int n = min(32, nch - c0);
-                for (int i = 0; i < n; ++i) {  // in chunk order, every lane the same chain
-                    const float fi = __shfl_sync(0xffffffffu, fc, i), di = __shfl_sync(0xffffffffu, dc, i);
-                    if (fi >= 0.0f) dsum = fmaf(di, fi, dsum);
-                }
-            }
-            if (lane == 0) den[warp] = dsum;
-        }
-        __syncthreads();
-        const int nj = min(ng, np - j0);
-        for (int e = tid; e < nj * MK_HD; e += MK_THREADS) {
-            const int jj = e / MK_HD, d = e - jj * MK_HD, pp = pass * np + j0 + jj;
-            if (pp >= MK_GQ_PAIRS) continue;
-            const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d;
-            const float* f = fac + jj * nch;
-            float num = 0.0f;
-            int c = 0;
-            for (; c + 8 <= nch; c += 8) {
-                float v[8];
+// A binary counter of subtree roots: leaf i (0-based, in order) joins the complete subtrees it closes.
+template <int LV>
+__device__ __forceinline__ void att_push(AttNode (&stk)[LV], int i, AttNode node) {
+    bool placed = false;
 #pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = ld_cg_f(pb + (c + u) * cstride);
-#pragma unroll
-                for (int u = 0; u < 8; ++u)
-                    if (f[c + u] >= 0.0f) num = fmaf(v[u], f[c + u], num);
-            }
-            for (; c < nch; ++c)
-                if (f[c] >= 0.0f) num = fmaf(ld_cg_f(pb + c * cstride), f[c], num);
-            const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
-            const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
-            att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, den[jj], gate);
+    for (int lv = 0; lv < LV; ++lv) {
+        if (placed) continue;
+        if ((i >> lv) & 1) {
+            node = att_join(stk[lv], node);
+        } else {
+            stk[lv] = node;
+            placed = true;
         }
     }
 }
+// The root over n leaves pushed (the missing leaves of the last subtree are empty).
+template <int LV>
+__device__ __forceinline__ AttNode att_root(const AttNode (&stk)[LV], int n) {
+    AttNode node{-MK_INF, 0.0f, 0.0f};
+#pragma unroll
+    for (int lv = 0; lv < LV; ++lv)
+        if ((n >> lv) & 1) node = att_join(stk[lv], node);
+    return node;
+}
 
-// The phase with items of np <= NP pairs (NP sizes the per-lane accumulators; shared memory keeps the
-// MK_ATT_PAIRS strides).
+// The last split item of a (key/value head, pass): each thread folds its values' split roots in split order up
+// the tree (8 splits' loads in flight), gates and writes the attention output.
+__device__ __noinline__ void att_fold(const Tables& tb, int kvh, int pass, int np, int nsplit, int maxch) {
+    const int tid = tid_x();
+    const bf16_t* qkv = tb.gp<const bf16_t>(G_QKV_ATT);
+    const float* part = tb.gp<const float>(G_ATT_PART);
+    bf16_t* att_out = tb.gp<bf16_t>(G_ATT_OUT);
+    const long long sstride = (long long)MK_GQ_PAIRS * (MK_HD + 2);  // floats between splits of one pair
+    for (int e = tid; e < np * MK_HD; e += MK_THREADS) {
+        const int j = e / MK_HD, d = e - j * MK_HD, pp = pass * np + j;
+        if (pp >= MK_GQ_PAIRS) continue;
+        const float* pb = part + ((long long)kvh * maxch * MK_GQ_PAIRS + pp) * (MK_HD + 2);
+        AttNode stk[MK_ATT_FOLD_LEVELS + 1];
+#pragma unroll
+        for (int lv = 0; lv <= MK_ATT_FOLD_LEVELS; ++lv) stk[lv] = AttNode{-MK_INF, 0.0f, 0.0f};
+        for (int s0 = 0; s0 < nsplit; s0 += 8) {
+            AttNode v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const float* q = pb + (s0 + u) * sstride;
+                v[u] = s0 + u < nsplit ? AttNode{ld_cg_f(q + MK_HD), ld_cg_f(q + MK_HD + 1), ld_cg_f(q + d)}
+                                       : AttNode{-MK_INF, 0.0f, 0.0f};
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (s0 + u < nsplit) att_push(stk, s0 + u, v[u]);
+        }
+        const AttNode r = att_root(stk, nsplit);
+        const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+        const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
+        att_out[t * MK_AD + hq * MK_HD + d] = att_gated(r.a, r.l, gate);
+    }
+}
+
+// The phase with items of np <= NP pairs (NP sizes the per-lane accumulators and the per-thread tree stacks; shared
+// memory keeps the MK_ATT_PAIRS strides).
 template <int NP>
 __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* xs, int* s_last,
-                                int np) {
+                                const AttSplit& sp) {
+    // Values (pair, head dim) a thread keeps a tree stack for, and the stack's levels (a split's 2^k chunks).
+    constexpr int VPT = (NP * MK_HD + MK_THREADS - 1) / MK_THREADS;
+    constexpr int LV = MK_ATT_SPLIT_LOG + 1;
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     const int pos = si.pos, L = pos + MK_NT;
+    const int np = sp.np;
     const int maxch = (int)tb.gi(G_ATT_CHUNKS);  // room in the partials buffer (the host sizes it by capacity)
     const int cl = MK_ATT_CHUNK;
     const int nch = (L + cl - 1) / cl;  // att_chunks(si), from the position already read
@@ -803,17 +827,16 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     bf16_t* kvnew = (bf16_t*)xs;
 
     bool any = false;
-    // One item per (key/value head, chunk, pass of query pairs): at short context the few heads and chunks alone
-    // would leave most blocks idle and each busy one many passes in a row.
-    const int passes = att_passes(np);
-    for (int item = bid_x(); item < MK_KVH * nch * passes; item += nblocks()) {
+    const int passes = sp.passes, nsplit = sp.splits;
+    for (int item = bid_x(); item < MK_KVH * nsplit * passes; item += nblocks()) {
         any = true;
-        const int kvh = item / (nch * passes), rest = item - kvh * nch * passes;
-        const int c = rest / passes, pass = rest - c * passes;
-        const int p0 = c * cl, p1 = min(L, p0 + cl);
+        const int kvh = item / (nsplit * passes), rest = item - kvh * nsplit * passes;
+        const int s = rest / passes, pass = rest - s * passes;
+        const int c0 = s << sp.k, c1 = min(nch, c0 + (1 << sp.k));
+        const int q0 = c0 * cl, q1 = min(L, c1 * cl);  // the split's positions
         bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
         bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
-        // New positions of this chunk: normed, rotated key and raw value. Every pass's item of the chunk computes
+        // New positions of this split: normed, rotated key and raw value. Every pass's item of the split computes
         // them into shared memory and attends to them there, so that none waits for another block; only the pass-0
         // item writes them to the cache (for later launches). The last warps take a token each (the first np warps
         // normalise the queries meanwhile).
@@ -821,7 +844,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         if (kw < kv_warps) {
             for (int t = kw; t < MK_NT; t += kv_warps) {
                 const int p = pos + t;
-                if (p < p0 || p >= p1) continue;
+                if (p < q0 || p >= q1) continue;
                 const bf16_t* row = qkv + t * MK_ATT_IN_ROWS;
                 bf16_t vv[ATT_NPL];  // the value row, loaded beside the key's (the stores below could alias it)
 #pragma unroll
@@ -847,24 +870,44 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 __syncwarp();
             }
         }
-        {
-            if (warp < np) {
-                const int pp = pass * np + warp;
-                if (pp < MK_GQ_PAIRS) {
-                    const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
-                    norm_rope_head(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD, qn_w, inv_freq, pos + t,
-                                   qsm + warp * MK_HD);
+        if (warp < np) {
+            const int pp = pass * np + warp;
+            if (pp < MK_GQ_PAIRS) {
+                const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+                norm_rope_head(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD, qn_w, inv_freq, pos + t, qsm + warp * MK_HD);
+            }
+        }
+        __syncthreads();  // queries and the new keys and values ready
+        const bool active = lane * ATT_DPL < MK_HD;
+        int lastpos[NP];
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int pp = pass * np + j;
+            lastpos[j] = j < np && pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
+        }
+        AttNode stk[VPT][LV];
+#pragma unroll
+        for (int v = 0; v < VPT; ++v)
+#pragma unroll
+            for (int lv = 0; lv < LV; ++lv) stk[v][lv] = AttNode{-MK_INF, 0.0f, 0.0f};
+        for (int c = c0; c < c1; ++c) {
+            const int p0 = c * cl, p1 = min(L, p0 + cl);
+            // The next chunk of the split starts towards L2 while this one is used (the barrier before the phase
+            // started the first).
+            if (tid == 0 && c + 1 < c1) {
+                const int bytes = (min(L, p1 + cl) - p1) * MK_HD * 2;
+                const char* kn = (const char*)(kh + (long long)p1 * MK_HD);
+                const char* vn = (const char*)(vh + (long long)p1 * MK_HD);
+                for (int off = 0; off < bytes; off += MK_PF_PIECE) {
+                    const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
+                    prefetch_l2_bytes(kn + off, n);
+                    prefetch_l2_bytes(vn + off, n);
                 }
             }
-            __syncthreads();  // queries and the new keys and values ready
-            const bool active = lane * ATT_DPL < MK_HD;
             // The queries stay in shared memory (qsm): registers go to the accumulators and the next position's loads.
             float acc[NP][ATT_DPL], m[NP], l[NP];
-            int lastpos[NP];
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
-                const int pp = pass * np + j;
-                lastpos[j] = j < np && pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
                 m[j] = -MK_INF;
                 l[j] = 0.0f;
 #pragma unroll
@@ -893,19 +936,19 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 for (int j = 0; j < NP; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform
                     const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);  // kf is 0 on inactive lanes
-                    float s = 0.0f;
+                    float sc = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) s = fmaf(qj[e], kf[e], s);
-                    s = warp_sum(s) * scale;
-                    const float mn = fmaxf(m[j], s);
-                    const float corr = expf(m[j] - mn), w = expf(s - mn);
+                    for (int e = 0; e < 8; ++e) sc = fmaf(qj[e], kf[e], sc);
+                    sc = warp_sum(sc) * scale;
+                    const float mn = fmaxf(m[j], sc);
+                    const float corr = expf(m[j] - mn), w = expf(sc - mn);
                     l[j] = l[j] * corr + w;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(acc[j][e], corr, w * vf[e]);
                     m[j] = mn;
                 }
             }
-            // Merge the warps of the block in warp order (deterministic).
+            // The chunk's partial: the warps merged in warp order (deterministic).
             if (lane == 0) {
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
@@ -934,45 +977,53 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 }
                 __syncthreads();
             }
-            // One chunk (short context): this item's pairs are final, written here without partials: the merge
-            // below with one chunk, the same operations (its factor expf(M - M) is 1).
-            if (nch == 1) {
-                float* den = knew;  // [PAIRS]: the K/V writer is done with it
-                if (tid < np) den[tid] = att_block_den(wm, wl, tid, M[tid]);
-                __syncthreads();
-                for (int e = tid; e < np * MK_HD; e += MK_THREADS) {
-                    const int j = e / MK_HD, d = e - j * MK_HD, pp = pass * np + j;
-                    if (pp >= MK_GQ_PAIRS) continue;
-                    const float f = expf(M[j] - M[j]);
-                    const float num = fmaf(accs[e], f, 0.0f), dn = fmaf(den[j], f, 0.0f);
-                    const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
-                    const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
-                    att_out[t * MK_AD + hq * MK_HD + d] = att_gated(num, dn, gate);
-                }
-                __syncthreads();
-                continue;
+            // The chunk's leaf joins the split's tree, a stack per value of this thread.
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                const int e = tid + v * MK_THREADS, j = e / MK_HD;
+                if (e >= np * MK_HD) continue;
+                float Mj = -MK_INF;
+                for (int w = 0; w < MK_NWARPS; ++w) Mj = fmaxf(Mj, wm[w * MK_ATT_PAIRS + j]);
+                const AttNode leaf{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), accs[e]};
+                att_push(stk[v], c - c0, leaf);
             }
-            for (int e = tid; e < np * (MK_HD + 2); e += MK_THREADS) {
-                const int j = e / (MK_HD + 2), d = e - j * (MK_HD + 2);
-                const int pp = pass * np + j;
-                if (pp >= MK_GQ_PAIRS) continue;
-                const float v = d < MK_HD ? accs[j * MK_HD + d] : d == MK_HD ? M[j] : att_block_den(wm, wl, j, M[j]);
-                part[(((long long)kvh * maxch + c) * MK_GQ_PAIRS + pp) * (MK_HD + 2) + d] = v;
-            }
-            __syncthreads();
+            __syncthreads();  // wm, wl and accs are read before the next chunk writes them
         }
-        // Arrival: the last of the nch items of this (key/value head, pass) merges its pairs over all chunks.
+        // The split's root per value: the output itself when one split covers the context, else a partial for the fold.
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int e = tid + v * MK_THREADS, j = e / MK_HD, d = e - j * MK_HD, pp = pass * np + j;
+            if (e >= np * MK_HD || pp >= MK_GQ_PAIRS) continue;
+            const AttNode r = att_root(stk[v], c1 - c0);
+            if (nsplit == 1) {
+                const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
+                const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));
+                att_out[t * MK_AD + hq * MK_HD + d] = att_gated(r.a, r.l, gate);
+            } else {
+                float* q = part + (((long long)kvh * maxch + s) * MK_GQ_PAIRS + pp) * (MK_HD + 2);
+                q[d] = r.a;
+                if (d == 0) {
+                    q[MK_HD] = r.m;
+                    q[MK_HD + 1] = r.l;
+                }
+            }
+        }
+        if (nsplit == 1) {
+            __syncthreads();  // the scratch is read before the next item writes it
+            continue;
+        }
+        // Arrival: the last of the splits of this (key/value head, pass) folds its pairs over all of them.
         __threadfence();
         __syncthreads();
         u64* arrivals = tb.sync + MK_SYNC_ARRIVALS + kvh * MK_GQ_PAIRS + pass;
         if (tid == 0) {
             const u64 prev = atomicAdd(arrivals, 1ull);
-            *s_last = (prev == (u64)(nch - 1));
+            *s_last = (prev == (u64)(nsplit - 1));
         }
         __syncthreads();
         if (*s_last) {
             __threadfence();
-            att_merge(tb, kvh, pass, np, nch, maxch, scratch);
+            att_fold(tb, kvh, pass, np, nsplit, maxch);
             if (tid == 0) atomicExch(arrivals, 0ull);
         }
         __syncthreads();
@@ -980,21 +1031,21 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     return any;
 }
 
-// Short context gives items of one pair (att_pass_pairs): that case compiles on its own, with one pair's
+// Short context gives items of one pair (att_split): that case compiles on its own, with one pair's
 // accumulators, the rest with MK_ATT_PAIRS'.
-__device__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* xs,
+__device__ __noinline__ bool phase_attention(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* xs,
                                 int* s_last) {
-    const int np = att_pass_pairs(si);
-    if (np == 1) return attention_items<1>(tb, si, layer, scratch, xs, s_last, 1);
-    return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, xs, s_last, np);
+    const AttSplit sp = att_split(si);
+    if (sp.np == 1) return attention_items<1>(tb, si, layer, scratch, xs, s_last, sp);
+    return attention_items<MK_ATT_PAIRS>(tb, si, layer, scratch, xs, s_last, sp);
 }
 
 // At the barrier before the DeltaNet / attention phase (thread 0): inputs of the phase start towards L2, ahead
 // of the output projection's first weights, so that its loads (a chain of round trips in a few blocks) find them
 // there. DeltaNet: the block's first item's share of its head's state, as contiguous rows (the item itself
-// reads a column slice of every row; its sibling items' blocks prefetch the other rows). Attention: the chunk of
-// keys and values of the block's first item (only the first: at long context the chunks of every item would
-// exceed L2 and evict the weights prefetched beside them). L2 is coherent with the new positions' stores.
+// reads a column slice of every row; its sibling items' blocks prefetch the other rows). Attention: the first chunk
+// of keys and values of the block's first item (only that: at long context every item's chunks would exceed L2
+// and evict the weights prefetched beside them; the item brings each next chunk itself). L2 is coherent with the new positions' stores.
 __device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int phase, int layer) {
     if (tid_x() != 0) return;
     if (phase == PH_DN_REC) {
@@ -1006,13 +1057,14 @@ __device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int 
         for (int off = 0; off < piece; off += MK_PF_PIECE)
             prefetch_l2_bytes(base + off, (unsigned)min(piece - off, MK_PF_PIECE));
     } else if (phase == PH_ATT) {
-        const int L = si.pos + MK_NT, nch = att_chunks(si), passes = att_passes(att_pass_pairs(si));
+        const int L = si.pos + MK_NT;
+        const AttSplit sp = att_split(si);
         const long long cap = tb.li(layer, L_KV_CAP);
         const char* kc = (const char*)tb.lp<const bf16_t>(layer, L_KCACHE);
         const char* vc = (const char*)tb.lp<const bf16_t>(layer, L_VCACHE);
         const int item = bid_x();
-        if (item >= att_items(si)) return;
-        const int kvh = item / (nch * passes), c = (item - kvh * nch * passes) / passes;
+        if (item >= att_items(sp)) return;
+        const int kvh = item / (sp.splits * sp.passes), c = ((item - kvh * sp.splits * sp.passes) / sp.passes) << sp.k;
         const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
         const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
         for (int off = 0; off < bytes; off += MK_PF_PIECE) {

@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from onestream.worker.config import ModelConfig
-from onestream.worker.errors import UnsupportedModelError
+from onestream.worker.errors import ContextLengthError, UnsupportedModelError
 from onestream.worker.quant import QuantType
 
 from .layout import (
@@ -44,6 +44,9 @@ WINDOW_STEP = (
     2048  # staged-input window widths tried: the widest input, then multiples of this (a whole chunk)
 )
 SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it split each cp.async in two
+# Levels of the attention fold over a step's splits (phases.cuh att_fold): at most 2^this splits per key/value head.
+# With Tuning.att_split_log it bounds the chunks a build attends over (KernelPlan.att_merge_chunks).
+ATT_FOLD_LEVELS = 8
 
 # The phases of one layer by kind, and those after the last layer: the step list of every launch.
 LAYER_PHASES = {
@@ -98,6 +101,49 @@ class SyncLayout(NamedTuple):
     # head x T) + pass.
     arrivals: int
     count: int  # counters in all
+
+
+class AttSplit(NamedTuple):
+    """How one step's attention is cut into work items (phases.cuh `att_split` computes the same on the device)."""
+
+    pairs: int  # (query head, token) pairs per item
+    passes: int  # passes of `pairs` over a key/value head's pairs
+    log: int  # a split holds 2^log chunks (the last one fewer)
+    splits: int  # splits per key/value head
+    items: int  # work items: key/value heads x splits x passes
+
+
+def att_split(
+    config: ModelConfig, tokens: int, positions: int, blocks: int, tuning: Tuning, att_pairs: int
+) -> AttSplit:
+    """The attention items of a step over `positions` keys (the launch's tokens included) on `blocks` blocks: while
+    one chunk per item fits the grid, items of one chunk and the fewest pairs (at most `att_pairs`) that still fit
+    it; past that, splits of 2^k chunks with the k whose busiest block attends over the fewest chunks (the larger k
+    on ties: fewer items, a shorter fold), at most 2^ATT_FOLD_LEVELS splits. Results do not depend on it: every
+    split is a subtree of the one tree over the chunks (phases.cuh)."""
+    kvh = config.num_key_value_heads
+    pairs = config.num_attention_heads // kvh * tokens
+    chunks = max(1, -(-positions // tuning.att_chunk))
+    fit = max(1, blocks // (kvh * chunks))
+    per_item = min(att_pairs, -(-pairs // fit))
+    passes = -(-pairs // per_item)
+    if kvh * chunks * passes <= blocks and chunks <= 1 << ATT_FOLD_LEVELS:
+        return AttSplit(per_item, passes, 0, chunks, kvh * chunks * passes)
+    best: tuple[int, int, int] | None = None
+    for k in range(tuning.att_split_log + 1):
+        splits = -(-chunks // (1 << k))
+        if splits > 1 << ATT_FOLD_LEVELS:
+            continue
+        load = -(-(kvh * passes * splits) // blocks) << k
+        if best is None or load <= best[0]:
+            best = (load, k, splits)
+    if best is None:
+        raise ContextLengthError(
+            f"megakernel: {positions} positions need {chunks} attention chunks; the build attends over at most "
+            f"{1 << (tuning.att_split_log + ATT_FOLD_LEVELS)}"
+        )
+    _, k, splits = best
+    return AttSplit(per_item, passes, k, splits, kvh * splits * passes)
 
 
 class SmemCarve(NamedTuple):
@@ -388,6 +434,8 @@ class KernelPlan:
             "MK_ATT_SCRATCH_FLOATS": att_scratch,
             "MK_DN_SCRATCH_FLOATS": dn_scratch,
             "MK_ATT_MERGE_CHUNKS": self.att_merge_chunks,
+            "MK_ATT_SPLIT_LOG": t.att_split_log,
+            "MK_ATT_FOLD_LEVELS": ATT_FOLD_LEVELS,
             "MK_HIST_ENTRIES": self.history_entries,
             "MK_SYNC_BARRIER": sync.barrier,
             "MK_SYNC_ARRIVALS": sync.arrivals,
@@ -455,9 +503,20 @@ class KernelPlan:
 
     @property
     def att_merge_chunks(self) -> int:
-        """Flash-decoding chunks of one (query head, token) pair that the attention merge holds (its factors and
-        denominator live in the partial sums and row values); longer contexts are refused."""
-        return 2 * self.tokens_per_launch * self.part_rows - 1
+        """Flash-decoding chunks a step attends over at most: splits of 2^att_split_log chunks, 2^ATT_FOLD_LEVELS
+        splits; longer contexts are refused."""
+        return 1 << (self.tuning.att_split_log + ATT_FOLD_LEVELS)
+
+    def att_split(self, positions: int, blocks: int | None = None) -> AttSplit:
+        """The attention items of a step over `positions` keys on `blocks` blocks (the plan's GPU: one per SM)."""
+        return att_split(
+            self.config,
+            self.tokens_per_launch,
+            positions,
+            self.num_sms if blocks is None else blocks,
+            self.tuning,
+            self.att_pairs,
+        )
 
     def att_chunks(self, capacity: int) -> int:
         """Flash-decoding chunks per key/value head for a KV cache of `capacity` positions."""

@@ -60,6 +60,10 @@ class Tuning:
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.
     att_chunk: int = 128
+    # Splits of the attention keys over blocks hold at most 2^att_split_log chunks (each block's tree stack has that
+    # many levels plus one); the plan picks a split per step from the context and the grid (plan.att_split). Never
+    # changes results: a split is a subtree of one fixed tree over the chunks.
+    att_split_log: int = 5
     # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
     # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
     # blocks finish).
@@ -89,5 +93,7 @@ class Tuning:
                 f"the tensor-core GEMV's weight ring keeps an item's 8 rows one per plane: umax must be 8, got "
                 f"{self.umax} (or stages=0)"
             )
+        if not 0 <= self.att_split_log <= 10:
+            raise ValueError(f"att_split_log must be 0..10, got {self.att_split_log}")
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")

@@ -31,6 +31,7 @@ from onestream.kernels.phase_timing import (
     summarise,
 )
 from onestream.kernels.plan import (
+    ATT_FOLD_LEVELS,
     AUTO_STAGES,
     FINAL_PHASES,
     LAYER_PHASES,
@@ -46,7 +47,7 @@ from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
 from onestream.kernels.tuning import FP32_ACT_ENV, GEMV_ENV, SMEM_PREFER, Tuning, tuning_from_env
 from onestream.worker.config import ModelConfig
-from onestream.worker.errors import UnsupportedModelError
+from onestream.worker.errors import ContextLengthError, UnsupportedModelError
 from onestream.worker.testing import tiny_config
 
 
@@ -322,12 +323,39 @@ def test_too_few_partial_rows_for_the_mixer_scratch_is_an_error_not_a_compile_fa
         KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(part_rows=256)).defines()
 
 
-def test_the_attention_merge_holds_the_chunks_its_scratch_has_room_for() -> None:
-    spec = KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(part_rows=512), tokens_per_launch=1)
-    assert spec.att_merge_chunks == 2 * 512 - 1  # one pair's factors and its denominator in 2 x 512 floats
+def test_the_attention_tree_holds_qwens_whole_context_at_every_tokens_per_launch() -> None:
+    spec = KernelPlan(tiny_config(), num_sms=132, tuning=Tuning(part_rows=512, att_split_log=0))
+    assert spec.att_merge_chunks == 1 << ATT_FOLD_LEVELS  # one-chunk splits, the fold's splits
     for tokens in range(1, 9):
         default = KernelPlan(config_27b(), num_sms=132, tokens_per_launch=tokens, smem_limit=227 * 1024)
         assert default.att_merge_chunks * default.tuning.att_chunk >= 262144  # Qwen3.5's whole context
+
+
+def test_attention_splits_fill_the_grid_at_long_context() -> None:
+    """Short contexts keep one chunk per item (and the fewest pairs that fit); long ones cut the chunks into
+    aligned splits of 2^k whose busiest block attends over the fewest chunks, within the fold's limit."""
+    config = config_27b()
+    plan = KernelPlan(config, num_sms=132, tokens_per_launch=1)
+    short = plan.att_split(513)
+    assert short.log == 0 and short.splits == 5 and short.pairs == 1 and short.items == 4 * 5 * 6
+    for context in (8192, 32768, 131072):
+        sp = plan.att_split(context + 1)
+        chunks = -(-(context + 1) // plan.tuning.att_chunk)
+        assert sp.log > 0 and sp.splits == -(-chunks // (1 << sp.log)) <= 1 << ATT_FOLD_LEVELS
+        assert sp.pairs == plan.att_pairs and sp.items == 4 * sp.splits * sp.passes
+        busiest = -(-sp.items // 132) << sp.log
+        ideal = -(-4 * sp.passes * chunks // 132)
+        assert busiest <= 1.1 * ideal + (1 << sp.log)  # no block holds more than a split over its share
+    assert plan.att_split(131073).log == 5 and plan.att_split(131073).splits == 33
+    assert plan.att_split(32769).splits * (1 << plan.att_split(32769).log) >= 257
+    with pytest.raises(ContextLengthError, match="attention chunks"):
+        KernelPlan(config, num_sms=132, tuning=Tuning(att_split_log=0)).att_split(128 * 257)
+    assert KernelPlan(config, 132, tuning=Tuning(att_split_log=0)).att_split(128 * 256).splits == 256
+    d = plan.defines()
+    assert d["MK_ATT_SPLIT_LOG"] == plan.tuning.att_split_log and d["MK_ATT_FOLD_LEVELS"] == ATT_FOLD_LEVELS
+    assert d["MK_ATT_MERGE_CHUNKS"] == 1 << (plan.tuning.att_split_log + ATT_FOLD_LEVELS)
+    with pytest.raises(ValueError, match="att_split_log"):
+        Tuning(att_split_log=11)
 
 
 def test_phase_breakdown_from_stamps() -> None:
@@ -397,14 +425,18 @@ def test_phase_breakdown_splits_the_weight_streaming_phases() -> None:
 
 def test_attention_item_labels_follow_the_kernels_split() -> None:
     """phases.cuh gives a 4-token launch at context 64 one (query head, token) pair per item (96 items fit the 132
-    blocks), a single token 24; at long context the chunks fill the grid and items take 3 pairs."""
+    blocks), a single token 24; at long context the chunks overfill the grid: items take 3 pairs and splits of
+    several chunks."""
     config = config_27b(4)
     pairs = KernelPlan(config, 132, 4).att_pairs
     four = attention_items(config, 4, 64, 132, pairs, 128)
     assert len(four) == 96 and four[:2] == ["kv0 c0 q0t0", "kv0 c0 q0t1"] and four[-1] == "kv3 c0 q5t3"
     assert len(attention_items(config, 1, 64, 132, KernelPlan(config, 132, 1).att_pairs, 128)) == 24
     long = attention_items(config, 1, 4000, 132, KernelPlan(config, 132, 1).att_pairs, 128)
-    assert len(long) == 4 * 32 * 2 and long[0] == "kv0 c0 q0t0,q1t0,q2t0"
+    # splits of two chunks fill the grid
+    assert len(long) == 4 * 16 * 2 and long[0] == "kv0 c0-1 q0t0,q1t0,q2t0"
+    assert long == attention_items(config, 1, 4000, 132, 3, 128, split_log=5)
+    assert len(attention_items(config, 1, 4000, 132, 3, 128, split_log=0)) == 4 * 32 * 2
     assert deltanet_items(config, 2)[:3] == ["hv0 slice0", "hv0 slice1", "hv1 slice0"]
 
 

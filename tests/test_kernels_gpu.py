@@ -150,11 +150,12 @@ def test_deltanet_gated_norm_and_output_projection(setup):
     assert rel_err(runner.buf["h"][:1], ref) < 1e-2
 
 
-@pytest.mark.parametrize("pos", [0, 5, 300, 4000])
+@pytest.mark.parametrize("pos", [0, 5, 300, 4000, 20000])
 @torch.no_grad()
 def test_gated_attention_step_against_the_cache(setup, pos):
-    """One chunk (each item writes its output), a few (partials merged by the last item), and enough chunks to
-    fill the grid (each item then takes several query heads)."""
+    """One chunk (each item writes its output), a few (split roots folded by the last item), enough chunks to
+    fill the grid (each item then takes several query heads), and a long context cut into splits of several
+    chunks across the blocks."""
     _, model, runner = setup
     c = model.config
     li = first_layer(model, full=True, at_least=1)
@@ -435,16 +436,17 @@ def test_bad_token_is_an_error_not_a_crash(setup):
 
 
 @torch.no_grad()
-def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
-    """The merge keeps a pair's chunk factors in the partial-sum buffers: with 512 partial rows the tiny model holds
-    1023 chunks, merged one pair at a time there. The step whose context fills the last chunk matches the reference,
-    and bit for bit a build with room for both pairs' factors at once (partial rows never change a sum's order);
-    the next is refused before it launches, and the state is unchanged."""
+def test_attention_tree_holds_its_last_chunk_and_refuses_the_next():
+    """With one-chunk splits (att_split_log=0) the tiny model's build attends over 2^ATT_FOLD_LEVELS chunks. The step
+    whose context fills the last chunk matches the reference, and bit for bit a build whose splits hold 32 chunks
+    (every split is a subtree of one tree over the chunks); the next is refused before it launches, and the state
+    is unchanged."""
     model = random_model(tiny_config(), seed=21)
-    runner = MegakernelRunner(model, tuning=Tuning(part_rows=512, fp32_act=False))  # bf16, like the reference
+    # bf16, like the reference
+    runner = MegakernelRunner(model, tuning=Tuning(att_split_log=0, fp32_act=False))
     spec = runner._build(1).plan
     limit = spec.att_merge_chunks * spec.tuning.att_chunk
-    assert spec.att_merge_chunks == 1023
+    assert spec.att_merge_chunks == 256
     state = model.new_state(limit + 8)
     g = torch.Generator(device="cuda").manual_seed(3)
     prompt = torch.randint(0, model.config.vocab_size, (limit - 1,), device="cuda", generator=g)
@@ -455,9 +457,10 @@ def test_attention_merge_holds_its_last_chunk_and_refuses_the_next():
     out = runner.step(token, state)
     ref = model.forward_step(token, ref_state)
     assert rel_err(out.logits, ref.logits) < 3e-2
-    wide = MegakernelRunner(model, tuning=Tuning(part_rows=4096, fp32_act=False))
+    wide = MegakernelRunner(model, tuning=Tuning(att_split_log=5, fp32_act=False))
+    assert wide._build(1).plan.att_split(limit).log > 0
     assert torch.equal(wide.step(token, wide_state).logits, out.logits)
-    with pytest.raises(ContextLengthError, match=r"1024 attention chunks.*merges at most 1023"):
+    with pytest.raises(ContextLengthError, match=r"257 attention chunks.*merges at most 256"):
         runner.step(token, state)
     assert state.length == limit
 
