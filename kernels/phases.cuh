@@ -626,7 +626,8 @@ static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps
 static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
 // (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
-static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD &&
+static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD +
+                                             2 * (MK_ATT_SPLIT_LOG + 1) * MK_ATT_PAIRS &&
                   MK_ATT_SCRATCH_FLOATS <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
 // Chunks the tree holds (the plan's limit, which the host checks first): splits of at most 2^MK_ATT_SPLIT_LOG
@@ -823,6 +824,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     float* wm = accs + MK_ATT_PAIRS * MK_HD;       // [NWARPS][PAIRS]
     float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
     float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [NT][HD]
+    float* tml = knew + MK_NT * MK_HD;             // [SPLIT_LOG + 1][PAIRS][2]: the split tree's (m, l) per level
     // [NT][2][HD]: the new positions' key and value as cached, in the GEMV input's buffer (free in this phase).
     bf16_t* kvnew = (bf16_t*)xs;
 
@@ -885,11 +887,13 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             const int pp = pass * np + j;
             lastpos[j] = j < np && pp < MK_GQ_PAIRS ? pos + (pp % MK_NT) : -1;  // causal: keys 0..pos+t
         }
-        AttNode stk[VPT][LV];
+        // The split's tree stack: each value's output per level in this thread's registers, each pair's (m, l) per
+        // level in shared memory (tml, written by the pair's thread of head dim 0; the same for all its values).
+        float sa[VPT][LV];
 #pragma unroll
         for (int v = 0; v < VPT; ++v)
 #pragma unroll
-            for (int lv = 0; lv < LV; ++lv) stk[v][lv] = AttNode{-MK_INF, 0.0f, 0.0f};
+            for (int lv = 0; lv < LV; ++lv) sa[v][lv] = 0.0f;
         for (int c = c0; c < c1; ++c) {
             const int p0 = c * cl, p1 = min(L, p0 + cl);
             // The next chunk of the split starts towards L2 while this one is used (the barrier before the phase
@@ -913,10 +917,14 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                 for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
             }
-            // A warp's positions in order; the next one's key and value load while this one's are used (positions
-            // of this launch from shared memory, earlier ones from the cache).
+            // A warp's positions two at a time (p and p + MK_NWARPS, fixed by the chunk, so a pair's sums do not
+            // depend on the context length), the next two's keys and values loading while these are used (positions
+            // of this launch from shared memory, earlier ones from the cache; zeros past the chunk).
             auto load_kv = [&](int q, vec16& k, vec16& v) {
-                if (q >= pos) {
+                if (q >= p1) {
+                    k = vec16{0u, 0u, 0u, 0u};
+                    v = k;
+                } else if (q >= pos) {
                     const bf16_t* src = kvnew + (q - pos) * 2 * MK_HD + lane * ATT_DPL;
                     k = ld_shared16(src);
                     v = ld_shared16(src + MK_HD);
@@ -925,26 +933,44 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     v = ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
                 }
             };
-            vec16 kr = {0u, 0u, 0u, 0u}, vr = {0u, 0u, 0u, 0u};
-            if (active && p0 + warp < p1) load_kv(p0 + warp, kr, vr);
-            for (int p = p0 + warp; p < p1; p += MK_NWARPS) {
-                float kf[8], vf[8];
-                unpack8(kr, kf);  // zeros on inactive lanes
-                unpack8(vr, vf);
-                if (active && p + MK_NWARPS < p1) load_kv(p + MK_NWARPS, kr, vr);
+            vec16 kr0 = {0u, 0u, 0u, 0u}, vr0 = kr0, kr1 = kr0, vr1 = kr0;
+            if (active) {
+                load_kv(p0 + warp, kr0, vr0);
+                load_kv(p0 + warp + MK_NWARPS, kr1, vr1);
+            }
+            for (int p = p0 + warp; p < p1; p += 2 * MK_NWARPS) {
+                const int pb = p + MK_NWARPS;
+                float kf0[8], vf0[8], kf1[8], vf1[8];
+                unpack8(kr0, kf0);  // zeros on inactive lanes
+                unpack8(vr0, vf0);
+                unpack8(kr1, kf1);
+                unpack8(vr1, vf1);
+                if (active) {
+                    load_kv(p + 2 * MK_NWARPS, kr0, vr0);
+                    load_kv(pb + 2 * MK_NWARPS, kr1, vr1);
+                }
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
-                    if (p > lastpos[j]) continue;  // warp-uniform
+                    if (p > lastpos[j]) continue;  // warp-uniform; so is the second position's test
                     const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);  // kf is 0 on inactive lanes
-                    float sc = 0.0f;
+                    float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) sc = fmaf(qj[e], kf[e], sc);
-                    sc = warp_sum(sc) * scale;
-                    const float mn = fmaxf(m[j], sc);
-                    const float corr = expf(m[j] - mn), w = expf(sc - mn);
-                    l[j] = l[j] * corr + w;
+                    for (int e = 0; e < 8; ++e) {
+                        s0 = fmaf(qj[e], kf0[e], s0);
+                        s1 = fmaf(qj[e], kf1[e], s1);
+                    }
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(acc[j][e], corr, w * vf[e]);
+                    for (int o = 16; o > 0; o >>= 1) {
+                        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+                        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                    }
+                    s0 *= scale;
+                    s1 = pb <= lastpos[j] && pb < p1 ? s1 * scale : -MK_INF;  // no second key: weight 0 exactly
+                    const float mn = fmaxf(m[j], fmaxf(s0, s1));
+                    const float corr = expf(m[j] - mn), w0 = expf(s0 - mn), w1 = expf(s1 - mn);
+                    l[j] = (l[j] * corr + w0) + w1;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(acc[j][e], corr, fmaf(w1, vf1[e], w0 * vf0[e]));
                     m[j] = mn;
                 }
             }
@@ -977,24 +1003,42 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 }
                 __syncthreads();
             }
-            // The chunk's leaf joins the split's tree, a stack per value of this thread.
+            // The chunk's leaf joins the split's tree (a binary counter: leaf i joins the complete subtrees it closes).
+            const int i = c - c0;
 #pragma unroll
             for (int v = 0; v < VPT; ++v) {
                 const int e = tid + v * MK_THREADS, j = e / MK_HD;
                 if (e >= np * MK_HD) continue;
                 float Mj = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) Mj = fmaxf(Mj, wm[w * MK_ATT_PAIRS + j]);
-                const AttNode leaf{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), accs[e]};
-                att_push(stk[v], c - c0, leaf);
+                AttNode node{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), accs[e]};
+                bool placed = false;
+#pragma unroll
+                for (int lv = 0; lv < LV; ++lv) {
+                    if (placed) continue;
+                    float* ml = tml + (lv * MK_ATT_PAIRS + j) * 2;
+                    if ((i >> lv) & 1) {
+                        node = att_join(AttNode{ml[0], ml[1], sa[v][lv]}, node);
+                    } else {
+                        sa[v][lv] = node.a;
+                        if (e == j * MK_HD) ml[0] = node.m, ml[1] = node.l;
+                        placed = true;
+                    }
+                }
             }
-            __syncthreads();  // wm, wl and accs are read before the next chunk writes them
+            __syncthreads();  // wm, wl, accs and tml are read before the next chunk writes them
         }
         // The split's root per value: the output itself when one split covers the context, else a partial for the fold.
 #pragma unroll
         for (int v = 0; v < VPT; ++v) {
             const int e = tid + v * MK_THREADS, j = e / MK_HD, d = e - j * MK_HD, pp = pass * np + j;
             if (e >= np * MK_HD || pp >= MK_GQ_PAIRS) continue;
-            const AttNode r = att_root(stk[v], c1 - c0);
+            AttNode r{-MK_INF, 0.0f, 0.0f};  // the root over the split's chunks (a partial last subtree: empty leaves)
+#pragma unroll
+            for (int lv = 0; lv < LV; ++lv) {
+                const float* ml = tml + (lv * MK_ATT_PAIRS + j) * 2;
+                if (((c1 - c0) >> lv) & 1) r = att_join(AttNode{ml[0], ml[1], sa[v][lv]}, r);
+            }
             if (nsplit == 1) {
                 const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
                 const float gate = bf2f(ld_cg_bf(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD + MK_HD + d));

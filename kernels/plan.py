@@ -374,7 +374,12 @@ class KernelPlan:
         DeltaNet recurrence (in the partial sums): phases.cuh lays them out in these sizes."""
         c, t, nt = self.config, self.tuning, self.tokens_per_launch
         warps = t.threads // 32
-        att = 2 * self.att_pairs * c.head_dim + 2 * warps * self.att_pairs + nt * c.head_dim
+        att = (
+            2 * self.att_pairs * c.head_dim
+            + 2 * warps * self.att_pairs
+            + nt * c.head_dim
+            + 2 * (t.att_split_log + 1) * self.att_pairs  # the split tree's (max, sum) per level and pair
+        )
         dn_sw = c.linear_value_head_dim // max(1, self.dn_split)
         dn = 2 * nt * c.linear_key_head_dim + t.threads + dn_sw + nt * dn_sw + 2 * nt
         return att, dn
