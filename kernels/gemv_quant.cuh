@@ -8,7 +8,8 @@
 //
 // An item is one row by one chunk of MK_QUMAX units per lane at most (the scalar path's geometry with 32-element
 // units instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l, so each load instruction of a
-// warp reads 32 consecutive units of every plane. The lane extracts a unit's levels once for all MK_NT tokens and
+// warp reads 32 consecutive units of every plane. Each unit's four 8-element groups are slotted by q_slot_xor (the
+// lanes' staged inputs, 64 bytes apart, would otherwise share shared-memory banks). The lane extracts a unit's levels once for all MK_NT tokens and
 // multiplies them by each token's inputs (q_unit_dot: the scales are applied per unit, with the inputs' sums), and
 // a token's sums do not depend on the other tokens. Items are double-buffered in registers like the bf16 register
 // path; the shared-memory ring is not used. Partials, rounds, passes over K windows and the row sums are those of
@@ -217,9 +218,20 @@ __device__ __forceinline__ float q_level_f(const QUnit& q) {
     return __uint_as_float(bits | QMagic<F>::magic);
 }
 
-// sum F x over group G (elements 8G..8G+7) for every token, into the half's sums.
+// Slot G of unit v holds the unit's group G ^ q_slot_xor(v) in every per-element plane (quant_layout.py
+// group_slot_xor): the lanes of a shared-memory wavefront then read their inputs from distinct banks.
+__device__ __forceinline__ int q_slot_xor(int v) { return (v >> 1) & 3; }
+// The float2 at a shared-memory address (a plain load of a generic pointer compiles to a generic LD).
+__device__ __forceinline__ float2 ld_shared_f2(const float* p) {
+    float2 r;
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(r.x), "=f"(r.y) : "r"(a));
+    return r;
+}
+
+// sum F x over slot G (the unit's group G ^ r: its elements' inputs) for every token, into the half's sums.
 template <int F, int G>
-__device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, float (&s)[MK_NT]) {
+__device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, int r, float (&s)[MK_NT]) {
     float f[8];
     f[0] = q_level_f<F, G, 0>(q);
     f[1] = q_level_f<F, G, 1>(q);
@@ -231,7 +243,7 @@ __device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, float (
     f[7] = q_level_f<F, G, 7>(q);
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
-        const vec16 x = ld_shared16(xv + t * MK_XLDV + G);
+        const vec16 x = ld_shared16(xv + t * MK_XLDV + (G ^ r));
         float v = s[t];
         v = fmaf(f[0], bf_lo(x.x), v);
         v = fmaf(f[1], bf_hi(x.x), v);
@@ -246,28 +258,30 @@ __device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, float (
 }
 
 // Add unit v's products for every token: `xv` its staged inputs, `xh` its two half sums of token 0 (token t at
-// + t * MK_XSW).
+// + t * MK_XSW). Slots 0-1 (s0) hold the unit's half r >> 1, slots 2-3 (s1) the other.
 template <int F>
 __device__ __forceinline__ void q_unit_dot(const QUnit& q, int v, const vec16* xv, const float* xh,
                                            float (&acc)[MK_NT]) {
     float a, b;
     q_scales<F>(q, v, a, b);
+    const int r = q_slot_xor(v);
     float s0[MK_NT], s1[MK_NT];
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) s0[t] = s1[t] = 0.0f;
-    q_group<F, 0>(q, xv, s0);
-    q_group<F, 1>(q, xv, s0);
-    q_group<F, 2>(q, xv, s1);
-    q_group<F, 3>(q, xv, s1);
+    q_group<F, 0>(q, xv, r, s0);
+    q_group<F, 1>(q, xv, r, s0);
+    q_group<F, 2>(q, xv, r, s1);
+    q_group<F, 3>(q, xv, r, s1);
     constexpr float M = QMagic<F>::m;
-    if (F == QF_Q6_K) {  // per half: d sc_h (q - 32)
+    if (F == QF_Q6_K) {  // per half: d sc_h (q - 32); the scales are slotted as their halves are
         const float a0 = a * (float)(int)(signed char)(q.s[0] & 0xFFu);
         const float a1 = a * (float)(int)(signed char)((q.s[0] >> 8) & 0xFFu);
 #pragma unroll
         for (int t = 0; t < MK_NT; ++t) {
-            const float2 x = *(const float2*)(xh + t * MK_XSW);
-            acc[t] = fmaf(a0, fmaf(-(M + 32.0f), x.x, s0[t]), acc[t]);
-            acc[t] = fmaf(a1, fmaf(-(M + 32.0f), x.y, s1[t]), acc[t]);
+            const float2 xx = ld_shared_f2(xh + t * MK_XSW);
+            const float x0 = r & 2 ? xx.y : xx.x, x1 = r & 2 ? xx.x : xx.y;
+            acc[t] = fmaf(a0, fmaf(-(M + 32.0f), x0, s0[t]), acc[t]);
+            acc[t] = fmaf(a1, fmaf(-(M + 32.0f), x1, s1[t]), acc[t]);
         }
         return;
     }
@@ -275,7 +289,7 @@ __device__ __forceinline__ void q_unit_dot(const QUnit& q, int v, const vec16* x
     constexpr float c = F == QF_Q8_0 ? 128.0f : F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : 0.0f;
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
-        const float2 xx = *(const float2*)(xh + t * MK_XSW);
+        const float2 xx = ld_shared_f2(xh + t * MK_XSW);
         const float x = xx.x + xx.y, sum = s0[t] + s1[t];
         const float lv = fmaf(-(M + c), x, sum);  // sum (q - c) x
         acc[t] = fmaf(a, lv, acc[t]);

@@ -18,6 +18,14 @@ K only, so the kernel finds a row's planes from its index), the row padded to 16
   4-7); Q6_K two int8 scales per unit and fp16 d per super-block; Q8_0 / Q4_0 / Q5_0 fp16 d per unit; Q5_1 fp16
   d and fp16 m per unit.
 
+Within a unit, the per-element planes (nibbles, high bits, Q8_0 bytes) are cut into four 8-element groups, and
+slot G of unit v holds group G ^ r(v), r(v) = (v >> 1) & 3 (`group_slot_xor`; Q6_K's two per-16 scales swap with
+their halves, slot h holding half h ^ (r(v) >> 1)). The kernel reads the input of slot G at group G ^ r(v): lane l
+multiplies unit v = base + l, whose 32 staged inputs lie 64 bytes from its neighbour's, so without the swizzle
+the 8 lanes of one 16-byte shared-memory wavefront would read only 2 of its 8 bank quads (a 4-way conflict on every
+input load); with it they read all 8. The XOR keeps the halves {0, 1} and {2, 3} together, so per-16 sums and
+scales only swap.
+
 The planes hold exactly the file's bytes in another order (the padding at a row's end is never read), so a GEMV
 streams no more bytes per token than the file holds. `read_repacked` is the pure-torch reader of this layout:
 its values are bit-for-bit worker/quant's `dequantize` (the tests check it), and the kernel computes each weight
@@ -61,6 +69,15 @@ FORMAT_CODES: dict[QuantType, int] = {
     QuantType.Q5_1: 7,
 }
 REPACKED_TYPES = tuple(PLANES)
+# The per-unit planes whose bytes are cut into slots (gemv_quant.cuh q_slot_xor): 4 groups of 8 elements, or
+# (Q6_K's scales) 2 halves of 16.
+SLOTTED: dict[str, int] = {"nib": 4, "high": 4, "high2": 4, "q8": 4, "sc": 2}
+
+
+def group_slot_xor(units: torch.Tensor) -> torch.Tensor:
+    """r(v) of units `v` (their indices in the row): slot G of unit v holds its group G ^ r(v) (gemv_quant.cuh
+    q_slot_xor)."""
+    return (units >> 1) & 3
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,17 @@ def _fp16_bytes(field: torch.Tensor) -> torch.Tensor:
     return field.contiguous()
 
 
+def _swizzle(plane: torch.Tensor, units: int, slots: int) -> torch.Tensor:
+    """`[..., N, n]` bytes of N = rows * `units` consecutive units -> the same with slot G of unit v holding
+    the unit's part G ^ r(v) (of `slots` equal parts). An involution: it also undoes itself."""
+    shape = plane.shape
+    parts = plane.reshape(-1, units, slots, shape[-1] // slots)
+    v = torch.arange(units, device=plane.device)
+    r = group_slot_xor(v) >> (0 if slots == 4 else 1)
+    order = torch.arange(slots, device=plane.device).unsqueeze(0) ^ r.unsqueeze(1)  # [units, slots]
+    return parts[:, v.unsqueeze(1), order].reshape(shape)
+
+
 # ---- repacking ------------------------------------------------------------------------------------------
 
 
@@ -153,6 +181,9 @@ def repack(qtype: QuantType | int | str, raw: torch.Tensor, shape: tuple[int, in
         )
     blocks = raw.reshape(-1, qtype.type_size)
     planes = _PACKERS[qtype](blocks)
+    for name, slots in SLOTTED.items():
+        if name in planes:
+            planes[name] = _swizzle(planes[name], k // UNIT, slots)
     offsets, stride = row_layout(qtype, k)
     data = torch.zeros((rows, stride), dtype=torch.uint8, device=raw.device)
     for (name, nbytes, per_super), at in zip(PLANES[qtype], offsets, strict=True):
@@ -257,8 +288,8 @@ def read_repacked(weight: RepackedWeight) -> torch.Tensor:
     """The float32 `[rows, K]` values of a repacked weight, read from its planes alone, with worker/quant's
     float operations (so the result is bit-for-bit its `dequantize` of the GGUF bytes)."""
     rows, k = weight.shape
-    p = planes_of(weight)
     units = k // UNIT
+    p = {n: _swizzle(v, units, SLOTTED[n]) if n in SLOTTED else v for n, v in planes_of(weight).items()}
     qt = weight.qtype
     if qt == QuantType.Q8_0:
         levels = p["q8"].to(torch.int32) - 128

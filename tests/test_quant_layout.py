@@ -11,6 +11,7 @@ from onestream.kernels.quant_layout import (
     PLANES,
     REPACKED_TYPES,
     ROW_ALIGN,
+    group_slot_xor,
     planes_of,
     read_repacked,
     repack,
@@ -81,3 +82,36 @@ def test_shapes_that_do_not_fit_the_blocks_are_refused() -> None:
         row_layout(QuantType.F16, 32)
     with pytest.raises(QuantShapeError, match="uint8 bytes"):
         repack(QuantType.Q8_0, torch.zeros(10, dtype=torch.uint8), (1, 32))
+
+
+def test_unit_slots_hold_their_groups_swizzled(generator: torch.Generator) -> None:
+    """Slot G of unit v holds the unit's 8-element group G ^ r(v) (Q8_0's bytes show it directly), and Q6_K's
+    scale slot h its half h ^ (r(v) >> 1)."""
+    rows, k = 2, 1024
+    raw = random_raw(QuantType.Q8_0, rows, k, generator)
+    q8 = planes_of(repack(QuantType.Q8_0, raw, (rows, k)))["q8"]  # [rows, units, 32]
+    levels = raw.reshape(rows, k // 32, 34)[..., 2:] ^ 0x80
+    raw6 = random_raw(QuantType.Q6_K, rows, k, generator)
+    sc = planes_of(repack(QuantType.Q6_K, raw6, (rows, k)))["sc"]  # [rows, units, 2]
+    scales = raw6.reshape(rows, k // 256, 210)[..., 192:208].reshape(rows, k // 32, 2)
+    for v in range(k // 32):
+        r = int(group_slot_xor(torch.tensor(v)))
+        for g in range(4):
+            assert torch.equal(q8[:, v, 8 * g : 8 * g + 8], levels[:, v, 8 * (g ^ r) : 8 * (g ^ r) + 8]), (
+                v,
+                g,
+            )
+        for h in range(2):
+            assert torch.equal(sc[:, v, h], scales[:, v, h ^ (r >> 1)]), (v, h)
+
+
+def test_the_lanes_of_a_wavefront_read_distinct_banks() -> None:
+    """Why the slots are swizzled: lane l multiplies unit base + l (64 bytes of staged input each); reading slot
+    G's input at group G ^ r(v), the 8 lanes of one 16-byte shared-memory wavefront hit 8 distinct 16-byte bank
+    quads of the 128 (without the swizzle: 2, a 4-way conflict)."""
+    for base in (0, 32, 96):
+        v = torch.arange(base, base + 32)
+        for g in range(4):
+            quad = ((64 * v + 16 * (g ^ group_slot_xor(v))) % 128) // 16
+            for wave in quad.reshape(4, 8):
+                assert len(set(wave.tolist())) == 8, (base, g, wave)
