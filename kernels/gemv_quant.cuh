@@ -6,14 +6,16 @@
 // a GEMV's segments are either all bf16 (the engine of gemv.cuh) or all quantized (this one; the host refuses a
 // mix, and gate/up pairs of different formats).
 //
-// An item is one row by one chunk of MK_QUMAX units per lane at most (the scalar path's geometry with 32-element
-// units instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l, so each load instruction of a
-// warp reads 32 consecutive units of every plane. Each unit's four 8-element groups are slotted by q_slot_xor (the
-// lanes' staged inputs, 64 bytes apart, would otherwise share shared-memory banks). The lane extracts a unit's levels once for all MK_NT tokens and
-// multiplies them by each token's inputs (q_unit_dot: the scales are applied per unit, with the inputs' sums), and
-// a token's sums do not depend on the other tokens. Items are double-buffered in registers like the bf16 register
-// path; the shared-memory ring is not used. Partials, rounds, passes over K windows and the row sums are those of
-// gemv_run, so results do not depend on MK_XW or on which block computes a row.
+// An item is MK_QROWS rows by one chunk of MK_QUMAX units per lane and row at most (the scalar path's geometry with
+// 32-element units instead of 8-element vectors): lane l reads units (chunk * u + j) * 32 + l of each row, so each
+// load instruction of a warp reads 32 consecutive units of a plane. Each unit's four 8-element groups are slotted
+// by q_slot_xor (the lanes' staged inputs, 64 bytes apart, would otherwise share shared-memory banks). The lane
+// extracts a unit's levels once for all MK_NT tokens, reads and converts each token's staged inputs once for all
+// the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
+// sums do not depend on the other rows of its item, nor a token's on the other tokens. Items are double-buffered
+// in registers like the bf16 register path; the shared-memory ring is not used. Partials, rounds, passes over K
+// windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
+// computes a row.
 //
 // The block's rows are walked one segment at a time; one copy of the loop serves every format of the build (the
 // format is the segment's, a block-uniform run-time value: a copy per format made ptxas spill).
@@ -31,8 +33,12 @@
 #define QF_TAG_SHIFT 56
 #define QF_ON(f) ((MK_QFMTS >> (f)) & 1)
 #ifndef MK_QUMAX
-#define MK_QUMAX 4  // units (32 elements each) per lane per item at most
+#define MK_QUMAX 1  // units (32 elements each) per lane and row of an item at most (plan.py: Tuning.qunits)
 #endif
+#ifndef MK_QROWS
+#define MK_QROWS 4  // rows per item (plan.py: KernelPlan.quant_rows)
+#endif
+static_assert(MK_QROWS == 1 || MK_QROWS == 2 || MK_QROWS == 4, "MK_QROWS: 1, 2 or 4 rows per item");
 static_assert(!MK_MMA, "quantized weights run on the scalar GEMV (Tuning.mma off)");
 static_assert((MK_QFMTS & 1) == 0 && MK_QFMTS < (1 << 8), "MK_QFMTS: a mask of quantized format codes 1..7");
 static_assert(MK_XSW * 16 >= MK_XW && MK_XSW % 2 == 0 && MK_SMEM_XSUM % 16 == 0 &&
@@ -59,7 +65,7 @@ __device__ __forceinline__ QPlan qplan(int K) {
     const int lpr = (p.nunits + 31) / 32;
     p.nk = (lpr + MK_QUMAX - 1) / MK_QUMAX;
     p.u = (lpr + p.nk - 1) / p.nk;
-    p.round = (MK_PART_ROWS / p.nk) & ~1;
+    p.round = (MK_PART_ROWS / p.nk) / MK_QROWS * MK_QROWS & ~1;  // whole items (gate/up pairs)
     return p;
 }
 __device__ __forceinline__ int qplan_pass_chunks(const QPlan& p) { return max(1, min(p.nk, MK_XW / (p.u * 1024))); }
@@ -229,73 +235,101 @@ __device__ __forceinline__ float2 ld_shared_f2(const float* p) {
     return r;
 }
 
-// sum F x over slot G (the unit's group G ^ r: its elements' inputs) for every token, into the half's sums.
+// sum F x over slot G (the unit's group G ^ r: its elements' inputs) for every row of the item and every token,
+// into the half's sums. A token's 8 inputs are read and converted once for all MK_QROWS rows.
 template <int F, int G>
-__device__ __forceinline__ void q_group(const QUnit& q, const vec16* xv, int r, float (&s)[MK_NT]) {
-    float f[8];
-    f[0] = q_level_f<F, G, 0>(q);
-    f[1] = q_level_f<F, G, 1>(q);
-    f[2] = q_level_f<F, G, 2>(q);
-    f[3] = q_level_f<F, G, 3>(q);
-    f[4] = q_level_f<F, G, 4>(q);
-    f[5] = q_level_f<F, G, 5>(q);
-    f[6] = q_level_f<F, G, 6>(q);
-    f[7] = q_level_f<F, G, 7>(q);
+__device__ __forceinline__ void q_group(const QUnit (&q)[MK_QROWS], const vec16* xv, int r,
+                                        float (&s)[MK_QROWS][MK_NT]) {
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
-        const vec16 x = ld_shared16(xv + t * MK_XLDV + (G ^ r));
-        float v = s[t];
-        v = fmaf(f[0], bf_lo(x.x), v);
-        v = fmaf(f[1], bf_hi(x.x), v);
-        v = fmaf(f[2], bf_lo(x.y), v);
-        v = fmaf(f[3], bf_hi(x.y), v);
-        v = fmaf(f[4], bf_lo(x.z), v);
-        v = fmaf(f[5], bf_hi(x.z), v);
-        v = fmaf(f[6], bf_lo(x.w), v);
-        v = fmaf(f[7], bf_hi(x.w), v);
-        s[t] = v;
+        const vec16 xq = ld_shared16(xv + t * MK_XLDV + (G ^ r));
+        const float x[8] = {bf_lo(xq.x), bf_hi(xq.x), bf_lo(xq.y), bf_hi(xq.y),
+                            bf_lo(xq.z), bf_hi(xq.z), bf_lo(xq.w), bf_hi(xq.w)};
+#pragma unroll
+        for (int h = 0; h < MK_QROWS; ++h) {
+            float v = s[h][t];
+            v = fmaf(q_level_f<F, G, 0>(q[h]), x[0], v);
+            v = fmaf(q_level_f<F, G, 1>(q[h]), x[1], v);
+            v = fmaf(q_level_f<F, G, 2>(q[h]), x[2], v);
+            v = fmaf(q_level_f<F, G, 3>(q[h]), x[3], v);
+            v = fmaf(q_level_f<F, G, 4>(q[h]), x[4], v);
+            v = fmaf(q_level_f<F, G, 5>(q[h]), x[5], v);
+            v = fmaf(q_level_f<F, G, 6>(q[h]), x[6], v);
+            v = fmaf(q_level_f<F, G, 7>(q[h]), x[7], v);
+            s[h][t] = v;
+        }
     }
 }
 
-// Add unit v's products for every token: `xv` its staged inputs, `xh` its two half sums of token 0 (token t at
-// + t * MK_XSW). Slots 0-1 (s0) hold the unit's half r >> 1, slots 2-3 (s1) the other.
+// Add unit v's products of every row h of the item (q[h]) for every token: `xv` its staged inputs, `xh` its two
+// half sums of token 0 (token t at + t * MK_XSW). Slots 0-1 (s0) hold the unit's half r >> 1, slots 2-3 (s1) the
+// other. A row's sums are the same whatever rows share its item.
 template <int F>
-__device__ __forceinline__ void q_unit_dot(const QUnit& q, int v, const vec16* xv, const float* xh,
-                                           float (&acc)[MK_NT]) {
-    float a, b;
-    q_scales<F>(q, v, a, b);
+__device__ __forceinline__ void q_unit_dot(const QUnit (&q)[MK_QROWS], int v, const vec16* xv, const float* xh,
+                                           float (&acc)[MK_QROWS][MK_NT]) {
     const int r = q_slot_xor(v);
-    float s0[MK_NT], s1[MK_NT];
+    float s0[MK_QROWS][MK_NT], s1[MK_QROWS][MK_NT];
 #pragma unroll
-    for (int t = 0; t < MK_NT; ++t) s0[t] = s1[t] = 0.0f;
+    for (int h = 0; h < MK_QROWS; ++h)
+#pragma unroll
+        for (int t = 0; t < MK_NT; ++t) s0[h][t] = s1[h][t] = 0.0f;
     q_group<F, 0>(q, xv, r, s0);
     q_group<F, 1>(q, xv, r, s0);
     q_group<F, 2>(q, xv, r, s1);
     q_group<F, 3>(q, xv, r, s1);
     constexpr float M = QMagic<F>::m;
-    if (F == QF_Q6_K) {  // per half: d sc_h (q - 32); the scales are slotted as their halves are
-        const float a0 = a * (float)(int)(signed char)(q.s[0] & 0xFFu);
-        const float a1 = a * (float)(int)(signed char)((q.s[0] >> 8) & 0xFFu);
-#pragma unroll
-        for (int t = 0; t < MK_NT; ++t) {
-            const float2 xx = ld_shared_f2(xh + t * MK_XSW);
-            const float x0 = r & 2 ? xx.y : xx.x, x1 = r & 2 ? xx.x : xx.y;
-            acc[t] = fmaf(a0, fmaf(-(M + 32.0f), x0, s0[t]), acc[t]);
-            acc[t] = fmaf(a1, fmaf(-(M + 32.0f), x1, s1[t]), acc[t]);
-        }
-        return;
-    }
     // The level's offset c (w = a (q - c) - b): Q8_0 stores q + 128, Q4_0 and Q5_0 are centred at 8 and 16.
     constexpr float c = F == QF_Q8_0 ? 128.0f : F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : 0.0f;
 #pragma unroll
-    for (int t = 0; t < MK_NT; ++t) {
-        const float2 xx = ld_shared_f2(xh + t * MK_XSW);
-        const float x = xx.x + xx.y, sum = s0[t] + s1[t];
-        const float lv = fmaf(-(M + c), x, sum);  // sum (q - c) x
-        acc[t] = fmaf(a, lv, acc[t]);
-        if (F == QF_Q4_K || F == QF_Q5_K) acc[t] = fmaf(-b, x, acc[t]);
-        if (F == QF_Q5_1) acc[t] = fmaf(b, x, acc[t]);
+    for (int h = 0; h < MK_QROWS; ++h) {
+        float a, b;
+        q_scales<F>(q[h], v, a, b);
+        if (F == QF_Q6_K) {  // per half: d sc_h (q - 32); the scales are slotted as their halves are
+            const float a0 = a * (float)(int)(signed char)(q[h].s[0] & 0xFFu);
+            const float a1 = a * (float)(int)(signed char)((q[h].s[0] >> 8) & 0xFFu);
+#pragma unroll
+            for (int t = 0; t < MK_NT; ++t) {
+                const float2 xx = ld_shared_f2(xh + t * MK_XSW);
+                const float x0 = r & 2 ? xx.y : xx.x, x1 = r & 2 ? xx.x : xx.y;
+                acc[h][t] = fmaf(a0, fmaf(-(M + 32.0f), x0, s0[h][t]), acc[h][t]);
+                acc[h][t] = fmaf(a1, fmaf(-(M + 32.0f), x1, s1[h][t]), acc[h][t]);
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < MK_NT; ++t) {
+                const float2 xx = ld_shared_f2(xh + t * MK_XSW);
+                const float x = xx.x + xx.y, sum = s0[h][t] + s1[h][t];
+                const float lv = fmaf(-(M + c), x, sum);  // sum (q - c) x
+                acc[h][t] = fmaf(a, lv, acc[h][t]);
+                if (F == QF_Q4_K || F == QF_Q5_K) acc[h][t] = fmaf(-b, x, acc[h][t]);
+                if (F == QF_Q5_1) acc[h][t] = fmaf(b, x, acc[h][t]);
+            }
+        }
     }
+}
+
+// The warp's sums of an item's MK_QROWS rows (a[h]: this lane's share of row h): lane (32 / MK_QROWS) h ends with
+// row h's. The first steps of the butterfly each keep half of the rows, so it takes 5 + MK_QROWS - 2 shuffles
+// instead of 5 per row; every row's additions pair the same lanes in the same order as warp_sum's.
+__device__ __forceinline__ float q_rows_sum(const float (&a)[MK_QROWS], int lane) {
+    float v;
+    if constexpr (MK_QROWS == 4) {
+        const bool hi = lane & 16;
+        const float k0 = (hi ? a[2] : a[0]) + __shfl_xor_sync(0xffffffffu, hi ? a[0] : a[2], 16);
+        const float k1 = (hi ? a[3] : a[1]) + __shfl_xor_sync(0xffffffffu, hi ? a[1] : a[3], 16);
+        const bool odd = lane & 8;
+        v = (odd ? k1 : k0) + __shfl_xor_sync(0xffffffffu, odd ? k0 : k1, 8);
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    } else if constexpr (MK_QROWS == 2) {
+        const bool hi = lane & 16;
+        v = (hi ? a[1] : a[0]) + __shfl_xor_sync(0xffffffffu, hi ? a[0] : a[1], 16);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    } else {
+        v = warp_sum(a[0]);
+    }
+    return v;
 }
 
 // The staged window's sums over each 16 inputs, per token (xsum[t * MK_XSW + h] for inputs k0 + 16 h ..), for
@@ -325,32 +359,43 @@ __device__ __forceinline__ float* q_xsum(const bf16_t* xs) {
 
 // ---- the loop ------------------------------------------------------------------------------------------
 struct QItem {
-    QUnit u[MK_QUMAX];
+    QUnit u[MK_QUMAX][MK_QROWS];  // unit j of row h: u[j][h]
 };
 
-// The lane's units of one item in format F (rows past the range and units past the row load nothing).
+// The lane's units of one item in format F: rows rs + MK_QROWS rg + h of the round (rows past the round and units
+// past the row load nothing). `s`, `start`: the segment and its first row (not interleaved).
 template <int F>
-__device__ __forceinline__ void q_load_item_f(const QSeg& sg, int K, const QPlan& p, int lr, bool rowok, int chunk,
-                                              int lane, QItem& it) {
-    const unsigned char* row = sg.base + (long long)lr * q_row_stride<F>(K);
-    const unsigned char* rowp[4];
+__device__ __forceinline__ void q_load_item_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
+                                              int rg, int chunk, int lane, QItem& it) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) rowp[i] = row + q_plane_offset<F>(i, K);
+    for (int h = 0; h < MK_QROWS; ++h) {
+        const int i = rg * MK_QROWS + h, r = rs + i;
+        if (i >= nr) continue;  // warp-uniform
+        const int lr = d.interleave ? (r >> 1) : r - start;
+        // The segment's base from the descriptor (shared memory) per row: kept in registers across the loop, the
+        // two bases were spilled.
+        const unsigned char* row = qf_ptr(d.seg[d.interleave ? (r & 1) : s]) + (long long)lr * q_row_stride<F>(d.K);
+        const unsigned char* rowp[4];
 #pragma unroll
-    for (int j = 0; j < MK_QUMAX; ++j) {
-        const int v = (chunk * p.u + j) * 32 + lane;
-        if (rowok && j < p.u && v < p.nunits) q_load_unit<F>(rowp, v, it.u[j]);
+        for (int k = 0; k < 4; ++k) rowp[k] = row + q_plane_offset<F>(k, d.K);
+#pragma unroll
+        for (int j = 0; j < MK_QUMAX; ++j) {
+            const int v = (chunk * p.u + j) * 32 + lane;
+            if (j < p.u && v < p.nunits) q_load_unit<F>(rowp, v, it.u[j][h]);
+        }
     }
 }
 
-// Multiply one item of format F: unit v covers input elements [32 v, 32 v + 32), staged from element k0 on.
+// Multiply one item of format F: unit v covers input elements [32 v, 32 v + 32), staged from element k0 on. Rows
+// past the round multiply the zeros they loaded (never stored).
 template <int F>
-__device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it, int chunk, int lane, bool rowok,
-                                                 const vec16* xs, const float* xsum, int k0, float (&acc)[MK_NT]) {
+__device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it, int chunk, int lane,
+                                                 const vec16* xs, const float* xsum, int k0,
+                                                 float (&acc)[MK_QROWS][MK_NT]) {
 #pragma unroll
     for (int j = 0; j < MK_QUMAX; ++j) {
         const int v = (chunk * p.u + j) * 32 + lane;
-        if (rowok && j < p.u && v < p.nunits)
+        if (j < p.u && v < p.nunits)
             q_unit_dot<F>(it.u[j], v, xs + (v * 32 - k0) / 8, xsum + (v * 32 - k0) / 16, acc);
     }
 }
@@ -371,23 +416,26 @@ __device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it
         }                 \
         break;
 
-__device__ __forceinline__ void q_load_item(int fmt, const QSeg& sg, int K, const QPlan& p, int lr, bool rowok,
-                                            int chunk, int lane, QItem& it) {
+__device__ __forceinline__ void q_load_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                            int nr, int rg, int chunk, int lane, QItem& it) {
 #pragma unroll
     for (int j = 0; j < MK_QUMAX; ++j) {  // define every register (a predicated load alone keeps old values live)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) it.u[j].w[i] = 0u;
+        for (int h = 0; h < MK_QROWS; ++h) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) it.u[j].s[i] = 0u;
+            for (int i = 0; i < 8; ++i) it.u[j][h].w[i] = 0u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) it.u[j][h].s[i] = 0u;
+        }
     }
-#define QF_LOAD(F) q_load_item_f<(QF_ON(F) ? F : QF_Q4_K)>(sg, K, p, lr, rowok, chunk, lane, it)
+#define QF_LOAD(F) q_load_item_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, rg, chunk, lane, it)
     QF_DISPATCH(fmt, QF_LOAD)
 #undef QF_LOAD
 }
 __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QItem& it, int chunk, int lane,
-                                               bool rowok, const vec16* xs, const float* xsum, int k0,
-                                               float (&acc)[MK_NT]) {
-#define QF_CONSUME(F) q_consume_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, it, chunk, lane, rowok, xs, xsum, k0, acc)
+                                               const vec16* xs, const float* xsum, int k0,
+                                               float (&acc)[MK_QROWS][MK_NT]) {
+#define QF_CONSUME(F) q_consume_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, it, chunk, lane, xs, xsum, k0, acc)
     QF_DISPATCH(fmt, QF_CONSUME)
 #undef QF_CONSUME
 }
@@ -424,30 +472,33 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
                 stage(k0, k1);
                 q_stage_sums(xs_in, xsum, k0, k1);
             }
-            const int count = gemv_units(warp, gemv_items(nr, nkq));
-            float acc[MK_NT];
+            // Items of MK_QROWS rows by one chunk (gemv_unit's order, its row group rg standing for rows
+            // MK_QROWS rg ..).
+            const int count = gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq);
+            float acc[MK_QROWS][MK_NT];
 #pragma unroll
-            for (int t = 0; t < MK_NT; ++t) acc[t] = 0.0f;
+            for (int h = 0; h < MK_QROWS; ++h)
+#pragma unroll
+                for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
             QItem ia, ib;
-            // Item k: row rs + rg, chunk (gemv_unit: the scalar path's item order).
             auto load = [&](int k, QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
-                const int r = rs + u.rg;
-                const bool ok = u.rg < nr;
-                const int lr = d.interleave ? (r >> 1) : r - start;
-                // The segment's base from the descriptor (shared memory) per item: kept in registers across the
-                // loop, the two bases were spilled.
-                const QSeg sg = {qf_ptr(d.seg[d.interleave ? (r & 1) : s])};
-                q_load_item(fmt, sg, d.K, p, ok ? lr : 0, ok, u.chunk, lane, it);
+                q_load_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane, it);
             };
             auto consume = [&](int k, const QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
-                q_consume_item(fmt, p, it, u.chunk, lane, u.rg < nr, xs, xsum, k0, acc);
+                q_consume_item(fmt, p, it, u.chunk, lane, xs, xsum, k0, acc);
+                const int h = lane / (32 / MK_QROWS), i = u.rg * MK_QROWS + h;
 #pragma unroll
                 for (int t = 0; t < MK_NT; ++t) {
-                    const float v = warp_sum(acc[t]);
-                    if (lane == 0) part[t * MK_PART_ROWS + u.rg * p.nk + u.chunk] = v;
-                    acc[t] = 0.0f;
+                    float a[MK_QROWS];
+#pragma unroll
+                    for (int j = 0; j < MK_QROWS; ++j) {
+                        a[j] = acc[j][t];
+                        acc[j][t] = 0.0f;
+                    }
+                    const float v = q_rows_sum(a, lane);
+                    if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + u.chunk] = v;
                 }
             };
             int k = 0;

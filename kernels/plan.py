@@ -81,8 +81,6 @@ WEIGHT_FORMAT_CODES = {
     WeightFormat.BF16: 0,
     **{WeightFormat(qt.name.lower()): code for qt, code in FORMAT_CODES.items()},
 }
-# Units (32 elements) per lane per item of the quantized GEMV (gemv_quant.cuh MK_QUMAX).
-QUANT_UNITS = 4
 # The weight matrix kinds the GEMV streams, one format each: DeltaNet in/out projections, attention in/out
 # projections, MLP gate+up and down, the lm_head, the MTP fc.
 WEIGHT_KINDS = ("dn_in", "dn_out", "att_in", "att_out", "mlp_in", "mlp_down", "lm_head", "mtp_fc")
@@ -245,6 +243,15 @@ class KernelPlan:
         return self.tokens_per_launch - 1
 
     @property
+    def quant_rows(self) -> int:
+        """Rows per item of the quantized GEMV (MK_QROWS): the tuning's, else 4 up to 2 tokens per launch, 2 up to
+        4 and 1 beyond (the per-row sums of every token stay in registers)."""
+        if self.tuning.qrows is not None:
+            return self.tuning.qrows
+        nt = self.tokens_per_launch
+        return 4 if nt <= 2 else 2 if nt <= 4 else 1
+
+    @property
     def stages(self) -> int:
         """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
         return self._fitted[1]
@@ -357,7 +364,7 @@ class KernelPlan:
         least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
         for kind, (k, _, _) in zip(WEIGHT_KINDS, phases, strict=True):
             if self.quant_mask(kind):  # a quantized chunk (whole units) must fit the window too
-                least = max(least, min(k, quant_chunk_width(k)))
+                least = max(least, min(k, quant_chunk_width(k, self.tuning.qunits)))
         steps = range(kmax // WINDOW_STEP * WINDOW_STEP, least - 1, -WINDOW_STEP)
         out = sorted({kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8}, reverse=True)
         cap = self.tuning.max_window
@@ -461,7 +468,8 @@ class KernelPlan:
             union |= mask
         if union:  # bf16-only plans keep their defines (and their PTX)
             shapes["MK_QFMTS"] = union
-            shapes["MK_QUMAX"] = QUANT_UNITS
+            shapes["MK_QUMAX"] = t.qunits
+            shapes["MK_QROWS"] = self.quant_rows
             shapes["MK_SMEM_XSUM"] = carve.xsum
             shapes["MK_XSW"] = quant_sum_width(self.window)
         if not self.streams_bf16:
@@ -588,10 +596,11 @@ def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
     return per_lane * lanes * sub * 8
 
 
-def quant_chunk_width(k: int) -> int:
-    """Input elements of a chunk of the quantized GEMV over k inputs (gemv_quant.cuh qplan)."""
+def quant_chunk_width(k: int, units: int) -> int:
+    """Input elements of a chunk of the quantized GEMV over k inputs with at most `units` units per lane and row
+    of an item (Tuning.qunits; gemv_quant.cuh qplan)."""
     lanes_per_row = -(-(k // 32) // 32)
-    chunks = -(-lanes_per_row // QUANT_UNITS)
+    chunks = -(-lanes_per_row // units)
     return -(-lanes_per_row // chunks) * 32 * 32
 
 

@@ -42,7 +42,7 @@ def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> 
 @dataclass(frozen=True)
 class Tuning:
     """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax,
-    att_chunk, mma and mma_sub), and the activation precision `fp32_act`, which does."""
+    att_chunk, mma, mma_sub and qunits), and the activation precision `fp32_act`, which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
@@ -82,6 +82,11 @@ class Tuning:
     # for both. Changes results (another summation order), the same way for every tokens-per-launch build.
     mma: bool = False
     mma_sub: int = 2  # tensor-core items per chunk (rows keep one partial sum per chunk)
+    # Quantized GEMV: 32-element units per lane and row of an item (a chunk of a row is 32 qunits units: sets
+    # where its partial sums break, so it changes results), and rows per item (1, 2 or 4: the lane reads each
+    # staged input once for all of them; never changes results; None: KernelPlan.quant_rows by tokens per launch).
+    qunits: int = 1
+    qrows: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_window is not None and (self.max_window <= 0 or self.max_window % 8):
@@ -97,3 +102,7 @@ class Tuning:
             raise ValueError(f"att_split_log must be 0..10, got {self.att_split_log}")
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
+        if self.qunits < 1:
+            raise ValueError(f"qunits must be at least 1, got {self.qunits}")
+        if self.qrows not in (None, 1, 2, 4):
+            raise ValueError(f"qrows must be 1, 2 or 4 (or None), got {self.qrows}")

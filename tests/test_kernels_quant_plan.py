@@ -79,15 +79,41 @@ def test_a_plan_with_bf16_kinds_keeps_the_bf16_gemv() -> None:
 def test_the_window_holds_a_quantized_chunk() -> None:
     # Many tokens per launch narrow the staged window; a chunk of the quantized GEMV must still fit it.
     for tokens in (1, 4, 8):
-        plan = KernelPlan(config_27b(), num_sms=82, tokens_per_launch=tokens, weight_formats=q4_k_m_formats())
-        for k in (5120, 6144, 10240, 17408):
-            assert plan.window >= min(k, quant_chunk_width(k)), (tokens, k, plan.window)
-    # Four units of 32 inputs per lane at most: 5 loads per lane in 2 chunks of 3, 17 in 5 of 4, one for 256 inputs.
+        for units in (1, 4):
+            plan = KernelPlan(
+                config_27b(),
+                num_sms=82,
+                tokens_per_launch=tokens,
+                tuning=Tuning(qunits=units),
+                weight_formats=q4_k_m_formats(),
+            )
+            for k in (5120, 6144, 10240, 17408):
+                assert plan.window >= min(k, quant_chunk_width(k, units)), (tokens, k, plan.window)
+    # One unit of 32 inputs per lane (the default): a chunk is 1024 inputs. Four at most: 5 loads per lane in 2
+    # chunks of 3, 17 in 5 of 4, one for 256 inputs.
+    assert quant_chunk_width(5120, 1) == quant_chunk_width(17408, 1) == quant_chunk_width(256, 1) == 1024
     assert (
-        quant_chunk_width(5120) == 3072
-        and quant_chunk_width(17408) == 4096
-        and quant_chunk_width(256) == 1024
+        quant_chunk_width(5120, 4) == 3072
+        and quant_chunk_width(17408, 4) == 4096
+        and quant_chunk_width(256, 4) == 1024
     )
+
+
+def test_rows_per_quantized_item_follow_the_tokens_per_launch() -> None:
+    def rows(tokens: int, **fields: object) -> int:
+        plan = KernelPlan(
+            config_27b(),
+            num_sms=132,
+            tokens_per_launch=tokens,
+            tuning=Tuning(**fields),
+            weight_formats=q4_k_m_formats(),
+        )
+        return plan.defines()["MK_QROWS"]
+
+    assert [rows(t) for t in (1, 2, 4, 8)] == [4, 4, 2, 1]
+    assert rows(8, qrows=2) == 2
+    with pytest.raises(ValueError, match="qrows"):
+        Tuning(qrows=3)
 
 
 def test_the_tensor_core_gemv_refuses_quantized_weights() -> None:
