@@ -27,6 +27,7 @@ if HAS_GPU:
     from onestream.kernels.random_model import config_27b, random_model
     from onestream.kernels.random_quant import preset_types, quantize_randomly
     from onestream.kernels.runtime import MegakernelRunner
+    from onestream.kernels.tuning import Tuning
     from onestream.worker.checkpoints import open_checkpoint
     from onestream.worker.checkpoints.gguf_writer import write_gguf
     from onestream.worker.layers.quantized import PermutedInputLinear
@@ -300,4 +301,25 @@ def test_the_runner_keeps_one_copy_of_the_weights():
     assert grown <= own_bytes + padding + (4 << 20)
     assert raw > 8 * (own_bytes + (4 << 20))  # a second copy could not hide in the slack
     del runner, model
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def test_rows_per_item_do_not_change_results(mixed):
+    """Items of 4 rows (the default at T = 1) and of 1 row give every format's logits bit for bit: a row's sums
+    do not depend on the rows that share its item."""
+    model, runner, _ = mixed
+    assert runner.plan.quant_rows == 4
+    single = DiagnosticRunner(model, tuning=Tuning(qrows=1))
+    assert single.plan.quant_rows == 1
+    g = torch.Generator(device="cuda").manual_seed(12)
+    prompt = torch.randint(0, model.config.vocab_size, (8,), device="cuda", generator=g)
+    state = model.new_state(64)
+    model.forward_step(prompt, state, logits="last")
+    other = state.clone()
+    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
+        a = runner.step(token.view(1), state).logits[0]
+        b = single.step(token.view(1), other).logits[0]
+        assert torch.equal(a, b), float((a - b).abs().max())
+    del single
     torch.cuda.empty_cache()
