@@ -203,25 +203,33 @@ struct QMagic {
     static constexpr u32 magic = (u32)(127 + bits) << 23;
     static constexpr float m = (float)(1 << bits);
 };
-// Bits [from, from + n) of w moved to [to, to + n), the rest cleared.
-template <int FROM, int TO, int N>
-__device__ __forceinline__ u32 q_place(u32 w) {
-    const u32 moved = TO >= FROM ? (w << (TO - FROM)) : (w >> (FROM - TO));
-    return moved & (((1u << N) - 1u) << TO);
+// Bits of w at `from` moved to `to` (the others are masked off by q_and_or).
+template <int FROM, int TO>
+__device__ __forceinline__ u32 q_move(u32 w) {
+    return TO >= FROM ? (w << (TO - FROM)) : (w >> (FROM - TO));
+}
+// (a & mask) | c as one logic op: a LOP3 takes one immediate, so ptxas makes two of `(a & MASK) | C` with both
+// constant; with the operands in registers it keeps one (the constants are set once, outside the loop).
+__device__ __forceinline__ u32 q_and_or(u32 a, u32 mask, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(c));
+    return d;
 }
 // The float M + level of element 8g + I of the unit.
 template <int F, int G, int I>
 __device__ __forceinline__ float q_level_f(const QUnit& q) {
     constexpr int B = QMagic<F>::bits, TO = 23 - B;
+    constexpr u32 magic = QMagic<F>::magic;
     u32 bits;
     if (F == QF_Q8_0) {
-        bits = q_place<8 * (I & 3), TO, 8>(q.w[2 * G + (I >> 2)]);
+        bits = q_and_or(q_move<8 * (I & 3), TO>(q.w[2 * G + (I >> 2)]), 0xFFu << TO, magic);
     } else {
-        bits = q_place<4 * I, TO, 4>(q.w[G]);
-        if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1) bits |= q_place<8 * G + I, 22, 1>(q.w[4]);
-        if (F == QF_Q6_K) bits |= q_place<2 * I + 16 * (G & 1), 21, 2>(q.w[4 + (G >> 1)]);
+        bits = q_and_or(q_move<4 * I, TO>(q.w[G]), 0xFu << TO, magic);
+        if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1)
+            bits = q_and_or(q_move<8 * G + I, 22>(q.w[4]), 1u << 22, bits);
+        if (F == QF_Q6_K) bits = q_and_or(q_move<2 * I + 16 * (G & 1), 21>(q.w[4 + (G >> 1)]), 3u << 21, bits);
     }
-    return __uint_as_float(bits | QMagic<F>::magic);
+    return __uint_as_float(bits);
 }
 
 // Slot G of unit v holds the unit's group G ^ q_slot_xor(v) in every per-element plane (quant_layout.py
