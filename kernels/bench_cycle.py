@@ -198,16 +198,18 @@ def bench_cycle(
     plain_tokens: int = 48,
     tuning: Any = None,
     profiles: dict[str, list[float]] | None = None,
+    weights: str = "bf16",
 ) -> CycleResult:
-    """The cycle part on one random bf16 model of `config` (given an MTP head if it has none)."""
+    """The cycle part on one random model of `config` (given an MTP head if it has none) in `weights` (bf16 or
+    a quantization preset: random_quant.random_model_in)."""
     from onestream.worker.engine import Engine
 
-    from .random_model import random_model
+    from .random_quant import random_model_in
 
     if not config.has_mtp:
         config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     result = CycleResult(name, context, cycles, repeats, profiles=dict(profiles or {}))
-    model = random_model(config, seed=7)
+    model = random_model_in(config, weights)
     try:
         backend = ForcedAcceptance(model, tuning=tuning)
         # The embedded checkpoint only lends its tokenizer (ids past its vocabulary decode to nothing).

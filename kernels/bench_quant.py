@@ -18,8 +18,7 @@ from onestream.worker.config import ModelConfig
 
 from .benchmark import Ceilings, _state_bytes, bench_megakernel
 from .diagnostics import DiagnosticRunner
-from .random_model import random_model
-from .random_quant import preset_types, quantize_randomly
+from .random_quant import random_model_in
 from .tuning import Tuning
 
 BF16 = "bf16"
@@ -47,9 +46,7 @@ def bench_weights(
     """Time each weights format's build in turn (one model in memory at a time)."""
     out = []
     for fmt in formats:
-        model = random_model(config, seed=7)
-        if fmt != BF16:
-            quantize_randomly(model, preset_types(model, fmt), seed=8)
+        model = random_model_in(config, fmt)
         try:
             runner = DiagnosticRunner(model, tuning=tuning)
         except Exception as e:

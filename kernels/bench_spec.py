@@ -30,7 +30,7 @@ from onestream.worker.config import ModelConfig
 from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.evaluation import SpecRun
 
-from .benchmark import Ceilings, events_time, prefilled, weight_bytes
+from .benchmark import Ceilings, events_time, lm_head_bytes, module_weight_bytes, prefilled, weight_bytes
 from .phase_timing import format_breakdown, step_phases, summarise
 
 VERIFY_TARGET_TOKENS = 4
@@ -254,9 +254,23 @@ def mtp_weight_bytes(model: Any) -> int:
     mtp = getattr(model, "mtp", None)
     if mtp is None:
         return 0
-    matrices = sum(p.numel() * p.element_size() for p in mtp.parameters() if p.ndim == 2)
-    lm = model.lm_head_weight
-    return matrices + lm.numel() * lm.element_size() + model.config.hidden_size * 2
+    matrices = sum(module_weight_bytes(m) for m in _linear_modules(mtp))
+    return matrices + lm_head_bytes(model) + model.config.hidden_size * 2
+
+
+def _linear_modules(module: Any) -> list[Any]:
+    """The layers of `module` that hold one matrix each (plain or quantized), outermost first."""
+    found: list[Any] = []
+
+    def walk(m: Any) -> None:
+        if isinstance(m, torch.nn.Linear) or hasattr(m, "qtype") or hasattr(m, "inner"):
+            found.append(m)
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(module)
+    return found
 
 
 def bench_27b(
@@ -268,15 +282,17 @@ def bench_27b(
     launches: int,
     repeats: int,
     tuning: Any = None,
+    weights: str = "bf16",
 ) -> tuple[VerifyResult, DraftResult]:
-    """Parts (a) and (b) on one random bf16 model of `config` (given an MTP head if it has none), with the
-    kernel builds of `tuning` (default: the default Tuning)."""
+    """Parts (a) and (b) on one random model of `config` (given an MTP head if it has none) in `weights` (bf16
+    or a quantization preset: random_quant.random_model_in), with the kernel builds of `tuning` (default: the
+    default Tuning)."""
     from .diagnostics import DiagnosticRunner
-    from .random_model import random_model
+    from .random_quant import random_model_in
 
     if not config.has_mtp:
         config = dataclasses.replace(config, mtp_num_hidden_layers=1)
-    model = random_model(config, seed=7)
+    model = random_model_in(config, weights)
     verify = VerifyResult(name, config.num_hidden_layers, context, launches, repeats, weight_bytes(model))
     try:
         runner = DiagnosticRunner(model, tuning=tuning)

@@ -275,6 +275,15 @@ def _materialise_rotary(module: torch.nn.Module) -> None:
             _materialise_rotary(child)
 
 
+def module_weight_bytes(module: Any) -> int:
+    """Bytes a GEMV streams for one layer's weight: its blocks when block-quantized, its tensor otherwise."""
+    module = getattr(module, "inner", module)  # a PermutedInputLinear's quantized layer
+    qtype, shape = getattr(module, "qtype", None), getattr(module, "shape", None)
+    if qtype is not None and shape is not None:
+        return qtype.nbytes(tuple(shape))
+    return module.weight.numel() * module.weight.element_size()
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes of weights a decode step streams: every layer matrix, the lm_head, one embedding row."""
     total = 0
@@ -286,9 +295,13 @@ def weight_bytes(model: Any) -> int:
         else:
             la = layer.linear_attn
             mods += [la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a, la.out_proj]
-        total += sum(m.weight.numel() * m.weight.element_size() for m in mods)
-    lm = model.lm_head_weight
-    return total + lm.numel() * lm.element_size() + model.config.hidden_size * 2
+        total += sum(module_weight_bytes(m) for m in mods)
+    return total + lm_head_bytes(model) + model.config.hidden_size * 2
+
+
+def lm_head_bytes(model: Any) -> int:
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    return module_weight_bytes(head)
 
 
 def _state_bytes(c: ModelConfig, context: int) -> int:

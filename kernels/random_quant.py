@@ -122,3 +122,14 @@ def quantize_randomly(
         raw = random_blocks(qtype, shape, generator=generator, device=device)
         install_quantized_weights(model, {name: QuantizedWeight(qtype, shape, raw)}, dtype=weight.dtype)
     return chosen
+
+
+def random_model_in(config: Any, weights: str = "bf16", *, seed: int = 7) -> Any:
+    """A random model of `config` (random_model.py) with its GEMV weights in `weights`: bf16 as drawn, or random
+    blocks typed by that quantization preset's rule (q4_k_m, q8_0, ...)."""
+    from .random_model import random_model
+
+    model = random_model(config, seed=seed)
+    if weights != "bf16":
+        quantize_randomly(model, preset_types(model, weights), seed=seed + 1)
+    return model

@@ -13,7 +13,9 @@ import torch
 from onestream.kernels import bench_spec as bs
 from onestream.kernels.benchmark import Ceilings
 from onestream.kernels.random_model import random_model
+from onestream.kernels.random_quant import quantize_randomly
 from onestream.worker.evaluation import SpecRun
+from onestream.worker.quant import QuantType
 from onestream.worker.testing import tiny_config
 from onestream.worker.testing_spec import write_draftable_checkpoint
 
@@ -98,6 +100,28 @@ def test_mtp_weight_bytes_counts_fc_layer_and_lm_head() -> None:
     assert bs.mtp_weight_bytes(model) == expected
     without_mtp = random_model(tiny_config(mtp_num_hidden_layers=0), device="cpu")
     assert bs.mtp_weight_bytes(without_mtp) == 0
+
+
+def test_weight_bytes_count_quantized_layers_by_their_blocks() -> None:
+    """A q8_0 model's step and MTP step stream each matrix's blocks, not its bf16 size (bench spec --weights)."""
+    config = tiny_config(tie_word_embeddings=False)
+    plain = random_model(config, seed=3, device="cpu")
+    bf16_step, bf16_mtp = bs.weight_bytes(plain), bs.mtp_weight_bytes(plain)
+    model = random_model(config, seed=3, device="cpu")
+    types = quantize_randomly(model, lambda name, shape: QuantType.Q8_0, seed=4)
+    assert types and all(t is QuantType.Q8_0 for t in types.values())
+    # Q8_0 keeps 34 bytes per 32 weights where bf16 keeps 64: every counted matrix shrinks by 34/64
+    h = config.hidden_size
+    assert bs.weight_bytes(model) - 2 * h == pytest.approx((bf16_step - 2 * h) * 34 / 64)
+    assert bs.mtp_weight_bytes(model) - 2 * h == pytest.approx((bf16_mtp - 2 * h) * 34 / 64)
+
+
+def test_bench_spec_takes_a_weights_preset(capsys: pytest.CaptureFixture) -> None:
+    assert parse("--weights", "q4_k_m").weights == "q4_k_m"
+    assert parse().weights == "bf16"
+    with pytest.raises(SystemExit):
+        parse("--weights", "q3_k")
+    assert "--weights" in capsys.readouterr().err
 
 
 def test_rewind_puts_every_timed_launch_at_the_same_positions() -> None:

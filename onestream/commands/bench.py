@@ -405,6 +405,13 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
         help="parts (a) and (b) with these Tuning fields changed (applied after --gemv and --phase-timing)",
     )
     spec.add_argument(
+        "--weights",
+        choices=("bf16", *WEIGHT_PRESETS),
+        default="bf16",
+        help="the 27B-shaped model's GEMV weights in parts (a), (b) and (d): bf16, or random blocks typed by "
+        "that quantization preset's rule (the verify and draft ratios at 4 bits: q4_k_m)",
+    )
+    spec.add_argument(
         "--cycle",
         action="store_true",
         help="part (d), whole cycles through the engine with forced acceptance, instead of (a) and (b)",
@@ -478,7 +485,8 @@ def run_spec(args: argparse.Namespace) -> int:
         gemv = "tensor-core GEMV" if args.gemv == "mma" else "scalar GEMV"
         result.cycle = bc.bench_cycle(
             config_27b(args.layers),
-            name=f"27B shapes ({args.layers} layers), {gemv}",
+            name=f"27B shapes ({args.layers} layers), {args.weights} weights, {gemv}",
+            weights=args.weights,
             ks=args.cycle_k or list(bc.CYCLE_KS),
             context=args.context,
             cycles=args.cycles,
@@ -509,7 +517,8 @@ def run_spec(args: argparse.Namespace) -> int:
             gemv += ", " + ", ".join(f"{k}={v}" for k, v in args.tuning.items())
         result.verify, result.draft = bs.bench_27b(
             config_27b(args.layers),
-            name=f"27B shapes (64 layers in the real model), {gemv}",
+            name=f"27B shapes (64 layers in the real model), {args.weights} weights, {gemv}",
+            weights=args.weights,
             tuning=tuning,
             tokens=tokens,
             context=args.context,
