@@ -17,10 +17,8 @@ from typing import Any
 import torch
 from onestream.worker.config import ModelConfig
 
-from .bench_quant import BF16
 from .benchmark import Ceilings, _state_bytes, events_time
-from .random_model import random_model
-from .random_quant import preset_types, quantize_randomly
+from .random_quant import random_model_in
 from .runtime import MegakernelRunner
 from .tuning import Tuning
 
@@ -78,9 +76,7 @@ def bench_contexts(
     """Each weights format's build at every context, shortest first (one model in memory at a time)."""
     out = []
     for fmt in formats:
-        model = random_model(config, seed=7)
-        if fmt != BF16:
-            quantize_randomly(model, preset_types(model, fmt), seed=8)
+        model = random_model_in(config, fmt)
         try:
             runner = MegakernelRunner(model, tuning=tuning)
         except Exception as e:
