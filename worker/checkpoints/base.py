@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
@@ -94,12 +93,3 @@ class Checkpoint(ABC):
     @abstractmethod
     def generation_defaults(self) -> dict[str, Any]:
         """Sampling defaults the model's authors recommend, as SamplingParams fields."""
-
-
-def drop_file_pages(mapped: mmap.mmap, start: int, end: int) -> None:
-    """Give back the resident file pages of [start, end) of a mapping so that they do not add up in RSS."""
-    if not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page_start = start - start % mmap.PAGESIZE
-    if end > page_start:
-        mapped.madvise(mmap.MADV_DONTNEED, page_start, end - page_start)

@@ -9,7 +9,6 @@ undone (`gguf_layout.py`), the tokenizer and chat template from the metadata (`g
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,10 @@ from ..config import ModelConfig, default_layer_types
 from ..errors import CheckpointError, UnsupportedModelError
 from ..layout import expected_tensor_shapes, listing
 from ..tokenizer import Tokenizer
-from .base import PLAIN, Checkpoint, ModelFormat, WeightValue, drop_file_pages
+from .base import PLAIN, Checkpoint, ModelFormat, WeightValue
 from .gguf_layout import ARCHITECTURE, TensorPlace, from_gguf, reorder_index, tensor_place
 from .gguf_tokenizer import SPECIAL_ID_KEYS, TokenizerMetadata, build_tokenizer
+from .reader import read_ahead
 
 GGUF_MAGIC = b"GGUF"
 SHARD_PATTERN = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -113,6 +113,7 @@ class StoredGGUFTensor:
     place: TensorPlace
     reader: GGUFReader
     tensor: ReaderTensor
+    file: Path  # the shard that holds it
 
     @property
     def qtype(self) -> GGMLQuantizationType:
@@ -140,6 +141,7 @@ class GGUFCheckpoint(Checkpoint):
                 "(Qwen3.5 / Qwen3.6 dense) models"
             )
         stored = {t.name: (reader, t) for reader in self.readers for t in reader.tensors}
+        self._files = {id(reader): path for path, reader in zip(self.files, self.readers, strict=True)}
         self.config = config_from_metadata(self.metadata, stored, str(self.files[0]))
         self.stored = self._validated(stored)
 
@@ -182,7 +184,7 @@ class GGUFCheckpoint(Checkpoint):
         problems = []
         for gguf_name, name in by_gguf.items():
             reader, tensor = stored[gguf_name]
-            entry = StoredGGUFTensor(name, places[name], reader, tensor)
+            entry = StoredGGUFTensor(name, places[name], reader, tensor, self._files[id(reader)])
             if entry.qtype not in SUPPORTED_TYPES:
                 raise CheckpointError(
                     f"{source}: tensor {gguf_name!r} has type {entry.qtype.name}, which this loader does not "
@@ -226,21 +228,20 @@ class GGUFCheckpoint(Checkpoint):
         entries = sorted(
             self.stored.values(), key=lambda e: (self.readers.index(e.reader), e.tensor.data_offset)
         )
-        for entry in entries:
-            yield entry.name, self._value(entry, expected[entry.name], torch.device(device))
-            mapped = getattr(entry.reader.data, "_mmap", None)
-            if mapped is not None:
-                drop_file_pages(
-                    mapped, entry.tensor.data_offset, entry.tensor.data_offset + entry.tensor.n_bytes
-                )
+        ranges = [(i, _ByteRange(e)) for i, e in enumerate(entries)]
+        for i, raw in read_ahead(ranges):
+            entry = entries[int(i)]
+            yield entry.name, self._value(entry, raw, expected[entry.name], torch.device(device))
 
-    def _value(self, entry: StoredGGUFTensor, shape: tuple[int, ...], device: torch.device) -> WeightValue:
+    def _value(
+        self, entry: StoredGGUFTensor, raw: torch.Tensor, shape: tuple[int, ...], device: torch.device
+    ) -> WeightValue:
         from ..layers.quantized import PermutedInputWeight
         from ..quant import QuantizedWeight, QuantType
 
-        with warnings.catch_warnings():  # the mapping is read-only; we only ever copy from it
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(entry.tensor.data)
+        # The tensor's bytes as the reader's array types them (float32, float16, or bytes for the rest); the
+        # array itself is only looked at, never read: its bytes came through read_ahead.
+        data = raw.view(_torch_dtype(entry.tensor.data.dtype)).reshape(entry.tensor.data.shape)
         place = entry.place
         if entry.qtype in PLAIN_TYPES:
             if entry.qtype == GGMLQuantizationType.BF16:  # the reader hands BF16 over as bytes
@@ -381,3 +382,34 @@ def config_from_metadata(
         )
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{source}: {e}") from e
+
+
+@dataclass(frozen=True)
+class _ByteRange:
+    """A GGUF tensor's bytes as one flat range (reader.FileRange)."""
+
+    entry: StoredGGUFTensor
+
+    @property
+    def file(self) -> Path:
+        return self.entry.file
+
+    @property
+    def start(self) -> int:
+        return int(self.entry.tensor.data_offset)
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.entry.tensor.n_bytes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.entry.tensor.n_bytes),)
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
