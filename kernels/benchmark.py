@@ -277,7 +277,9 @@ def _materialise_rotary(module: torch.nn.Module) -> None:
 
 def module_weight_bytes(module: Any) -> int:
     """Bytes a GEMV streams for one layer's weight: its blocks when block-quantized, its tensor otherwise."""
-    module = getattr(module, "inner", module)  # a PermutedInputLinear's quantized layer
+    from .quant_weights import gemv_module
+
+    module = gemv_module(module)
     qtype, shape = getattr(module, "qtype", None), getattr(module, "shape", None)
     if qtype is not None and shape is not None:
         return qtype.nbytes(tuple(shape))

@@ -67,7 +67,7 @@ def tiled_columns(config: Any) -> torch.Tensor:
     return (heads[:, None] * dv + torch.arange(dv)[None, :]).reshape(-1)
 
 
-def _quantized_module(module: Any) -> Any:
+def gemv_module(module: Any) -> Any:
     """The module that holds a GEMV weight (a PermutedInputLinear's inner layer)."""
     return module.inner if isinstance(module, PermutedInputLinear) else module
 
@@ -97,7 +97,7 @@ def kind_modules(model: Any, layers: list[Any], has_mtp: bool) -> dict[str, list
 
 
 def module_format(module: Any) -> WeightFormat:
-    module = _quantized_module(module)
+    module = gemv_module(module)
     if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
         qtype = QuantType.of(module.qtype)
         if qtype not in FORMAT_CODES:
@@ -143,7 +143,7 @@ class DeviceWeights:
         self.quantized = bool(self._repacked)
 
     def _add(self, module: Any) -> int:
-        module = _quantized_module(module)
+        module = gemv_module(module)
         if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             return module.weight.numel() * module.weight.element_size()
         if id(module) not in self._repacked:
@@ -158,7 +158,7 @@ class DeviceWeights:
 
     def pointer(self, module: Any) -> int:
         """The table entry of a GEMV weight: its device pointer, tagged with its format code when quantized."""
-        module = _quantized_module(module)
+        module = gemv_module(module)
         packed = self._repacked.get(id(module))
         if packed is None:
             weight = module.weight

@@ -65,9 +65,11 @@ def write_random_checkpoint(
     start = time.perf_counter()
     shard: dict[str, torch.Tensor] = {}
     shard_names: list[list[str]] = []
-    total = 0
+    total = in_shard = 0
 
     def flush() -> None:
+        nonlocal in_shard
+        in_shard = 0
         shard_names.append(list(shard))
         save_file(shard, str(out / f"part-{len(shard_names)}.safetensors"), metadata={"format": "pt"})
         shard.clear()
@@ -77,7 +79,8 @@ def write_random_checkpoint(
         tensor = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * scale
         shard[name] = tensor.cpu()
         total += tensor.numel() * 2
-        if sum(t.numel() * 2 for t in shard.values()) >= shard_bytes:
+        in_shard += tensor.numel() * 2
+        if in_shard >= shard_bytes:
             flush()
     if shard:
         flush()

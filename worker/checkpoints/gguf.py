@@ -141,7 +141,6 @@ class GGUFCheckpoint(Checkpoint):
                 "(Qwen3.5 / Qwen3.6 dense) models"
             )
         stored = {t.name: (reader, t) for reader in self.readers for t in reader.tensors}
-        self._files = {id(reader): path for path, reader in zip(self.files, self.readers, strict=True)}
         self.config = config_from_metadata(self.metadata, stored, str(self.files[0]))
         self.stored = self._validated(stored)
 
@@ -184,7 +183,9 @@ class GGUFCheckpoint(Checkpoint):
         problems = []
         for gguf_name, name in by_gguf.items():
             reader, tensor = stored[gguf_name]
-            entry = StoredGGUFTensor(name, places[name], reader, tensor, self._files[id(reader)])
+            entry = StoredGGUFTensor(
+                name, places[name], reader, tensor, self.files[self.readers.index(reader)]
+            )
             if entry.qtype not in SUPPORTED_TYPES:
                 raise CheckpointError(
                     f"{source}: tensor {gguf_name!r} has type {entry.qtype.name}, which this loader does not "
