@@ -7,8 +7,8 @@
 # leaves the shell in PKG: `python -m` puts the working directory first on sys.path, and the checkout's own
 # onestream/ (without kernels/, worker/, ...) would shadow the linked package.
 REPO=$PWD
-PKG=/tmp/onestream-pkg
-SITE=/tmp/onestream-wheels
+PKG=${ONESTREAM_PKG:-/tmp/onestream-pkg}  # its own per process when several scripts run at once
+SITE=${PKG}-wheels
 rm -rf "$PKG" "$SITE" && mkdir -p "$PKG/onestream" "$SITE"
 cp -r onestream/. "$PKG/onestream/"
 for part in kernels worker cluster protos; do ln -s "$REPO/$part" "$PKG/onestream/$part"; done
