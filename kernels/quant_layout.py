@@ -170,8 +170,22 @@ def _swizzle(plane: torch.Tensor, units: int, slots: int) -> torch.Tensor:
 # ---- repacking ------------------------------------------------------------------------------------------
 
 
-def repack(qtype: QuantType | int | str, raw: torch.Tensor, shape: tuple[int, int]) -> RepackedWeight:
-    """GGUF bytes `raw` of a `[rows, K]` weight -> the device layout (on `raw`'s device)."""
+# Weights repacked at a time: the packers' int32 / int64 temporaries stay about 0.5 GB.
+REPACK_CHUNK_ELEMENTS = 1 << 24
+
+
+def repack(
+    qtype: QuantType | int | str,
+    raw: torch.Tensor,
+    shape: tuple[int, int],
+    *,
+    chunk_elements: int = REPACK_CHUNK_ELEMENTS,
+) -> RepackedWeight:
+    """GGUF bytes `raw` of a `[rows, K]` weight -> the device layout (on `raw`'s device).
+
+    Rows go `chunk_elements` weights at a time into the one output tensor: the packers' temporaries (int32
+    levels, int64 bit words: some 30 bytes per weight) are bounded by a chunk, not by the tensor (a 248k-row
+    lm_head would need some 30 GB of them at once)."""
     qtype = QuantType.of(qtype)
     rows, k = (int(n) for n in shape)
     check_shape(qtype, rows, k)
@@ -179,19 +193,30 @@ def repack(qtype: QuantType | int | str, raw: torch.Tensor, shape: tuple[int, in
         raise QuantShapeError(
             f"{qtype.name} weight [{rows}, {k}] needs {qtype.nbytes((rows, k))} uint8 bytes, got {raw.numel()}"
         )
-    blocks = raw.reshape(-1, qtype.type_size)
-    planes = _PACKERS[qtype](blocks)
+    offsets, stride = row_layout(qtype, k)
+    data = torch.empty((rows, stride), dtype=torch.uint8, device=raw.device)
+    data[:, offsets[-1] + plane_row_bytes(k, *PLANES[qtype][-1][1:]) :] = 0  # the rows' padding
+    table = raw.reshape(rows, -1)
+    step = max(1, chunk_elements // k)
+    for r0 in range(0, rows, step):
+        _repack_rows(qtype, table[r0 : r0 + step], k, offsets, data[r0 : r0 + step])
+    return RepackedWeight(qtype, (rows, k), data)
+
+
+def _repack_rows(
+    qtype: QuantType, raw_rows: torch.Tensor, k: int, offsets: tuple[int, ...], out: torch.Tensor
+) -> None:
+    """GGUF rows `raw_rows` (`[n, row bytes]`) into their device-layout rows `out` (`[n, row stride]`)."""
+    rows = raw_rows.shape[0]
+    planes = _PACKERS[qtype](raw_rows.reshape(-1, qtype.type_size))
     for name, slots in SLOTTED.items():
         if name in planes:
             planes[name] = _swizzle(planes[name], k // UNIT, slots)
-    offsets, stride = row_layout(qtype, k)
-    data = torch.zeros((rows, stride), dtype=torch.uint8, device=raw.device)
     for (name, nbytes, per_super), at in zip(PLANES[qtype], offsets, strict=True):
         width = plane_row_bytes(k, nbytes, per_super)
-        plane = planes[name].reshape(rows, -1)
+        plane = planes.pop(name).reshape(rows, -1)
         assert plane.shape[1] == width, (qtype, name, plane.shape, width)
-        data[:, at : at + width] = plane
-    return RepackedWeight(qtype, (rows, k), data)
+        out[:, at : at + width] = plane
 
 
 def _pack_kquant_head(blocks: torch.Tensor) -> torch.Tensor:

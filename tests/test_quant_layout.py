@@ -115,3 +115,33 @@ def test_the_lanes_of_a_wavefront_read_distinct_banks() -> None:
             quad = ((64 * v + 16 * (g ^ group_slot_xor(v))) % 128) // 16
             for wave in quad.reshape(4, 8):
                 assert len(set(wave.tolist())) == 8, (base, g, wave)
+
+
+@pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
+def test_repacking_works_in_bounded_chunks_of_rows(
+    qtype: QuantType, generator: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packers see at most a chunk of weights at a time (their temporaries, some 30 bytes per weight, are
+    bounded by the chunk, not by the tensor: a 27B lm_head would need ~30 GB at once), and the chunked result is
+    the whole tensor's byte for byte, rows left over after the last whole chunk included."""
+    from onestream.kernels import quant_layout
+
+    rows, k = 37, 1024
+    raw = random_raw(qtype, rows, k, generator)
+    whole = repack(qtype, raw, (rows, k), chunk_elements=rows * k)
+    seen: list[int] = []
+    packer = quant_layout._PACKERS[qtype]
+
+    def counting(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.append(blocks.shape[0] * qtype.block_size)
+        return packer(blocks)
+
+    monkeypatch.setitem(quant_layout._PACKERS, qtype, counting)
+    chunk = 5 * k + 100  # five rows per chunk
+    packed = repack(qtype, raw, (rows, k), chunk_elements=chunk)
+    assert seen == [5 * k] * 7 + [2 * k]
+    assert max(seen) <= chunk
+    assert torch.equal(packed.data, whole.data)
+    assert torch.equal(read_repacked(packed), dequantize(qtype, raw, (rows, k)))
+    # The default chunk is small next to a 27B tensor: the 248,320 x 5,120 lm_head goes in about 76 pieces.
+    assert quant_layout.REPACK_CHUNK_ELEMENTS <= 1 << 24
