@@ -1,5 +1,6 @@
 """`onestream serve` as users run it: its own local Ray, one CPU card, a real client; SIGHUP re-reads the
-API keys; SIGTERM drains (the in-flight stream finishes) and the process exits cleanly."""
+API keys; SIGTERM drains (the in-flight stream finishes) and the process exits cleanly. A GGUF file serves the
+same way, and its card's metrics and `onestream status` name the file's weights format."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from onestream.cluster.client import PoolClient, make_request
 from onestream.worker.testing import write_tiny_checkpoint
-from pool_helpers import Serve
+from pool_helpers import Serve, scrape, total
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 240.0
@@ -102,6 +103,38 @@ def test_plain_serve_runs_the_embedded_model_on_cpu_cards_without_a_gpu() -> Non
             finished = events[-1].finished
             assert finished.usage.generated_tokens > 0
             assert finished.usage.draft_tokens > 0  # the embedded model drafts with its MTP head
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(120) == 0, "".join(server.output)[-4000:]
+    finally:
+        server.kill()
+
+
+def test_serve_a_gguf_file_and_its_card_shows_the_weights_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`onestream quantize` writes a Q4_K_M GGUF; `onestream serve --model X.gguf` serves it; the card's
+    /metrics (a real scrape) label it `gguf Q4_K_M` in `onestream_card_info` and count what it streamed."""
+    from onestream.cli import main
+
+    model_dir = write_tiny_checkpoint(tmp_path / "tiny")
+    gguf = tmp_path / "tiny-q4_k_m.gguf"
+    assert main(["quantize", "--model", str(model_dir), "--type", "q4_k_m", "--out", str(gguf)]) == 0
+    server = Serve("--model", str(gguf), "--cpu-cards", "1", "--max-context", "256", "--http", "off")
+    try:
+        grpc_address = server.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
+        card_metrics = server.wait_for_line(r"card\s+\S+/0/cpu-0\s.*http://(\S+)/metrics", 10).group(1)
+        server.wait_for_line(r"ready", 10)
+        with PoolClient(grpc_address, timeout_s=60) as client:
+            assert client.model_info().format == "gguf Q4_K_M"
+            events = list(client.generate(make_request("def main():", max_tokens=6, ignore_eos=True)))
+            assert events[-1].finished.usage.generated_tokens == 6
+        samples = scrape(card_metrics)
+        assert total(samples, "onestream_card_info", format="gguf Q4_K_M", backend="reference") == 1
+        assert total(samples, "onestream_card_info") == 1  # one identity series: no other format label
+        assert total(samples, "onestream_generation_tokens_total") == 6
+        capsys.readouterr()
+        assert main(["status", "--server", grpc_address]) == 0
+        assert "[gguf Q4_K_M] on reference" in capsys.readouterr().out
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(120) == 0, "".join(server.output)[-4000:]
     finally:
