@@ -1,0 +1,77 @@
+"""How much a model amplifies bf16 roundings of its activations, on the CPU: teacher-forced KLD against the fp32
+reference of (a) the fp32 reference with every linear layer's input rounded to bf16 -- the megakernel's GEMV inputs
+are staged in bf16 even in its fp32-activation build -- and (b) the whole model in bf16.
+
+Neither side involves the megakernel; the figures tell a model that amplifies roundings (a badly conditioned random
+model) from a kernel that makes too many. Both sides run the same weights (`--quantize` or a GGUF: the same
+quantized weights, dequantized).
+
+    python tools/rounding_kld.py [--model DIR|FILE] [--quantize PRESET] [--tokens FILE] [--limit 2048] [--ctx 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from onestream.worker.checkpoints import open_checkpoint
+from onestream.worker.evaluation import ReferenceForward, read_token_file, run_kld
+from onestream.worker.loading import load_model
+
+DEFAULT_TOKENS = Path(".data/eval/heldout_tokens.txt")
+
+
+class RoundedInputs(ReferenceForward):
+    """The reference with the input of every `F.linear` (projections, lm_head) rounded to bf16."""
+
+    def logits(self, window: Sequence[int]) -> torch.Tensor:
+        linear = F.linear
+        F.linear = lambda x, w, b=None: linear(x.bfloat16().float(), w, b)
+        try:
+            return super().logits(window)
+        finally:
+            F.linear = linear
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory or .gguf (default: the embedded model)"
+    )
+    parser.add_argument("--quantize", default=None, help="quantize on load (both sides)")
+    parser.add_argument("--tokens", type=Path, default=DEFAULT_TOKENS)
+    parser.add_argument("--limit", type=int, default=2048)
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = open_checkpoint(args.model, quantize=args.quantize)
+    tokens = read_token_file(args.tokens)[: args.limit]
+    fp32 = load_model(checkpoint, dtype=torch.float32, device="cpu")
+    ref = ReferenceForward(fp32, "fp32")
+    rows = [
+        (
+            "fp32, linear inputs rounded to bf16",
+            run_kld(RoundedInputs(fp32, "rounded"), ref, tokens, args.ctx),
+        )
+    ]
+    bf16 = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")
+    rows.append(("bf16 model", run_kld(ReferenceForward(bf16, "bf16"), ref, tokens, args.ctx)))
+    print(
+        f"{checkpoint.path} ({args.quantize or checkpoint.format.label}), against fp32, {rows[0][1].positions} positions"
+    )
+    print("| side | mean KLD | same top-1 | max abs logit diff | PPL (fp32) |")
+    print("|---|---|---|---|---|")
+    for name, s in rows:
+        print(
+            f"| {name} | {s.mean_kld:.3e} | {s.same_top1_pct:.2f} % | {s.max_abs_logit_diff:.3f} | {s.ppl_ref:.4g} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
