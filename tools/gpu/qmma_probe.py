@@ -1,78 +1,182 @@
-"""Microbenchmark: stream a Q4-like nibble matrix (rows x K, 16 bytes per 32-element unit) through
-(a) a plain read, (b) bf16 mma.m16n8k16 with levels placed by the magic-number trick, 4-byte loads per row-unit
-(the current layout), (c) the same with 16-byte loads (4 units' lane words transposed). Prints GB/s."""
-import sys, time
+"""Issue 21 probe (GPU): candidate inner loops of the quantized GEMV, streaming a Q4_K matrix in the kernel's
+row-of-planes layout (per row: 16 bytes of nibbles per 32-element unit, then 16 bytes of scales per 256) at the
+27B input width. Prints GB/s per loop and tokens per launch next to a plain read of the same bytes:
+  plain read | mma: bf16 levels (magic number) on mma.m16n8k16, 16-row items, scales applied per unit |
+  dp4a2: the inputs as two int8 planes per 32 (x = d (q1 + q2 / 256)), 4-row items, one lane per unit."""
+
+import sys
+
 import cupy as cp
-SRC = r'''
+
+SRC = r"""
 typedef unsigned int u32;
 __device__ __forceinline__ u32 lop(u32 a, u32 m, u32 c){u32 d; asm("lop3.b32 %0,%1,%2,%3,0xEA;":"=r"(d):"r"(a),"r"(m),"r"(c)); return d;}
+__device__ __forceinline__ u32 ldcs32(const void* p){u32 r; asm volatile("ld.global.cs.u32 %0,[%1];":"=r"(r):"l"(p)); return r;}
+__device__ __forceinline__ uint4 ldcs128(const void* p){uint4 r; asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3},[%4];":"=r"(r.x),"=r"(r.y),"=r"(r.z),"=r"(r.w):"l"(p)); return r;}
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0,u32 a1,u32 a2,u32 a3,u32 b0,u32 b1){
  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3},{%4,%5,%6,%7},{%8,%9},{%0,%1,%2,%3};"
   :"+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]):"r"(a0),"r"(a1),"r"(a2),"r"(a3),"r"(b0),"r"(b1));}
+__device__ __forceinline__ float u2f(u32 v){ return __uint_as_float(v | 0x4B000000u) - 8388608.0f; }
+__device__ __forceinline__ float h2f(u32 h){ float f; asm("cvt.f32.f16 %0,%1;":"=f"(f):"h"((unsigned short)h)); return f; }
 extern "C" __global__ void __launch_bounds__(384,1) rd(const uint4* w, long n, float* out){
-  u32 s=0; for(long i=blockIdx.x*384+threadIdx.x;i<n;i+=(long)gridDim.x*384){uint4 v=__ldcs(w+i); s^=v.x^v.y^v.z^v.w;}
+  u32 s=0; for(long i=blockIdx.x*384+threadIdx.x;i<n;i+=(long)gridDim.x*384){uint4 v=ldcs128(w+i); s^=v.x^v.y^v.z^v.w;}
   if(s==0x12345) out[0]=s;}
-// rows x K/32 units, row stride K/2 bytes. Warp item = 16 rows x U units.
-template<int WIDE> __device__ void mm(const unsigned char* w, int rows, int K, const float* sc, float* out){
-  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3; const int nun=K/32;
+#define K 5120
+#define NUN (K/32)
+#define ROWB (NUN*16 + K/256*16)
+// ---- mma: warp item = 16 rows x all units, steps of one super-block (8 units) double-buffered -------------
+struct MStep { u32 a[8], b[8]; uint4 sa, sb; };
+__device__ __forceinline__ void mload(const unsigned char* r0, const unsigned char* r1, int sb, int t, MStep& s){
+  #pragma unroll
+  for(int j=0;j<8;++j){ s.a[j]=ldcs32(r0+(sb*8+j)*16+4*t); s.b[j]=ldcs32(r1+(sb*8+j)*16+4*t); }
+  s.sa=ldcs128(r0+NUN*16+sb*16); s.sb=ldcs128(r1+NUN*16+sb*16);
+}
+template<int J> __device__ __forceinline__ void kscale(const uint4& s, float& a, float& b){
+  const u32 byte=(u32)((((unsigned long long)s.z<<32)|s.y)>>(8*J))&0xFFu;
+  const u32 sc=byte&63u, m=(byte>>6)|(((s.w>>(4*J))&0xFu)<<2);
+  a=h2f(s.x&0xFFFF)*u2f(sc); b=fmaf(128.f, a, h2f(s.x>>16)*u2f(m));
+}
+extern "C" __global__ void __launch_bounds__(384,1) mmaq(const unsigned char* w, int rows, float* out){
+  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
   const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
-  __shared__ uint4 xs[5120/8];
-  for(int i=threadIdx.x;i<K/8;i+=384) xs[i]=make_uint4(0x3f803f80u+i,0x3f80u,0x3f803f80u,0x3f80u);
+  __shared__ uint4 xs[NT][K/8]; __shared__ float xsum[NT][NUN];
+  for(int i=threadIdx.x;i<NT*K/8;i+=384) (&xs[0][0])[i]=make_uint4(0x3f803f80u+i,0x3f80u,0x3f803f80u,0x3f80u);
+  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xsum[0][0])[i]=1.0f+i;
   __syncthreads();
+  const int tk=min(g, NT-1), t0=min(2*t, NT-1), t1=min(2*t+1, NT-1);
   const u32 M=0x000F000Fu, C=0x43004300u;
   float tot=0.f;
   for(int tile=wid; tile<rows/16; tile+=warps){
-    const unsigned char* r0=w+(long)(tile*16+g)*(K/2); const unsigned char* r1=r0+(long)8*(K/2);
+    const unsigned char* r0=w+(long)(tile*16+g)*ROWB; const unsigned char* r1=r0+(long)8*ROWB;
     float acc[4]={0,0,0,0};
+    MStep s[2];
+    mload(r0,r1,0,t,s[0]);
     #pragma unroll 1
-    for(int v0=0; v0<nun; v0+=8){
-      u32 wa[8], wb[8];
-      if(WIDE){ uint4 a=__ldcs((const uint4*)(r0+v0*16+t*16)), b=__ldcs((const uint4*)(r0+v0*16+64+t*16));
-        uint4 c=__ldcs((const uint4*)(r1+v0*16+t*16)), d=__ldcs((const uint4*)(r1+v0*16+64+t*16));
-        wa[0]=a.x;wa[1]=a.y;wa[2]=a.z;wa[3]=a.w;wa[4]=b.x;wa[5]=b.y;wa[6]=b.z;wa[7]=b.w;
-        wb[0]=c.x;wb[1]=c.y;wb[2]=c.z;wb[3]=c.w;wb[4]=d.x;wb[5]=d.y;wb[6]=d.z;wb[7]=d.w;}
-      else {
-        #pragma unroll
-        for(int j=0;j<8;++j){wa[j]=__ldcs((const u32*)(r0+(v0+j)*16+4*t)); wb[j]=__ldcs((const u32*)(r1+(v0+j)*16+4*t));}}
-      const float4 s4a=__ldg((const float4*)(sc+(long)(tile*16+g)*nun/8*0+v0/8*4));
+    for(int sb=0; sb<K/256; sb+=2){
       #pragma unroll
-      for(int j=0;j<8;++j){
-        const uint4 xq=xs[(v0+j)*4+t];
-        u32 b00,b01,b10,b11;
-        asm("prmt.b32 %0,%1,%2,0x5410;":"=r"(b00):"r"(xq.x),"r"(xq.z)); asm("prmt.b32 %0,%1,%2,0x7632;":"=r"(b01):"r"(xq.x),"r"(xq.z));
-        asm("prmt.b32 %0,%1,%2,0x5410;":"=r"(b10):"r"(xq.y),"r"(xq.w)); asm("prmt.b32 %0,%1,%2,0x7632;":"=r"(b11):"r"(xq.y),"r"(xq.w));
-        float d[4]={0,0,0,0};
-        const u32 a=wa[j], b=wb[j];
-        mma(d, lop(a,M,C), lop(b,M,C), lop(a>>4,M,C), lop(b>>4,M,C), b00, b01);
-        mma(d, lop(a>>8,M,C), lop(b>>8,M,C), lop(a>>12,M,C), lop(b>>12,M,C), b10, b11);
-        const float sa=(&s4a.x)[j&3];
-        acc[0]=fmaf(sa,d[0],acc[0]); acc[2]=fmaf(sa,d[2],acc[2]);
-        acc[0]=fmaf(-sa,1.f,acc[0]); acc[2]=fmaf(-sa,1.f,acc[2]);
-        if(NT>1){acc[1]=fmaf(sa,d[1],acc[1]); acc[3]=fmaf(sa,d[3],acc[3]);}
+      for(int h=0;h<2;++h){
+        if(sb+h+1<K/256) mload(r0,r1,sb+h+1,t,s[h^1]);
+        const MStep& c=s[h];
+        #pragma unroll
+        for(int j=0;j<8;++j){
+          const int v=(sb+h)*8+j;
+          const uint4 xq=xs[tk][v*4+t];
+          u32 b00,b01,b10,b11;
+          asm("prmt.b32 %0,%1,%2,0x5410;":"=r"(b00):"r"(xq.x),"r"(xq.z)); asm("prmt.b32 %0,%1,%2,0x7632;":"=r"(b01):"r"(xq.x),"r"(xq.z));
+          asm("prmt.b32 %0,%1,%2,0x5410;":"=r"(b10):"r"(xq.y),"r"(xq.w)); asm("prmt.b32 %0,%1,%2,0x7632;":"=r"(b11):"r"(xq.y),"r"(xq.w));
+          float d[4]={0,0,0,0};
+          const u32 a=c.a[j], b=c.b[j];
+          mma(d, lop(a,M,C), lop(b,M,C), lop(a>>4,M,C), lop(b>>4,M,C), b00, b01);
+          mma(d, lop(a>>8,M,C), lop(b>>8,M,C), lop(a>>12,M,C), lop(b>>12,M,C), b10, b11);
+          float aa,ba,ab,bb;
+          switch(j){
+#define KS(J) case J: kscale<J>(c.sa,aa,ba); kscale<J>(c.sb,ab,bb); break;
+            KS(0) KS(1) KS(2) KS(3) KS(4) KS(5) KS(6) KS(7)
+          }
+          const float x0=xsum[t0][v];
+          acc[0]=fmaf(aa,d[0],acc[0]); acc[0]=fmaf(-ba,x0,acc[0]);
+          acc[2]=fmaf(ab,d[2],acc[2]); acc[2]=fmaf(-bb,x0,acc[2]);
+          if(NT>1){ const float x1=xsum[t1][v];
+            acc[1]=fmaf(aa,d[1],acc[1]); acc[1]=fmaf(-ba,x1,acc[1]);
+            acc[3]=fmaf(ab,d[3],acc[3]); acc[3]=fmaf(-bb,x1,acc[3]); }
+        }
       }
     }
     tot+=acc[0]+acc[1]+acc[2]+acc[3];
   }
   if(tot==1.2345f) out[0]=tot;
 }
-extern "C" __global__ void __launch_bounds__(384,1) mm4(const unsigned char* w,int rows,int K,const float* sc,float* out){mm<0>(w,rows,K,sc,out);}
-extern "C" __global__ void __launch_bounds__(384,1) mm16(const unsigned char* w,int rows,int K,const float* sc,float* out){mm<1>(w,rows,K,sc,out);}
-'''
-K, rows = 5120, 17408 * 8
-nt = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-mod = cp.RawModule(code=SRC.replace("NT>1", f"{nt}>1"), options=("--std=c++17", "-arch=sm_90"))
-w = cp.random.randint(0, 2**31, size=rows * K // 8, dtype=cp.int32).view(cp.uint8)
-sc = cp.ones(rows * K // 32, dtype=cp.float32)
-out = cp.zeros(4, cp.float32)
-nbytes = w.nbytes
-def timeit(name, f):
-    f(); cp.cuda.runtime.deviceSynchronize()
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    ev0.record(); n = 10
-    for _ in range(n): f()
-    ev1.record(); ev1.synchronize()
-    ms = cp.cuda.get_elapsed_time(ev0, ev1) / n
-    print(f"{name}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
-timeit("plain read", lambda: mod.get_function("rd")((132,), (384,), (w, cp.int64(nbytes // 16), out)))
-timeit(f"mma LDG.32 T={nt}", lambda: mod.get_function("mm4")((132,), (384,), (w, cp.int32(rows), cp.int32(K), sc, out)))
-timeit(f"mma LDG.128 T={nt}", lambda: mod.get_function("mm16")((132,), (384,), (w, cp.int32(rows), cp.int32(K), sc, out)))
+// ---- dp4a2: item = 4 rows x 32 units (one per lane), double-buffered items -----------------------------
+struct DItem { uint4 n[4], s[4]; };
+extern "C" __global__ void __launch_bounds__(384,1) dp4a2(const unsigned char* w, int rows, float* out){
+  const int lane=threadIdx.x&31;
+  const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
+  __shared__ uint4 x8[NT][NUN*4];   // per unit: plane 1 (32 B), plane 2 (32 B)
+  __shared__ float2 xd[NT][NUN];    // per unit: d, sum x
+  for(int i=threadIdx.x;i<NT*NUN*4;i+=384) (&x8[0][0])[i]=make_uint4(0x01020304u*i,0x7f7f0101u,0x80808080u+i,0x01010101u);
+  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xd[0][0])[i]=make_float2(0.01f*i, 1.0f);
+  __syncthreads();
+  const int chunks=NUN/32, items=rows/4*chunks;
+  float tot=0.f;
+  auto load=[&](int it, DItem& d){
+    const int rg=it/chunks, ch=it-rg*chunks, v=ch*32+lane;
+    #pragma unroll
+    for(int h=0;h<4;++h){ const unsigned char* r=w+(long)(rg*4+h)*ROWB;
+      d.n[h]=ldcs128(r+v*16); d.s[h]=ldcs128(r+NUN*16+(v>>3)*16); }
+  };
+  DItem ib[2];
+  int it=wid; if(it<items) load(it, ib[0]);
+  #pragma unroll 1
+  for(; it<items; it+=2*warps){
+    #pragma unroll
+    for(int p=0;p<2;++p){
+      const int cur=it+p*warps; if(cur>=items) break;
+      if(cur+warps<items) load(cur+warps, ib[p^1]);
+      const DItem& d=ib[p];
+      const int rg=cur/chunks, ch=cur-rg*chunks, v=ch*32+lane, j=v&7;
+      float acc[4][NT];
+      #pragma unroll
+      for(int h=0;h<4;++h){
+        const u32 wv[4]={d.n[h].x,d.n[h].y,d.n[h].z,d.n[h].w};
+        u32 lo[4], hi[4];
+        #pragma unroll
+        for(int q=0;q<4;++q){ lo[q]=wv[q]&0x0F0F0F0Fu; hi[q]=(wv[q]>>4)&0x0F0F0F0Fu; }
+        const u32 byte=(u32)((((unsigned long long)d.s[h].z<<32)|d.s[h].y)>>(8*j))&0xFFu;
+        const u32 sc=byte&63u, m=(byte>>6)|(((d.s[h].w>>(4*j))&0xFu)<<2);
+        const float a=h2f(d.s[h].x&0xFFFF)*u2f(sc)*(1.0f/256), b=h2f(d.s[h].x>>16)*u2f(m);
+        #pragma unroll
+        for(int tk=0;tk<NT;++tk){
+          const uint4 p0=x8[tk][v*4], p1=x8[tk][v*4+1], q0=x8[tk][v*4+2], q1=x8[tk][v*4+3];
+          int s1=0, s2=0;
+          s1=__dp4a((int)lo[0],(int)p0.x,s1); s1=__dp4a((int)hi[0],(int)p0.y,s1); s1=__dp4a((int)lo[1],(int)p0.z,s1); s1=__dp4a((int)hi[1],(int)p0.w,s1);
+          s1=__dp4a((int)lo[2],(int)p1.x,s1); s1=__dp4a((int)hi[2],(int)p1.y,s1); s1=__dp4a((int)lo[3],(int)p1.z,s1); s1=__dp4a((int)hi[3],(int)p1.w,s1);
+          s2=__dp4a((int)lo[0],(int)q0.x,s2); s2=__dp4a((int)hi[0],(int)q0.y,s2); s2=__dp4a((int)lo[1],(int)q0.z,s2); s2=__dp4a((int)hi[1],(int)q0.w,s2);
+          s2=__dp4a((int)lo[2],(int)q1.x,s2); s2=__dp4a((int)hi[2],(int)q1.y,s2); s2=__dp4a((int)lo[3],(int)q1.z,s2); s2=__dp4a((int)hi[3],(int)q1.w,s2);
+          const float2 dd=xd[tk][v];
+          acc[h][tk]=fmaf(a*dd.x, (float)(s1*256+s2), -b*dd.y);
+        }
+      }
+      #pragma unroll
+      for(int h=0;h<4;++h)
+        #pragma unroll
+        for(int tk=0;tk<NT;++tk) tot+=acc[h][tk];  // the real loop's butterfly (7 shuffles per token) left out
+    }
+  }
+  if(tot==1.2345f) out[0]=tot;
+}
+"""
+
+
+def main() -> None:
+    nt = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    rows = 17408 * 8
+    rowb = 5120 // 32 * 16 + 5120 // 256 * 16
+    src = f"#define NT {nt}\n" + SRC
+    mod = cp.RawModule(code=src, options=("--std=c++17",))
+    w = cp.random.randint(0, 2**31, size=rows * rowb // 4, dtype=cp.int32).view(cp.uint8)
+    out = cp.zeros(4, cp.float32)
+    nbytes = w.nbytes
+
+    def timeit(name, f):
+        f()
+        cp.cuda.runtime.deviceSynchronize()
+        ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+        ev0.record()
+        n = 10
+        for _ in range(n):
+            f()
+        ev1.record()
+        ev1.synchronize()
+        ms = cp.cuda.get_elapsed_time(ev0, ev1) / n
+        print(f"T={nt} {name}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+
+    for name in ("mmaq", "dp4a2"):
+        k = mod.get_function(name)
+        print(name, "regs", k.num_regs, "local", k.local_size_bytes)
+    timeit("plain read", lambda: mod.get_function("rd")((132,), (384,), (w, cp.int64(nbytes // 16), out)))
+    timeit("mma", lambda: mod.get_function("mmaq")((132,), (384,), (w, cp.int32(rows), out)))
+    timeit("dp4a2", lambda: mod.get_function("dp4a2")((132,), (384,), (w, cp.int32(rows), out)))
+
+
+if __name__ == "__main__":
+    main()
