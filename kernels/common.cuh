@@ -102,6 +102,10 @@ __device__ __forceinline__ vec16 ld_shared16(const void* p) {
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
     return r;
 }
+__device__ __forceinline__ void st_shared16(void* p, const vec16& v) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 // An L2 policy that evicts streamed weights first (what the .cs register loads ask for).
 __device__ __forceinline__ u64 evict_first_policy() {
     u64 pol;

@@ -41,9 +41,12 @@
 static_assert(MK_QROWS == 1 || MK_QROWS == 2 || MK_QROWS == 4, "MK_QROWS: 1, 2 or 4 rows per item");
 static_assert(!MK_MMA, "quantized weights run on the scalar GEMV (Tuning.mma off)");
 static_assert((MK_QFMTS & 1) == 0 && MK_QFMTS < (1 << 8), "MK_QFMTS: a mask of quantized format codes 1..7");
-static_assert(MK_XSW * 16 >= MK_XW && MK_XSW % 2 == 0 && MK_SMEM_XSUM % 16 == 0 &&
+#ifndef MK_QI8
+#define MK_QI8 0  // the integer GEMV: inputs quantized per unit, dp4a (plan.py: Tuning.qint8)
+#endif
+static_assert(MK_XSW * 16 >= MK_XW * (MK_QI8 ? 2 : 1) && MK_XSW % 4 == 0 && MK_SMEM_XSUM % 16 == 0 &&
                   MK_SMEM_XSUM + MK_NT * MK_XSW * 4 <= MK_SMEM_END,
-              "the carve holds a sum per 16 staged inputs per token");
+              "the carve holds a sum per 16 staged inputs per token (integer GEMV: 4 floats per unit)");
 
 __device__ __forceinline__ int qf_code(const void* tagged) { return (int)((u64)tagged >> QF_TAG_SHIFT); }
 __device__ __forceinline__ const unsigned char* qf_ptr(const void* tagged) {
@@ -316,6 +319,108 @@ __device__ __forceinline__ void q_unit_dot(const QUnit (&q)[MK_QROWS], int v, co
     }
 }
 
+#if MK_QI8
+// ---- the integer dot products (MK_QI8) ------------------------------------------------------------------
+// Each staged window's inputs are quantized once per block (q_stage_quant), unit by unit and token by token, to
+// x ~= d (256 q1 + q2) with d a power of two (the unit's largest |x| below 2^14 d) and q1, q2 int8: 14 or more
+// bits of every input relative to its unit's largest, exact for most. The two int8 planes take the bf16 input's
+// place in shared memory (64 bytes per unit and token), in the order the levels come out of the weights' words:
+// per slot G (the unit's group G ^ q_slot_xor(v)) a word of its even elements, then one of its odd ones; chunk c
+// of the unit's four 16-byte chunks (plane 1 slots 0-1, 2-3, plane 2 slots 0-1, 2-3) at c ^ q_chunk_xor(u), so
+// that the 8 lanes of a wavefront read distinct bank quads. A unit's levels are then multiplied 4 at a time
+// (dp4a) in exact integers, S = sum q x / d, and the unit adds a d S - (a c + b) X in fp32 per row and token.
+__device__ __forceinline__ int q_chunk_xor(int u) { return (u >> 1) & 3; }
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) { return __dp4a((int)a, (int)b, c); }
+// The unit's levels of slot G: lo the even elements' (byte j: element 2j), hi the odd ones', as int8 lanes.
+template <int F, int G>
+__device__ __forceinline__ void q_levels8(const QUnit& q, u32& lo, u32& hi) {
+    if (F == QF_Q8_0) {  // stored as q + 128: the sign bit flipped gives the int8
+        const u32 a = q.w[2 * G], b = q.w[2 * G + 1];
+        lo = __byte_perm(a, b, 0x6420) ^ 0x80808080u;
+        hi = __byte_perm(a, b, 0x7531) ^ 0x80808080u;
+        return;
+    }
+    const u32 w = q.w[G];
+    lo = w & 0x0F0F0F0Fu;
+    hi = (w >> 4) & 0x0F0F0F0Fu;
+    if (F == QF_Q5_K || F == QF_Q5_0 || F == QF_Q5_1) {  // bit 8 G + i of w[4]: element i's fifth bit
+        const u32 e = (q.w[4] >> (8 * G)) & 0xFFu;
+        const u32 ev = (e & 1u) | ((e & 4u) << 6) | ((e & 16u) << 12) | ((e & 64u) << 18);
+        const u32 od = ((e >> 1) & 1u) | ((e & 8u) << 5) | ((e & 32u) << 11) | ((e & 128u) << 17);
+        lo |= ev << 4;
+        hi |= od << 4;
+    }
+    if (F == QF_Q6_K) {  // bits 2 i + 16 (G & 1) of w[4 + G / 2]: element i's two high bits
+        u32 x = (q.w[4 + (G >> 1)] >> (16 * (G & 1))) & 0xFFFFu;
+        x = (x | (x << 8)) & 0x00FF00FFu;
+        x = (x | (x << 4)) & 0x0F0F0F0Fu;  // byte j: elements 2j (bits 0-1) and 2j + 1 (bits 2-3)
+        lo |= (x & 0x03030303u) << 4;
+        hi |= (x & 0x0C0C0C0Cu) << 2;
+    }
+}
+// Add unit v's products of every row h of the item for every token: `xq` the unit's staged int8 planes of token 0
+// (token t at + t * MK_XLD * 2 bytes), `xf` its (d, X of slots 0-1, X of slots 2-3, X) of token 0 (token t at
+// + t * MK_XSW / 4), `u` its index in the window.
+template <int F>
+__device__ __forceinline__ void q_unit_dot8(const QUnit (&q)[MK_QROWS], int v, int u, const unsigned char* xq,
+                                            const float4* xf, float (&acc)[MK_QROWS][MK_NT]) {
+    u32 lo[MK_QROWS][4], hi[MK_QROWS][4];
+    float a[MK_QROWS], b[MK_QROWS];
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h) {
+        q_levels8<F, 0>(q[h], lo[h][0], hi[h][0]);
+        q_levels8<F, 1>(q[h], lo[h][1], hi[h][1]);
+        q_levels8<F, 2>(q[h], lo[h][2], hi[h][2]);
+        q_levels8<F, 3>(q[h], lo[h][3], hi[h][3]);
+        q_scales<F>(q[h], v, a[h], b[h]);
+        if (F == QF_Q6_K) {  // per half: d sc_h, slotted as the halves are
+            const float d = a[h];
+            a[h] = d * (float)(int)(signed char)(q[h].s[0] & 0xFFu);
+            b[h] = d * (float)(int)(signed char)((q[h].s[0] >> 8) & 0xFFu);
+        }
+    }
+    const int sw = q_chunk_xor(u);
+    // The level's offset c (w = a (q - c) - b): Q4_0 and Q5_0 are centred at 8 and 16, Q6_K at 32.
+    constexpr float c = F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : F == QF_Q6_K ? 32.0f : 0.0f;
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) {
+        const unsigned char* base = xq + t * (MK_XLD * 2);
+        const vec16 p0 = ld_shared16(base + 16 * (0 ^ sw)), p1 = ld_shared16(base + 16 * (1 ^ sw));
+        const vec16 r0 = ld_shared16(base + 16 * (2 ^ sw)), r1 = ld_shared16(base + 16 * (3 ^ sw));
+        const vec16 fv = ld_shared16(xf + t * (MK_XSW / 4));
+        const float d = __uint_as_float(fv.x), xa = __uint_as_float(fv.y), xb = __uint_as_float(fv.z),
+                    xt = __uint_as_float(fv.w);
+#pragma unroll
+        for (int h = 0; h < MK_QROWS; ++h) {
+            int s1 = dp4a(lo[h][0], p0.x, 0), s2 = dp4a(lo[h][0], r0.x, 0);
+            s1 = dp4a(hi[h][0], p0.y, s1), s2 = dp4a(hi[h][0], r0.y, s2);
+            s1 = dp4a(lo[h][1], p0.z, s1), s2 = dp4a(lo[h][1], r0.z, s2);
+            s1 = dp4a(hi[h][1], p0.w, s1), s2 = dp4a(hi[h][1], r0.w, s2);
+            if (F == QF_Q6_K) {  // the halves apart: slots 0-1, then 2-3
+                const float ta = (float)(s1 * 256 + s2);
+                int u1 = dp4a(lo[h][2], p1.x, 0), u2 = dp4a(lo[h][2], r1.x, 0);
+                u1 = dp4a(hi[h][2], p1.y, u1), u2 = dp4a(hi[h][2], r1.y, u2);
+                u1 = dp4a(lo[h][3], p1.z, u1), u2 = dp4a(lo[h][3], r1.z, u2);
+                u1 = dp4a(hi[h][3], p1.w, u1), u2 = dp4a(hi[h][3], r1.w, u2);
+                const float tb = (float)(u1 * 256 + u2);
+                float v0 = fmaf(d, ta, -c * xa), v1 = fmaf(d, tb, -c * xb);
+                acc[h][t] = fmaf(a[h], v0, acc[h][t]);
+                acc[h][t] = fmaf(b[h], v1, acc[h][t]);
+            } else {
+                s1 = dp4a(lo[h][2], p1.x, s1), s2 = dp4a(lo[h][2], r1.x, s2);
+                s1 = dp4a(hi[h][2], p1.y, s1), s2 = dp4a(hi[h][2], r1.y, s2);
+                s1 = dp4a(lo[h][3], p1.z, s1), s2 = dp4a(lo[h][3], r1.z, s2);
+                s1 = dp4a(hi[h][3], p1.w, s1), s2 = dp4a(hi[h][3], r1.w, s2);
+                const float lv = fmaf(d, (float)(s1 * 256 + s2), -c * xt);  // sum (q - c) x
+                acc[h][t] = fmaf(a[h], lv, acc[h][t]);
+                if (F == QF_Q4_K || F == QF_Q5_K) acc[h][t] = fmaf(-b[h], xt, acc[h][t]);
+                if (F == QF_Q5_1) acc[h][t] = fmaf(b[h], xt, acc[h][t]);
+            }
+        }
+    }
+}
+#endif
+
 // The warp's sums of an item's MK_QROWS rows (a[h]: this lane's share of row h): lane (32 / MK_QROWS) h ends with
 // row h's. The first steps of the butterfly each keep half of the rows, so it takes 5 + MK_QROWS - 2 shuffles
 // instead of 5 per row; every row's additions pair the same lanes in the same order as warp_sum's.
@@ -360,9 +465,84 @@ __device__ __forceinline__ void q_stage_sums(const bf16_t* xs_in, float* xsum, i
     }
     __syncthreads();
 }
+#if MK_QI8
+// The staged window quantized in place (q_unit_dot8's planes) with its per-unit (d, X of slots 0-1, X of slots
+// 2-3, X) at xsum + 4 (t * MK_XSW / 4 + u): a thread per unit and token reads and rewrites its own 64 bytes. Every
+// thread; ends with a block barrier. The quantization is a function of the unit's inputs alone, so every launch
+// size and every block gives a token the same planes.
+__device__ __forceinline__ void q_stage_quant(bf16_t* xs_in, float* xsum, int k0, int k1) {
+    const int nu = (k1 - k0) / 32;
+    for (int e = tid_x(); e < MK_NT * nu; e += MK_THREADS) {
+        const int t = e / nu, u = e - t * nu, v = k0 / 32 + u, r = q_slot_xor(v);
+        unsigned char* base = (unsigned char*)(xs_in + t * MK_XLD) + u * 64;
+        float x[32];
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            const vec16 a = ld_shared16(base + 16 * g);
+            x[8 * g + 0] = bf_lo(a.x), x[8 * g + 1] = bf_hi(a.x), x[8 * g + 2] = bf_lo(a.y), x[8 * g + 3] = bf_hi(a.y);
+            x[8 * g + 4] = bf_lo(a.z), x[8 * g + 5] = bf_hi(a.z), x[8 * g + 6] = bf_lo(a.w), x[8 * g + 7] = bf_hi(a.w);
+        }
+        float gs[4], m = 0.0f;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            float sg = x[8 * g];
+            m = fmaxf(m, fabsf(x[8 * g]));
+#pragma unroll
+            for (int i = 1; i < 8; ++i) {
+                sg += x[8 * g + i];
+                m = fmaxf(m, fabsf(x[8 * g + i]));
+            }
+            gs[g] = sg;
+        }
+        // d = 2^(E - 13) for the largest |x| in [2^E, 2^(E + 1)): every |x| / d below 2^14.
+        const int ex = max((int)((__float_as_uint(m) >> 23) & 0xFFu) - 13, 1);
+        const float d = __uint_as_float((u32)ex << 23), inv = __uint_as_float((u32)(254 - ex) << 23);
+        u32 n[4][4];  // per group g: plane 1 even, odd; plane 2 even, odd
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) n[g][k] = 0u;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int x16 = __float2int_rn(x[8 * g + i] * inv);
+                const int q1 = (x16 + 128) >> 8, q2 = x16 - q1 * 256;
+                const int sh = 8 * (i >> 1), odd = i & 1;
+                n[g][odd] |= ((u32)q1 & 0xFFu) << sh;
+                n[g][2 + odd] |= ((u32)q2 & 0xFFu) << sh;
+            }
+        }
+        u32 w[4][4];  // per slot G (group G ^ r), by selects: a register array indexed at run time is local memory
+#pragma unroll
+        for (int G = 0; G < 4; ++G)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                w[G][k] = r == 0 ? n[G][k] : r == 1 ? n[G ^ 1][k] : r == 2 ? n[G ^ 2][k] : n[G ^ 3][k];
+        const float gsel[4] = {gs[0], gs[1], gs[2], gs[3]};
+        const int sw = q_chunk_xor(u);
+        st_shared16(base + 16 * (0 ^ sw), vec16{w[0][0], w[0][1], w[1][0], w[1][1]});
+        st_shared16(base + 16 * (1 ^ sw), vec16{w[2][0], w[2][1], w[3][0], w[3][1]});
+        st_shared16(base + 16 * (2 ^ sw), vec16{w[0][2], w[0][3], w[1][2], w[1][3]});
+        st_shared16(base + 16 * (3 ^ sw), vec16{w[2][2], w[2][3], w[3][2], w[3][3]});
+        // X of slots 0-1 (groups r, r ^ 1: the half r >> 1) and of slots 2-3 (the other half).
+        const float h0 = gsel[0] + gsel[1], h1 = gsel[2] + gsel[3];
+        const float xa = r & 2 ? h1 : h0, xb = r & 2 ? h0 : h1;
+        ((float4*)xsum)[t * (MK_XSW / 4) + u] = make_float4(d, xa, xb, xa + xb);
+    }
+    __syncthreads();
+}
+#endif
 // The half sums' region: the plan's carve (MK_SMEM_XSUM), found from the staged input's address.
 __device__ __forceinline__ float* q_xsum(const bf16_t* xs) {
     return (float*)((unsigned char*)xs - MK_SMEM_XS + MK_SMEM_XSUM);
+}
+
+// What the loop needs of a staged window: its sums per 16 inputs, or (MK_QI8) its quantized planes.
+__device__ __forceinline__ void q_stage_input(const bf16_t* xs, float* xsum, int k0, int k1) {
+#if MK_QI8
+    q_stage_quant(const_cast<bf16_t*>(xs), xsum, k0, k1);
+#else
+    q_stage_sums(xs, xsum, k0, k1);
+#endif
 }
 
 // ---- the loop ------------------------------------------------------------------------------------------
@@ -403,8 +583,14 @@ __device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it
 #pragma unroll
     for (int j = 0; j < MK_QUMAX; ++j) {
         const int v = (chunk * p.u + j) * 32 + lane;
+#if MK_QI8
+        const int u = v - k0 / 32;
+        if (j < p.u && v < p.nunits)
+            q_unit_dot8<F>(it.u[j], v, u, (const unsigned char*)xs + u * 64, (const float4*)xsum + u, acc);
+#else
         if (j < p.u && v < p.nunits)
             q_unit_dot<F>(it.u[j], v, xs + (v * 32 - k0) / 8, xsum + (v * 32 - k0) / 16, acc);
+#endif
     }
 }
 
@@ -478,7 +664,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             if (q > 0 || !staged) {
                 __syncthreads();  // every warp is done with the previous window
                 stage(k0, k1);
-                q_stage_sums(xs_in, xsum, k0, k1);
+                q_stage_input(xs_in, xsum, k0, k1);
             }
             // Items of MK_QROWS rows by one chunk (gemv_unit's order, its row group rg standing for rows
             // MK_QROWS rg ..).
@@ -553,7 +739,7 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
     {  // the sums of window 0, which the phase's prologue staged
         int k0, k1;
         qplan_pass_range(d, qplan(d.K), 0, k0, k1);
-        q_stage_sums(xs, q_xsum(xs), k0, k1);
+        q_stage_input(xs, q_xsum(xs), k0, k1);
     }
     for (int a = r0; a < r1;) {
         int s = 0;

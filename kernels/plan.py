@@ -471,7 +471,9 @@ class KernelPlan:
             shapes["MK_QUMAX"] = t.qunits
             shapes["MK_QROWS"] = self.quant_rows
             shapes["MK_SMEM_XSUM"] = carve.xsum
-            shapes["MK_XSW"] = quant_sum_width(self.window)
+            shapes["MK_XSW"] = quant_sum_width(self.window, t.qint8)
+            if t.qint8:
+                shapes["MK_QI8"] = 1
         if not self.streams_bf16:
             shapes["MK_GEMV_BF16"] = 0
         if self.dn_out_tiled:  # left out otherwise: plans in HF order keep their defines (and their PTX)
@@ -507,7 +509,8 @@ class KernelPlan:
         rowval = part + part_bytes
         red = rowval + part_bytes
         xsum = red + red_floats * 4
-        end = xsum + (-(-nt * quant_sum_width(window) * 4 // 16) * 16 if self._quantized else 0)
+        sums = quant_sum_width(window, self.tuning.qint8)
+        end = xsum + (-(-nt * sums * 4 // 16) * 16 if self._quantized else 0)
         return SmemCarve(xs=xs, part=part, rowval=rowval, red=red, xsum=xsum, end=end, total=SMEM_ALIGN + end)
 
     @property
@@ -604,10 +607,11 @@ def quant_chunk_width(k: int, units: int) -> int:
     return -(-lanes_per_row // chunks) * 32 * 32
 
 
-def quant_sum_width(window: int) -> int:
-    """Floats per token of the quantized GEMV's input sums (one per 16 inputs of the window, an even count: the
-    GEMV reads a unit's two as one float2)."""
-    return -(-window // 32) * 2
+def quant_sum_width(window: int, qint8: bool = False) -> int:
+    """Floats per token of the quantized GEMV's input sums: per 32-input unit of the window two (the sums of its
+    halves, read as one float2), or with the integer GEMV (Tuning.qint8) four (its scale and three sums), a
+    multiple of 4 either way."""
+    return -(-window // 64) * 4 if not qint8 else -(-window // 32) * 4
 
 
 def weight_formats_of(kinds: dict[str, set[WeightFormat]]) -> tuple[tuple[str, WeightFormat], ...]:
