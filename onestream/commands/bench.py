@@ -134,20 +134,33 @@ def run_weights(args: argparse.Namespace, tuning: Any, ceilings: Any, device: st
     name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
     context = args.context[0]
     rows = bench_weights(config_27b(args.layers), formats, context=context, steps=args.steps, tuning=tuning)
+    # Each --variant times the quantized formats again with its Tuning (bf16 rows: the default build's).
+    quantized = [f for f in formats if f != "bf16"]
+    variants = {
+        label: bench_weights(config_27b(args.layers), quantized, context=context, steps=args.steps, tuning=t)
+        for label, t in args.variant
+    }
     print(f"device: {device}")
     print(
         f"measured ceilings: copy {ceilings.copy_gbs:.0f} GB/s (read+write), read {ceilings.read_gbs:.0f} GB/s"
     )
     print(format_weights(ceilings, rows, f"{name}, context {context}"), flush=True)
+    bf16 = [r for r in rows if r.weights == "bf16"]
+    for label, vrows in variants.items():
+        print(
+            format_weights(ceilings, bf16 + vrows, f"{name}, context {context}, variant {label}"), flush=True
+        )
     if args.json:
         record = {
             "device": device,
             "layers": args.layers,
             "context": context,
             **weights_json(ceilings, rows),
+            "variants": {label: weights_json(ceilings, bf16 + v) for label, v in variants.items()},
         }
         Path(args.json).write_text(json.dumps(record, indent=2))
-    return 0 if all(r.tok_s is not None for r in rows) else 1
+    everything = rows + [r for v in variants.values() for r in v]
+    return 0 if all(r.tok_s is not None for r in everything) else 1
 
 
 def run_decode(args: argparse.Namespace) -> int:
