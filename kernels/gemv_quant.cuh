@@ -322,13 +322,13 @@ __device__ __forceinline__ void q_unit_dot(const QUnit (&q)[MK_QROWS], int v, co
 #if MK_QI8
 // ---- the integer dot products (MK_QI8) ------------------------------------------------------------------
 // Each staged window's inputs are quantized once per block (q_stage_quant), unit by unit and token by token, to
-// x ~= d (256 q1 + q2) with d a power of two (the unit's largest |x| below 2^14 d) and q1, q2 int8: 14 or more
-// bits of every input relative to its unit's largest, exact for most. The two int8 planes take the bf16 input's
+// x ~= d (256 q1 + q2) with q1, q2 int8 and the unit's largest |x| at 32639 d: 15 bits of every input relative to
+// its unit's largest. The two int8 planes take the bf16 input's
 // place in shared memory (64 bytes per unit and token), in the order the levels come out of the weights' words:
 // per slot G (the unit's group G ^ q_slot_xor(v)) a word of its even elements, then one of its odd ones; chunk c
 // of the unit's four 16-byte chunks (plane 1 slots 0-1, 2-3, plane 2 slots 0-1, 2-3) at c ^ q_chunk_xor(u), so
 // that the 8 lanes of a wavefront read distinct bank quads. A unit's levels are then multiplied 4 at a time
-// (dp4a) in exact integers, S = sum q x / d, and the unit adds a d S - (a c + b) X in fp32 per row and token.
+// (dp4a) in exact integers, and the unit's scales are applied in fp32 per row and token (q_unit_dot8).
 __device__ __forceinline__ int q_chunk_xor(int u) { return (u >> 1) & 3; }
 __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) { return __dp4a((int)a, (int)b, c); }
 // The unit's levels of slot G: lo the even elements' (byte j: element 2j), hi the odd ones', as int8 lanes.
@@ -359,8 +359,9 @@ __device__ __forceinline__ void q_levels8(const QUnit& q, u32& lo, u32& hi) {
     }
 }
 // Add unit v's products of every row h of the item for every token: `xq` the unit's staged int8 planes of token 0
-// (token t at + t * MK_XLD * 2 bytes), `xf` its (d, X of slots 0-1, X of slots 2-3, X) of token 0 (token t at
-// + t * MK_XSW / 4), `u` its index in the window.
+// (token t at + t * MK_XLD * 2 bytes), `xf` its (d, S of slots 0-1, S of slots 2-3, S) of token 0 (token t at
+// + t * MK_XSW / 4; S: sums of the inputs' integers 256 q1 + q2), `u` its index in the window. With integer sums
+// T = sum q (256 q1 + q2) the unit adds d (a (T - c S) - b S): the weights times the quantized inputs.
 template <int F>
 __device__ __forceinline__ void q_unit_dot8(const QUnit (&q)[MK_QROWS], int v, int u, const unsigned char* xq,
                                             const float4* xf, float (&acc)[MK_QROWS][MK_NT]) {
@@ -381,15 +382,15 @@ __device__ __forceinline__ void q_unit_dot8(const QUnit (&q)[MK_QROWS], int v, i
     }
     const int sw = q_chunk_xor(u);
     // The level's offset c (w = a (q - c) - b): Q4_0 and Q5_0 are centred at 8 and 16, Q6_K at 32.
-    constexpr float c = F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : F == QF_Q6_K ? 32.0f : 0.0f;
+    constexpr int c = F == QF_Q4_0 ? 8 : F == QF_Q5_0 ? 16 : F == QF_Q6_K ? 32 : 0;
 #pragma unroll
     for (int t = 0; t < MK_NT; ++t) {
         const unsigned char* base = xq + t * (MK_XLD * 2);
         const vec16 p0 = ld_shared16(base + 16 * (0 ^ sw)), p1 = ld_shared16(base + 16 * (1 ^ sw));
         const vec16 r0 = ld_shared16(base + 16 * (2 ^ sw)), r1 = ld_shared16(base + 16 * (3 ^ sw));
         const vec16 fv = ld_shared16(xf + t * (MK_XSW / 4));
-        const float d = __uint_as_float(fv.x), xa = __uint_as_float(fv.y), xb = __uint_as_float(fv.z),
-                    xt = __uint_as_float(fv.w);
+        const float d = __uint_as_float(fv.x);
+        const int sa = (int)fv.y, sb = (int)fv.z, st = (int)fv.w;  // the sums of the inputs' integers (int bits)
 #pragma unroll
         for (int h = 0; h < MK_QROWS; ++h) {
             int s1 = dp4a(lo[h][0], p0.x, 0), s2 = dp4a(lo[h][0], r0.x, 0);
@@ -397,24 +398,23 @@ __device__ __forceinline__ void q_unit_dot8(const QUnit (&q)[MK_QROWS], int v, i
             s1 = dp4a(lo[h][1], p0.z, s1), s2 = dp4a(lo[h][1], r0.z, s2);
             s1 = dp4a(hi[h][1], p0.w, s1), s2 = dp4a(hi[h][1], r0.w, s2);
             if (F == QF_Q6_K) {  // the halves apart: slots 0-1, then 2-3
-                const float ta = (float)(s1 * 256 + s2);
+                const int ta = s1 * 256 + s2 - c * sa;
                 int u1 = dp4a(lo[h][2], p1.x, 0), u2 = dp4a(lo[h][2], r1.x, 0);
                 u1 = dp4a(hi[h][2], p1.y, u1), u2 = dp4a(hi[h][2], r1.y, u2);
                 u1 = dp4a(lo[h][3], p1.z, u1), u2 = dp4a(lo[h][3], r1.z, u2);
                 u1 = dp4a(hi[h][3], p1.w, u1), u2 = dp4a(hi[h][3], r1.w, u2);
-                const float tb = (float)(u1 * 256 + u2);
-                float v0 = fmaf(d, ta, -c * xa), v1 = fmaf(d, tb, -c * xb);
-                acc[h][t] = fmaf(a[h], v0, acc[h][t]);
-                acc[h][t] = fmaf(b[h], v1, acc[h][t]);
+                const int tb = u1 * 256 + u2 - c * sb;
+                acc[h][t] = fmaf(d, fmaf(a[h], (float)ta, b[h] * (float)tb), acc[h][t]);
             } else {
                 s1 = dp4a(lo[h][2], p1.x, s1), s2 = dp4a(lo[h][2], r1.x, s2);
                 s1 = dp4a(hi[h][2], p1.y, s1), s2 = dp4a(hi[h][2], r1.y, s2);
                 s1 = dp4a(lo[h][3], p1.z, s1), s2 = dp4a(lo[h][3], r1.z, s2);
                 s1 = dp4a(hi[h][3], p1.w, s1), s2 = dp4a(hi[h][3], r1.w, s2);
-                const float lv = fmaf(d, (float)(s1 * 256 + s2), -c * xt);  // sum (q - c) x
-                acc[h][t] = fmaf(a[h], lv, acc[h][t]);
-                if (F == QF_Q4_K || F == QF_Q5_K) acc[h][t] = fmaf(-b[h], xt, acc[h][t]);
-                if (F == QF_Q5_1) acc[h][t] = fmaf(b[h], xt, acc[h][t]);
+                const int tq = s1 * 256 + s2 - c * st;  // sum (q - c) x / d, exact
+                float lv = a[h] * (float)tq;
+                if (F == QF_Q4_K || F == QF_Q5_K) lv = fmaf(-b[h], (float)st, lv);
+                if (F == QF_Q5_1) lv = fmaf(b[h], (float)st, lv);
+                acc[h][t] = fmaf(d, lv, acc[h][t]);
             }
         }
     }
@@ -466,8 +466,8 @@ __device__ __forceinline__ void q_stage_sums(const bf16_t* xs_in, float* xsum, i
     __syncthreads();
 }
 #if MK_QI8
-// The staged window quantized in place (q_unit_dot8's planes) with its per-unit (d, X of slots 0-1, X of slots
-// 2-3, X) at xsum + 4 (t * MK_XSW / 4 + u): a thread per unit and token reads and rewrites its own 64 bytes. Every
+// The staged window quantized in place (q_unit_dot8's planes) with its per-unit (d, S of slots 0-1, S of slots
+// 2-3, S) at xsum + 4 (t * MK_XSW / 4 + u): a thread per unit and token reads and rewrites its own 64 bytes. Every
 // thread; ends with a block barrier. The quantization is a function of the unit's inputs alone, so every launch
 // size and every block gives a token the same planes.
 __device__ __forceinline__ void q_stage_quant(bf16_t* xs_in, float* xsum, int k0, int k1) {
@@ -482,29 +482,22 @@ __device__ __forceinline__ void q_stage_quant(bf16_t* xs_in, float* xsum, int k0
             x[8 * g + 0] = bf_lo(a.x), x[8 * g + 1] = bf_hi(a.x), x[8 * g + 2] = bf_lo(a.y), x[8 * g + 3] = bf_hi(a.y);
             x[8 * g + 4] = bf_lo(a.z), x[8 * g + 5] = bf_hi(a.z), x[8 * g + 6] = bf_lo(a.w), x[8 * g + 7] = bf_hi(a.w);
         }
-        float gs[4], m = 0.0f;
+        float m = 0.0f;
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            float sg = x[8 * g];
-            m = fmaxf(m, fabsf(x[8 * g]));
-#pragma unroll
-            for (int i = 1; i < 8; ++i) {
-                sg += x[8 * g + i];
-                m = fmaxf(m, fabsf(x[8 * g + i]));
-            }
-            gs[g] = sg;
-        }
-        // d = 2^(E - 13) for the largest |x| in [2^E, 2^(E + 1)): every |x| / d below 2^14.
-        const int ex = max((int)((__float_as_uint(m) >> 23) & 0xFFu) - 13, 1);
-        const float d = __uint_as_float((u32)ex << 23), inv = __uint_as_float((u32)(254 - ex) << 23);
+        for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(x[i]));
+        // The largest |x| at 32639 d: every x / d rounds to [-32639, 32639], whose q1 = (x16 + 128) >> 8 is an int8.
+        const float d = m * (1.0f / 32639.0f), inv = m > 0.0f ? __fdiv_rn(32639.0f, m) : 0.0f;
         u32 n[4][4];  // per group g: plane 1 even, odd; plane 2 even, odd
+        int gs[4];    // per group: the sum of its 16-bit integers
 #pragma unroll
         for (int g = 0; g < 4; ++g) {
+            gs[g] = 0;
 #pragma unroll
             for (int k = 0; k < 4; ++k) n[g][k] = 0u;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const int x16 = __float2int_rn(x[8 * g + i] * inv);
+                gs[g] += x16;
                 const int q1 = (x16 + 128) >> 8, q2 = x16 - q1 * 256;
                 const int sh = 8 * (i >> 1), odd = i & 1;
                 n[g][odd] |= ((u32)q1 & 0xFFu) << sh;
@@ -517,16 +510,16 @@ __device__ __forceinline__ void q_stage_quant(bf16_t* xs_in, float* xsum, int k0
 #pragma unroll
             for (int k = 0; k < 4; ++k)
                 w[G][k] = r == 0 ? n[G][k] : r == 1 ? n[G ^ 1][k] : r == 2 ? n[G ^ 2][k] : n[G ^ 3][k];
-        const float gsel[4] = {gs[0], gs[1], gs[2], gs[3]};
         const int sw = q_chunk_xor(u);
         st_shared16(base + 16 * (0 ^ sw), vec16{w[0][0], w[0][1], w[1][0], w[1][1]});
         st_shared16(base + 16 * (1 ^ sw), vec16{w[2][0], w[2][1], w[3][0], w[3][1]});
         st_shared16(base + 16 * (2 ^ sw), vec16{w[0][2], w[0][3], w[1][2], w[1][3]});
         st_shared16(base + 16 * (3 ^ sw), vec16{w[2][2], w[2][3], w[3][2], w[3][3]});
-        // X of slots 0-1 (groups r, r ^ 1: the half r >> 1) and of slots 2-3 (the other half).
-        const float h0 = gsel[0] + gsel[1], h1 = gsel[2] + gsel[3];
-        const float xa = r & 2 ? h1 : h0, xb = r & 2 ? h0 : h1;
-        ((float4*)xsum)[t * (MK_XSW / 4) + u] = make_float4(d, xa, xb, xa + xb);
+        // The sums of slots 0-1 (groups r, r ^ 1: the half r >> 1) and of slots 2-3 (the other half), exact.
+        const int h0 = gs[0] + gs[1], h1 = gs[2] + gs[3];
+        const int xa = r & 2 ? h1 : h0, xb = r & 2 ? h0 : h1;
+        ((float4*)xsum)[t * (MK_XSW / 4) + u] =
+            make_float4(d, __int_as_float(xa), __int_as_float(xb), __int_as_float(xa + xb));
     }
     __syncthreads();
 }

@@ -88,8 +88,8 @@ class Tuning:
     qunits: int = 1
     qrows: int | None = None
     # Quantized GEMV arithmetic (changes results, the same way for every tokens-per-launch build): True quantizes
-    # each staged input unit to two int8 planes (x = d (256 q1 + q2), d a power of two, 14+ bits of the unit's
-    # largest input) and multiplies the levels with dp4a in exact integers; False multiplies them in fp32 FMAs.
+    # each staged input unit to two int8 planes (x = d (256 q1 + q2): 15 bits of the unit's largest input) and
+    # multiplies the levels with dp4a in exact integers; False multiplies them in fp32 FMAs.
     qint8: bool = True
 
     def __post_init__(self) -> None:
