@@ -85,12 +85,15 @@ __shared__ u64 mk_gemv_t[2];
 #ifndef MK_QFMTS
 #define MK_QFMTS 0
 #endif
+#ifndef MK_EFMT
+#define MK_EFMT 0  // the embedding table's format code (embed.cuh decodes its rows with this file's helpers)
+#endif
 #ifndef MK_GEMV_BF16
 #define MK_GEMV_BF16 1  // 0: no weight kind holds bf16 (a quantized model): the bf16 loop is not compiled
 #endif
 static_assert((MK_WFMT_DN_IN | MK_WFMT_DN_OUT | MK_WFMT_ATT_IN | MK_WFMT_ATT_OUT | MK_WFMT_MLP_IN | MK_WFMT_MLP_DOWN |
-               MK_WFMT_LM_HEAD | MK_WFMT_MTP_FC) == MK_QFMTS,
-              "MK_QFMTS is the union of the weight kinds' quantized formats");
+               MK_WFMT_LM_HEAD | MK_WFMT_MTP_FC | (MK_EFMT ? 1 << MK_EFMT : 0)) == MK_QFMTS,
+              "MK_QFMTS is the union of the weight kinds' quantized formats and the embedding's");
 
 struct GemvDesc {
     const bf16_t* seg[GEMV_MAX_SEGS];  // row segments (segment s holds rows [end[s-1], end[s]))

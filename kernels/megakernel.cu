@@ -109,7 +109,7 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             e.kind = EPI_RESIDUAL;
             e.out = tb.gp<bf16_t>(G_H);  // resid_t (the epilogue casts)
             for (int t = 0; t < MK_NT; ++t) e.src[t] = resid_src(tb, si, l, t);
-            e.src_bf = resid_is_bf16(l);
+            e.src_kind = resid_kind(l);
             break;
         case PH_MLP_IN:
             bs.desc = desc_gate_up(tb, l);
@@ -121,7 +121,7 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             e.kind = EPI_RESIDUAL;
             e.out = tb.gp<bf16_t>(G_H);
             for (int t = 0; t < MK_NT; ++t) e.src[t] = tb.gp<const resid_t>(G_H) + t * MK_H;
-            e.src_bf = !MK_FP32_ACT;
+            e.src_kind = MK_FP32_ACT ? SRC_F32 : SRC_BF16;
             break;
         case PH_LM_HEAD:
             bs.desc = desc_plain(tb.gp<const bf16_t>(G_LM_HEAD), MK_H, MK_V);
@@ -174,18 +174,18 @@ __device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, i
         case PH_ATT_IN: {
             const void* src[MK_NT];
             for (int t = 0; t < MK_NT; ++t) src[t] = resid_src(tb, si, l, t);
-            stage_rmsnorm(src, resid_is_bf16(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red, 0, v0, v1);
+            stage_rmsnorm(src, resid_kind(l), tb.lp<const float>(l, L_IN_NORM), sm.xs, sm.red, 0, v0, v1);
             break;
         }
         case PH_MTP_FC: {  // the input is [norm_e(embedding row) | norm_h(hidden)], 2H wide
             const void* emb[MK_NT];
             const void* hid[MK_NT];
             for (int t = 0; t < MK_NT; ++t) {
-                emb[t] = tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
+                emb[t] = embed_row(tb, si.tok[t]);
                 hid[t] = tb.gp<const bf16_t>(G_MTP_HIDDEN_IN) + t * MK_H;
             }
-            stage_rmsnorm(emb, true, tb.gp<const float>(G_MTP_PRE_E), sm.xs, sm.red, 0, v0, v1);
-            stage_rmsnorm(hid, true, tb.gp<const float>(G_MTP_PRE_H), sm.xs, sm.red, MK_H / 8, v0, v1);
+            stage_rmsnorm(emb, SRC_EMBED_ROWS, tb.gp<const float>(G_MTP_PRE_E), sm.xs, sm.red, 0, v0, v1);
+            stage_rmsnorm(hid, SRC_BF16, tb.gp<const float>(G_MTP_PRE_H), sm.xs, sm.red, MK_H / 8, v0, v1);
             break;
         }
         case PH_DN_OUT:
@@ -202,7 +202,7 @@ __device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, i
             const float* w1 = phase == PH_MLP_IN      ? tb.lp<const float>(l, L_POST_NORM)
                               : si.mode == MODE_MTP ? tb.gp<const float>(G_MTP_NORM)
                                                     : tb.gp<const float>(G_FINAL_NORM);
-            stage_rmsnorm(src, !MK_FP32_ACT, w1, sm.xs, sm.red, 0, v0, v1);
+            stage_rmsnorm(src, MK_FP32_ACT ? SRC_F32 : SRC_BF16, w1, sm.xs, sm.red, 0, v0, v1);
             break;
         }
         case PH_MLP_DOWN:

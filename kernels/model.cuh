@@ -71,9 +71,29 @@ typedef float resid_t;  // the residual stream h: fp32 (MK_FP32_ACT) or bf16
 typedef bf16_t resid_t;
 #endif
 
-// The residual stream before layer `layer`'s mixer: the embedding rows (bf16) for layer 0, else h (resid_t).
+// What a row a prologue or epilogue reads holds: fp32 (h in MK_FP32_ACT builds), bf16 (h in bf16 builds, a bf16
+// embedding table's rows), or a row of the block-quantized embedding table (MK_EFMT: embed.cuh decodes it).
+#ifndef MK_EFMT
+#define MK_EFMT 0  // the embedding table's format code (gemv_quant.cuh QF_*): 0, bf16 rows
+#endif
+#define SRC_F32 0
+#define SRC_BF16 1
+#define SRC_EMBED 2
+#define SRC_EMBED_ROWS (MK_EFMT ? SRC_EMBED : SRC_BF16)  // the embedding table's rows
+// Row `tok` of the embedding table: bf16 values, or (MK_EFMT) its device-layout row of MK_EMBED_STRIDE bytes.
+__device__ __forceinline__ const void* embed_row(const Tables& tb, int tok) {
+#if MK_EFMT
+    return tb.gp<const unsigned char>(G_EMBED) + (long long)tok * MK_EMBED_STRIDE;
+#else
+    return tb.gp<const bf16_t>(G_EMBED) + (long long)tok * MK_H;
+#endif
+}
+
+// The residual stream before layer `layer`'s mixer: the embedding rows for layer 0, else h (resid_t).
 __device__ __forceinline__ const void* resid_src(const Tables& tb, const StepInfo& si, int layer, int t) {
-    if (layer == 0) return tb.gp<const bf16_t>(G_EMBED) + (long long)si.tok[t] * MK_H;
+    if (layer == 0) return embed_row(tb, si.tok[t]);
     return tb.gp<const resid_t>(G_H) + t * MK_H;
 }
-__device__ __forceinline__ bool resid_is_bf16(int layer) { return !MK_FP32_ACT || layer == 0; }
+__device__ __forceinline__ int resid_kind(int layer) {
+    return layer == 0 ? SRC_EMBED_ROWS : MK_FP32_ACT ? SRC_F32 : SRC_BF16;
+}

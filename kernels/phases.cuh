@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "gemv.cuh"
 #include "model.cuh"
+#include "embed.cuh"
 
 // ---- shared memory ------------------------------------------------------------------------------
 // The carve is the plan's (kernels/plan.py KernelPlan.carve: MK_SMEM_*, byte offsets from a 128-byte boundary of
@@ -45,7 +46,8 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base) {
 
 // ---- prologues: stage the GEMV input in shared memory -------------------------------------------
 // RMSNorm with a zero-centred weight, given as the fp32 (1 + w): y = bf16((x * rsqrt(mean(x^2) + eps)) * w1).
-// `src` is bf16 (`src_bf`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds). The output
+// `src` is bf16 (`BF`: the embedding rows, or h in bf16 builds) or fp32 (h in MK_FP32_ACT builds); `EQ`: rows of the
+// block-quantized embedding table, which embed.cuh decodes into the bf16 values a bf16 table would hold. The output
 // is input vectors [off, off + H / 8) of the GEMV (off: H / 8 for the MTP fc's hidden half); of those, the ones
 // in the staged window [v0, v1) go to xs (the norm always sums the whole row, so every window sees the same
 // values).
@@ -65,7 +67,15 @@ __host__ __device__ constexpr bool rms_staged_fits(int e) {  // e: bytes per raw
         if ((long long)t * MK_XLD * sizeof(bf16_t) + (long long)MK_H * sizeof(bf16_t) > base + t * row) return false;
     return true;
 }
-template <bool BF>
+// 8 bf16 values of a row: a bf16 row's, or (EQ) the quantized embedding row's decoded.
+template <bool EQ>
+__device__ __forceinline__ vec16 ld_row8(const void* row, int vi) {
+#if MK_EFMT
+    if (EQ) return embed_load8(row, vi);
+#endif
+    return ld_cg16((const bf16_t*)row + vi * 8);
+}
+template <bool BF, bool EQ = false>
 __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], const float* w1, bf16_t* xs, float* red,
                                              int off, int v0, int v1) {
     constexpr int NVEC = MK_H / 8;
@@ -103,7 +113,7 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
             if (vi < NVEC) {
                 unsigned char* dst = raw + t * ROW + vi * 8 * E;
                 if (RAW_BF) {
-                    const vec16 v = ld_cg16((const bf16_t*)src[t] + vi * 8);
+                    const vec16 v = ld_row8<EQ>(src[t], vi);
                     if (staged) *(vec16*)dst = v;
                     unpack8(v, vt[j]);
                 } else {
@@ -138,7 +148,8 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
                         vt[j][4] = b.x, vt[j][5] = b.y, vt[j][6] = b.z, vt[j][7] = b.w;
                     }
                 } else {
-                    ld_cg_act8(src[t], vi, BF, vt[j]);
+                    if (EQ) unpack8(ld_row8<EQ>(src[t], vi), vt[j]);
+                    else ld_cg_act8(src[t], vi, BF, vt[j]);
                 }
             }
             u32 o[4];
@@ -152,9 +163,14 @@ __device__ __forceinline__ void rmsnorm_rows(const void* const (&src)[MK_NT], co
     }
     __syncthreads();
 }
-__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], bool src_bf, const float* w1, bf16_t* xs,
-                              float* red, int off, int v0, int v1) {
-    if (src_bf) rmsnorm_rows<true>(src, w1, xs, red, off, v0, v1);
+// `kind`: what the rows hold (model.cuh SRC_*).
+__device__ void stage_rmsnorm(const void* const (&src)[MK_NT], int kind, const float* w1, bf16_t* xs, float* red,
+                              int off, int v0, int v1) {
+#if MK_EFMT
+    if (kind == SRC_EMBED) rmsnorm_rows<true, true>(src, w1, xs, red, off, v0, v1);
+    else
+#endif
+    if (kind != SRC_F32) rmsnorm_rows<true>(src, w1, xs, red, off, v0, v1);
     else rmsnorm_rows<false>(src, w1, xs, red, off, v0, v1);
 }
 
@@ -314,8 +330,8 @@ struct Epi {
     int kind;
     bf16_t* out;  // EPI_STORE: output; EPI_RESIDUAL: h (resid_t); EPI_SWIGLU: act; EPI_DN_IN: conv output
     int ld_out;
-    const void* src[MK_NT];  // EPI_RESIDUAL: bf16 (src_bf) or fp32
-    int src_bf;
+    const void* src[MK_NT];  // EPI_RESIDUAL: what src_kind says (model.cuh SRC_*)
+    int src_kind;
     bf16_t* zbuf;              // EPI_DN_IN ...
     float* beta;
     float* gdecay;
@@ -424,11 +440,18 @@ __device__ void epi_finish(const Epi& e, int rs, int nr, const float* rowval, in
         case EPI_RESIDUAL:
             for (int k = tid_x(); k < nr * MK_NT; k += MK_THREADS) {
                 const int t = k / nr, i = k - t * nr, r = rs + i;
-#if MK_FP32_ACT
-                const float old = e.src_bf ? bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r)) : ld_cg_f((const float*)e.src[t] + r);
-                ((float*)e.out)[t * MK_H + r] = old + rowval[t * ld + i];
+#if MK_EFMT
+                const float old = e.src_kind == SRC_EMBED       ? embed_value(e.src[t], r)
+                                  : !MK_FP32_ACT || e.src_kind ? bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r))
+                                                                : ld_cg_f((const float*)e.src[t] + r);
+#elif MK_FP32_ACT
+                const float old = e.src_kind ? bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r)) : ld_cg_f((const float*)e.src[t] + r);
 #else
                 const float old = bf2f(ld_cg_bf((const bf16_t*)e.src[t] + r));
+#endif
+#if MK_FP32_ACT
+                ((float*)e.out)[t * MK_H + r] = old + rowval[t * ld + i];
+#else
                 e.out[t * MK_H + r] = f2bf(old + rbf(rowval[t * ld + i]));
 #endif
             }

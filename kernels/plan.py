@@ -29,7 +29,7 @@ from .layout import (
     Phase,
     preamble_defines,
 )
-from .quant_layout import FORMAT_CODES
+from .quant_layout import FORMAT_CODES, row_layout
 from .tuning import Tuning
 
 # Weight-ring depth where shared memory allows (2 x 8 loads x 384 threads x 16 B = 96 KB): 2 streams faster than
@@ -195,9 +195,20 @@ class KernelPlan:
     # ssm_out's columns hold the value heads in llama.cpp's tiled order (a GGUF with fewer key than value heads):
     # the DeltaNet output phase stages its input in that order (model.cuh MK_DN_OUT_HEAD).
     dn_out_tiled: bool = False
+    # The embedding table's rows as the kernel reads them: bf16, or a block-quantized table in the device layout
+    # (the model's own repacked copy: model.cuh's embedding reads dequantize the rows a phase needs).
+    embed_format: WeightFormat = WeightFormat.BF16
 
     def __post_init__(self) -> None:
         check_supported(self.config, self.tokens_per_launch, self.tuning)
+        if self.embed_format is not WeightFormat.BF16:
+            if self.tuning.mma:
+                raise UnsupportedModelError(
+                    f"megakernel: a {self.embed_format.value} embedding table needs the quantized decoding "
+                    "(the tensor-core build streams bf16 only)"
+                )
+            assert self.embed_format.quant_type is not None
+            row_layout(self.embed_format.quant_type, self.config.hidden_size)  # whole blocks per row
         for kind, fmt in self.weight_formats:
             if kind not in WEIGHT_KINDS:
                 raise UnsupportedModelError(
@@ -466,6 +477,12 @@ class KernelPlan:
         union = 0
         for mask in masks.values():
             union |= mask
+        if self.embed_format is not WeightFormat.BF16:  # left out for bf16 rows: those plans keep their PTX
+            code = WEIGHT_FORMAT_CODES[self.embed_format]
+            assert self.embed_format.quant_type is not None
+            shapes["MK_EFMT"] = code
+            shapes["MK_EMBED_STRIDE"] = row_layout(self.embed_format.quant_type, self.config.hidden_size)[1]
+            union |= 1 << code  # the rows are decoded by the quantized GEMV's helpers
         if union:  # bf16-only plans keep their defines (and their PTX)
             shapes["MK_QFMTS"] = union
             shapes["MK_QUMAX"] = t.qunits
@@ -515,7 +532,10 @@ class KernelPlan:
 
     @property
     def _quantized(self) -> bool:
-        return any(f is not WeightFormat.BF16 for _, f in self.weight_formats)
+        """Whether the build compiles the quantized decoding (MK_QFMTS: a GEMV's formats, the embedding's)."""
+        return self.embed_format is not WeightFormat.BF16 or any(
+            f is not WeightFormat.BF16 for _, f in self.weight_formats
+        )
 
     @property
     def att_merge_chunks(self) -> int:

@@ -96,6 +96,12 @@ def kind_modules(model: Any, layers: list[Any], has_mtp: bool) -> dict[str, list
     return kinds
 
 
+def embed_format(module: Any) -> WeightFormat:
+    """How the kernel reads an embedding table's rows: a quantized table in its own format (the device layout; every
+    quantized type the engine loads has one), else bf16."""
+    return module_format(module) if isinstance(module, QuantizedEmbedding) else WeightFormat.BF16
+
+
 def module_format(module: Any) -> WeightFormat:
     module = gemv_module(module)
     if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
@@ -140,6 +146,12 @@ class DeviceWeights:
                 for module in group:
                     self.gemv_bytes += self._add(module)
         self.weight_formats = weight_formats_of(formats)
+        # The embedding rows the kernel reads: a quantized table in the device layout (repacked and handed over
+        # like a GEMV weight, once if it is the tied lm_head), else the model's bf16 table.
+        self.embed = model.model.embed_tokens
+        self.embed_format = embed_format(self.embed)
+        if self.embed_format is not WeightFormat.BF16:
+            self._add(self.embed)
         self.quantized = bool(self._repacked)
 
     def _add(self, module: Any) -> int:
@@ -169,6 +181,18 @@ class DeviceWeights:
         if ptr >> TAG_SHIFT or ptr % 16:
             raise UnsupportedModelError(f"megakernel: device pointer {ptr:#x} cannot carry a format tag")
         return ptr | (FORMAT_CODES[packed.qtype] << TAG_SHIFT)
+
+    def embed_table(self) -> torch.Tensor:
+        """The table the kernel's embedding rows are read from (plan.embed_format says how): the repacked copy of a
+        quantized table, else the model's own bf16 table."""
+        if self.embed_format is not WeightFormat.BF16:
+            return self._repacked[id(self.embed)].data
+        weight = self.embed.weight
+        if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            raise UnsupportedModelError(
+                f"megakernel: the embedding table must be contiguous bf16 or block-quantized, got {weight.dtype}"
+            )
+        return weight
 
     @property
     def repacked_bytes(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
+from onestream.worker.quant.weight import QuantizedEmbedding
 from onestream.worker.state import DeltaNetHistory
 
 from .build import BuiltModule, compile_module
@@ -86,17 +87,17 @@ class MegakernelRunner:
         tuning: Tuning | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        # The embedding rows the kernel reads are bf16: a quantized table is dequantized once (as the reference's
-        # lookups dequantize its rows into the compute dtype) and kept here.
-        embed = model.model.embed_tokens.weight
-        if embed.device.type != "cuda":
-            raise MegakernelError(f"the megakernel runs on a CUDA device; the model is on {embed.device}")
-        if embed.dtype != torch.bfloat16:
-            raise UnsupportedModelError(f"the megakernel needs bf16 weights; the model is {embed.dtype}")
-        self._embed = _contig(embed, "embedding")
+        embed = model.model.embed_tokens
+        quantized = isinstance(embed, QuantizedEmbedding)
+        device = embed.raw.device if quantized else embed.weight.device
+        dtype = embed.compute_dtype if quantized else embed.weight.dtype
+        if device.type != "cuda":
+            raise MegakernelError(f"the megakernel runs on a CUDA device; the model is on {device}")
+        if dtype != torch.bfloat16:
+            raise UnsupportedModelError(f"the megakernel needs bf16 weights; the model is {dtype}")
         self.model = model
         self.config = model.config
-        self.device = embed.device
+        self.device = device
         self.tuning = tuning or Tuning()
         self.props = torch.cuda.get_device_properties(self.device)
         self.smem_limit = _smem_optin(self.props, self.device)
@@ -106,6 +107,9 @@ class MegakernelRunner:
         self.has_mtp = bool(self.config.has_mtp) and getattr(model, "mtp", None) is not None
         # The GEMV weights: formats per kind (every build's plan), repacked copies of the quantized ones.
         self.weights = DeviceWeights(model, self._all_layers(), self.has_mtp)
+        # The embedding rows: a quantized table's repacked copy (the kernel decodes the rows it reads, as the
+        # reference's lookups dequantize theirs into bf16: no bf16 copy of the table), or the bf16 table.
+        self._embed = _contig(self.weights.embed_table(), "embedding")
         self._builds: dict[int, _Build] = {}
         # The default build now: shape and resource errors surface here.
         first = self._build(tokens_per_launch)
@@ -165,6 +169,7 @@ class MegakernelRunner:
             smem_limit=self.smem_limit,
             weight_formats=self.weights.weight_formats,
             dn_out_tiled=self.weights.dn_out_tiled,
+            embed_format=self.weights.embed_format,
         )
         if plan.smem_bytes > plan.smem_limit:
             raise MegakernelError(

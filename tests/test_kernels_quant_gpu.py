@@ -323,3 +323,53 @@ def test_rows_per_item_do_not_change_results(mixed):
         assert torch.equal(a, b), float((a - b).abs().max())
     del single
     torch.cuda.empty_cache()
+
+
+# ---- a quantized embedding table ------------------------------------------------------------------------------
+@torch.no_grad()
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+def test_a_quantized_embedding_steps_as_its_bf16_rows_do(fmt):
+    """The kernel reads a quantized table's rows from the model's repacked copy, decoding each value as the
+    reference's lookup does (fp32, then bf16), and keeps no bf16 copy: single steps, a verify launch of 4 tokens
+    and an MTP step give, bit for bit, the logits of the same model holding the table's bf16 rows."""
+    from onestream.kernels.plan import WeightFormat
+    from onestream.kernels.quant_layout import FORMAT_CODES
+    from onestream.kernels.random_quant import random_blocks
+    from onestream.worker.quant import QuantizedWeight, install_quantized_weights
+
+    model = random_model(small_config(), seed=21)
+    quantize_randomly(model, lambda name, shape: QuantType.Q4_K, seed=22)
+    shape = tuple(model.model.embed_tokens.weight.shape)
+    qtype = QuantType[fmt]
+    raw = random_blocks(qtype, shape, generator=torch.Generator(device="cuda").manual_seed(23), device="cuda")
+    table = QuantizedWeight(qtype, shape, raw)
+    twin = copy.deepcopy(model)
+    twin.model.embed_tokens.weight.copy_(table.dequantize(torch.bfloat16))
+    install_quantized_weights(model, {"model.embed_tokens.weight": table}, dtype=torch.bfloat16)
+    quant, rows = MegakernelRunner(model), MegakernelRunner(twin)
+    assert (
+        quant.plan.embed_format is WeightFormat(fmt.lower()) and rows.plan.embed_format is WeightFormat.BF16
+    )
+    assert quant.plan.defines()["MK_EFMT"] == FORMAT_CODES[qtype] and "MK_EFMT" not in rows.plan.defines()
+    # One copy of the table: the repacked one, which the kernel reads.
+    assert model.model.embed_tokens.raw.numel() == 0
+    assert quant._embed.data_ptr() == quant.weights._repacked[id(model.model.embed_tokens)].data.data_ptr()
+    g = torch.Generator(device="cuda").manual_seed(24)
+    prompt = torch.randint(0, model.config.vocab_size, (8,), device="cuda", generator=g)
+    a = twin.new_state(64)
+    twin.forward_step(prompt, a, logits="last")
+    b = a.clone()
+    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
+        x, y = quant.step(token.view(1), a), rows.step(token.view(1), b)
+        assert torch.equal(x.logits[0], y.logits[0]), float((x.logits[0] - y.logits[0]).abs().max())
+        assert torch.equal(x.hidden[0], y.hidden[0])
+    if fmt == "Q4_K":  # the T = 4 build and the MTP head (its fc reads the embedding too)
+        four = torch.randint(0, model.config.vocab_size, (4,), device="cuda", generator=g)
+        x, y = quant.step(four, a, keep_states=True), rows.step(four, b, keep_states=True)
+        assert torch.equal(x.logits[:4], y.logits[:4])
+        hidden = x.hidden[:1].clone()
+        pair = torch.randint(0, model.config.vocab_size, (1,), device="cuda", generator=g)
+        x, y = quant.mtp_step(pair, hidden, a), rows.mtp_step(pair, hidden, b)
+        assert torch.equal(x.logits[0], y.logits[0]), float((x.logits[0] - y.logits[0]).abs().max())
+    del quant, rows, model, twin
+    torch.cuda.empty_cache()

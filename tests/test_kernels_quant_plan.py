@@ -246,3 +246,74 @@ def test_the_tiled_build_compiles() -> None:
     nvcc_compile(
         KernelPlan(odd, num_sms=132, smem_limit=227 * 1024, dn_out_tiled=True), "sm_90", ptxas_verbose=False
     )
+
+
+# ---- a quantized embedding table ------------------------------------------------------------------------------
+def test_a_quantized_embedding_defines_its_format_and_row_stride() -> None:
+    """The plan names the table's format (MK_EFMT) and its device-layout row (MK_EMBED_STRIDE), compiles the
+    format's decoding (MK_QFMTS, even when every GEMV is bf16); a bf16 table keeps the plan's defines as they were."""
+    from onestream.kernels.quant_layout import row_layout
+
+    plain = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats())
+    embed = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats(), embed_format=W.Q4_K
+    )
+    stride = row_layout(QuantType.Q4_K, 5120)[1]
+    assert stride == 5120 // 256 * 144  # no padding: the table holds the file's bytes
+    assert {
+        **plain.defines(),
+        "MK_EFMT": FORMAT_CODES[QuantType.Q4_K],
+        "MK_EMBED_STRIDE": stride,
+    } == embed.defines()
+    bf16 = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, embed_format=W.Q8_0)
+    assert bf16.defines()["MK_QFMTS"] == 1 << FORMAT_CODES[QuantType.Q8_0] and bf16.streams_bf16
+    assert "MK_QFMTS" not in KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024).defines()
+    with pytest.raises(UnsupportedModelError, match="tensor-core"):
+        KernelPlan(config_27b(), num_sms=132, tuning=Tuning(mma=True), embed_format=W.Q4_K)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("qtype", [QuantType.Q4_K, QuantType.Q6_K, QuantType.Q5_1])
+def test_device_weights_repack_a_quantized_embedding_and_hand_it_over(qtype: QuantType) -> None:
+    """An untied quantized table is repacked like a GEMV weight and handed over: its lookups read the copy, bit
+    for bit as before, and the kernel's rows are that copy (no bf16 table beside it)."""
+    model = random_model(small_config(), seed=4, device="cpu")
+    quantize_randomly(model, preset_types(model, "q4_k_m"), seed=5)
+    table = model.model.embed_tokens.weight
+    install_quantized_weights(
+        model,
+        {"model.embed_tokens.weight": QuantizedWeight.from_float(qtype, table.float())},
+        dtype=torch.bfloat16,
+    )
+    embed = model.model.embed_tokens
+    assert isinstance(embed, QuantizedEmbedding)
+    ids = torch.tensor([[3, 250, 9, 3]])
+    rows = embed(ids)
+    raw = embed.raw.numel()
+    weights = DeviceWeights(model, [*model.model.layers, *model.mtp.layers], has_mtp=True)
+    assert weights.embed_format is WeightFormat(qtype.name.lower())
+    assert embed.raw.numel() == 0 and torch.equal(embed(ids), rows)
+    packed = weights.embed_table()
+    assert packed.dtype == torch.uint8 and packed.numel() >= raw
+    assert (
+        weights.gemv_bytes == DeviceWeights(model, [*model.model.layers, *model.mtp.layers], True).gemv_bytes
+    )
+    # The bf16 table of an unquantized model is the model's own tensor.
+    plain = random_model(small_config(), seed=4, device="cpu")
+    bf16 = DeviceWeights(plain, [*plain.model.layers, *plain.mtp.layers], has_mtp=True)
+    assert bf16.embed_format is WeightFormat.BF16
+    assert bf16.embed_table().data_ptr() == plain.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_quantized_embedding_builds_compile() -> None:
+    """The 27B Q4_K_M build reading a Q4_K table compiles for the H200, and so does a bf16 build (bf16 activations)
+    reading a Q5_1 one (the decoding without any quantized GEMV)."""
+    plan = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats(), embed_format=W.Q4_K
+    )
+    report = ptxas_report(nvcc_compile(plan, "sm_90"))
+    assert report["mk_decode"]["registers"] * plan.tuning.threads <= 65536, report["mk_decode"]
+    print(f"\nq4_k_m, Q4_K table: mk_decode {report['mk_decode']}")
+    small = KernelPlan(small_config(), num_sms=132, tuning=Tuning(fp32_act=False), embed_format=W.Q5_1)
+    nvcc_compile(small, "sm_90", ptxas_verbose=False)
