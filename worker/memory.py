@@ -47,9 +47,7 @@ class MemoryPlan:
     workspace: int  # the largest transient of a step (dequantized matrix, logits, prefill activations)
     parts: dict[str, int] = field(default_factory=dict)
     dequantized_copies: int = 0  # a small model's quantized weights kept dequantized too (loading.py)
-    kernel_buffers: int = (
-        0  # the megakernel runner's own (megakernel_buffers): bf16 embedding rows, activations
-    )
+    kernel_buffers: int = 0  # the megakernel runner's own (megakernel_buffers): activations, recorded states
 
     @property
     def weights(self) -> int:
@@ -187,11 +185,12 @@ def device_memory(
 def megakernel_buffers(
     config: ModelConfig, weight_types: Mapping[str, str], context: int, spec_k: int
 ) -> dict[str, int]:
-    """What the megakernel runner (kernels/runtime.py) holds beside the model and the sequence state: the bf16
-    embedding rows the kernel reads when the table is block-quantized (`embedding_rows`), the DeltaNet states a
-    verify of spec_k + 1 tokens records, one per token but the last (`history`), and its activation buffers and
-    flash-decoding partials for `context` positions (`scratch`). Its repacked weights are the model's only copy
-    of the quantized ones (the reference reads them), the same bytes with each row padded to 16."""
+    """What the megakernel runner (kernels/runtime.py) holds beside the model and the sequence state: the DeltaNet
+    states a verify of spec_k + 1 tokens records, one per token but the last (`history`), and its activation
+    buffers and flash-decoding partials for `context` positions (`scratch`). Its repacked weights are the model's
+    only copy of the quantized ones (the reference reads them), the same bytes with each row padded to 16; the
+    embedding table is among them when quantized (the kernel decodes the rows it reads, kernels/embed.cuh: no bf16
+    copy of the table)."""
     from onestream.kernels.plan import att_partial_floats, scratch_shapes
     from onestream.kernels.tuning import Tuning
 
@@ -201,8 +200,6 @@ def megakernel_buffers(
             numel *= d
         return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
-    embed = weight_types["model.embed_tokens.weight"]
-    rows = 0 if embed in DTYPE_TYPE_NAMES.values() else config.vocab_size * config.hidden_size * 2
     conv = nbytes((config.linear_qkv_dim, config.linear_conv_kernel_dim - 1), "bfloat16")
     recurrent = nbytes(
         (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim), "float32"
@@ -211,7 +208,7 @@ def megakernel_buffers(
     tuning = Tuning()
     scratch = sum(nbytes(shape, dtype) for shape, dtype in scratch_shapes(config, tuning.fp32_act).values())
     scratch += 4 * att_partial_floats(config, max(1, -(-context // tuning.att_chunk)))
-    return {"embedding_rows": rows, "history": history, "scratch": scratch}
+    return {"history": history, "scratch": scratch}
 
 
 def fast_prefill_workspace(config: ModelConfig, piece: int, context: int, elem: int) -> int:
