@@ -8,9 +8,11 @@ GGUF blocks of the preset's per-tensor types (kernels/random_quant.py: what a Q4
 back end as the engine runs it: the runner (repacked weights, which the reference then reads: one copy), the builds
 of 1..k+1 tokens per launch, one sequence state of `--context` positions filled by the fast prefill, decode steps, a
 verify of k + 1 tokens recording its DeltaNet states, MTP drafts, a rollback. Reported: the torch allocator's peak
-(allocated and reserved) over the whole run, what the runner holds itself (its buffers, the bf16 embedding rows the
-kernel reads, the repacked weights), CuPy's pool, and the device's used memory (CUDA context and modules included),
-against the target. Prints a table and one JSON line.
+(allocated and reserved) of each stage -- the random model's generation (this tool's, not the engine's: the peak
+statistics are reset once the model exists) and the engine's stages after it, whose largest is the engine's peak --,
+what the runner holds itself (its buffers, the repacked weights: the quantized embedding table among them, whose
+rows the kernel decodes, with no bf16 copy), CuPy's pool, and the device's used memory (CUDA context and
+modules included), against the target. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -81,24 +83,29 @@ def main() -> None:
     free0, total = torch.cuda.mem_get_info(device)
     clock = time.perf_counter()
 
-    def stage(what: str) -> None:  # a line per stage: a run cut short by its time limit still says something
+    peaks: dict[str, tuple[int, int]] = {}  # stage -> (allocated peak, reserved peak) within the stage
+
+    # A line per stage (a run cut short by its time limit still says something), and the stage's own peaks.
+    def stage(what: str, key: str) -> None:
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
+        peaks[key] = (stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"])
         print(
             f"[{time.perf_counter() - clock:6.1f} s] {what}: allocated {stats['allocated_bytes.all.current'] / 1e9:.2f} "
             f"GB, peak {stats['allocated_bytes.all.peak'] / 1e9:.2f}, reserved peak "
             f"{stats['reserved_bytes.all.peak'] / 1e9:.2f}, device used {(total - torch.cuda.mem_get_info()[0]) / 1e9:.2f}",
             flush=True,
         )
+        torch.cuda.reset_peak_memory_stats()  # the next stage's peak is its own
 
     model, chosen = quantized_27b(args.layers, args.preset, device)
     config = model.config
+    stage(f"random model made ({sorted(set(chosen.values()))}; the tool's temporaries)", "model_generation")
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model_bytes = torch.cuda.memory_allocated()
-    stage(f"model ({sorted(set(chosen.values()))})")
     k = args.spec_k
     types = preset_weight_types(config, args.preset)
     plan = device_memory(config, types, args.context, spec_k=k, prefill_tokens=None, megakernel=True)
@@ -106,7 +113,7 @@ def main() -> None:
     backend = MegakernelBackend(model)
     runner = backend.runner
     after_runner = torch.cuda.memory_allocated()
-    stage("runner (weights repacked, the T = 1 build) and the fast prefill")
+    stage("runner (weights repacked, the T = 1 build; the fast prefill's scratch resized)", "runner")
     plan = device_memory(
         config, types, args.context, spec_k=k, prefill_tokens=backend.prefill_tokens, megakernel=True
     )
@@ -116,26 +123,32 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(5)
     ids = torch.randint(0, config.vocab_size, (prompt_len,), device=device, generator=g)
     out = backend.prefill(ids, state)
-    stage(f"prefill of {prompt_len} tokens")
+    stage(f"prefill of {prompt_len} tokens", "prefill")
     token = out.logits[-1].argmax().reshape(1)
-    for _ in range(4):
+    steps, times = 8, []
+    for _ in range(steps):  # greedy steps, each read back (a sanity figure of the build's speed, not a bench)
+        begin = time.perf_counter()
         step = backend.decode(token, state)
         token = step.logits[-1].argmax().reshape(1)
-    runner._reserve_history(
-        k
-    )  # what a verify of k + 1 tokens records (its build compiles below, if time allows)
-    stage(f"4 decode steps; the history of a {k + 1}-token verify")
-    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen)
+        times.append(time.perf_counter() - begin)
+    ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+    # What a verify of k + 1 tokens records (its build compiles below, if time allows).
+    runner._reserve_history(k)
+    stage(
+        f"{steps} decode steps (median {ms:.2f} ms at {state.length} positions); the history of a {k + 1}-token verify",
+        "decode",
+    )
+    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen, peaks)
     try:  # a verify of k + 1 tokens recording its states, a rollback, an MTP draft step (the engine's cycle)
         drafts = torch.randint(0, config.vocab_size, (k,), device=device, generator=g)
         verify, accepted, _, _ = backend.verify_greedy(torch.cat((token, drafts)), state)
         backend.rollback(state, k - accepted)
         pairs = torch.randint(0, config.vocab_size, (1,), device=device, generator=g)
         backend.draft(pairs, verify.hidden[accepted : accepted + 1], state)
-        stage(f"a {k + 1}-token verify, a rollback, an MTP draft step")
+        stage(f"a {k + 1}-token verify, a rollback, an MTP draft step", "verify_draft")
     except Exception as e:  # the figures above still say what the steps before it held
         print(f"verify / draft failed: {type(e).__name__}: {e}")
-    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen)
+    report(args, runner, backend, model, state, plan, model_bytes, after_runner, free0, total, chosen, peaks)
 
 
 def report(
@@ -150,12 +163,14 @@ def report(
     free0: int,
     total: int,
     chosen: dict[str, str],
+    peaks: dict[str, tuple[int, int]],
 ) -> None:
     import cupy
 
     device = runner.device
-    stats = torch.cuda.memory_stats()
-    peak, reserved_peak = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+    engine_stages = {k: v for k, v in peaks.items() if k != "model_generation"}
+    peak = max(p for p, _ in engine_stages.values())
+    reserved_peak = max(r for _, r in engine_stages.values())
     free1, _ = torch.cuda.mem_get_info(device)
     cupy_pool = cupy.get_default_memory_pool().total_bytes()
     buffers = tensor_bytes(
@@ -163,17 +178,17 @@ def report(
         + [b.sync for b in runner._builds.values()]
         + [runner._att_part, runner._hist, *runner._hist_conv.values(), *runner._hist_rec.values()]
     )
-    embed_copy = runner._embed.numel() * 2 if runner._embed is not model.model.embed_tokens.weight else 0
     measured = {
-        "allocator_peak": peak,
+        "allocator_peak": peak,  # the engine's stages (the model's generation left out)
         "allocator_reserved_peak": reserved_peak,
+        **{f"peak_{k}": p for k, (p, _) in peaks.items()},
+        **{f"reserved_peak_{k}": r for k, (_, r) in peaks.items()},
         "cupy_pool": cupy_pool,
         "device_used_now": total - free1,
         "device_used_by_process": free0 - free1,
         "model_before_runner": model_bytes,
         "runner_added": after_runner - model_bytes,
         "runner_buffers": buffers,
-        "kernel_bf16_embedding": embed_copy,
         "repacked_weights": runner.weights.repacked_bytes,
         "sequence_state": backend.nbytes(state),
     }
