@@ -196,7 +196,7 @@ class KernelPlan:
     # the DeltaNet output phase stages its input in that order (model.cuh MK_DN_OUT_HEAD).
     dn_out_tiled: bool = False
     # The embedding table's rows as the kernel reads them: bf16, or a block-quantized table in the device layout
-    # (the model's own repacked copy: model.cuh's embedding reads dequantize the rows a phase needs).
+    # (the model's own repacked copy: embed.cuh decodes the rows a phase reads).
     embed_format: WeightFormat = WeightFormat.BF16
 
     def __post_init__(self) -> None:
