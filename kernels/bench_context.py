@@ -5,7 +5,8 @@ runner; per context a state whose KV caches hold that many positions of random k
 decode step does not depend on their values, and a real prefill of 128K tokens would take most of a device call),
 timed as device-chained greedy decode (median of 3 chains). A row gives tok/s, the bytes a step must stream (the
 weights, the DeltaNet state, the KV cache read at that context), their share of the read ceiling measured in the
-same run, and the speed relative to the shortest context of the same format.
+same run, and the speed relative to the shortest context of the same format and build (`builds`: the default
+and each `bench decode --variant`, timed on the same model).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ContextResult:
     ms_per_token: float | None
     bytes_per_token: int
     note: str = ""
+    build: str = "default"
 
     def read_share(self, ceilings: Ceilings) -> float | None:
         if self.tok_s is None:
@@ -71,31 +73,43 @@ def time_context(runner: MegakernelRunner, model: Any, context: int, steps: int)
 
 
 def bench_contexts(
-    config: ModelConfig, formats: list[str], contexts: list[int], *, steps: int, tuning: Tuning | None = None
+    config: ModelConfig,
+    formats: list[str],
+    contexts: list[int],
+    *,
+    steps: int,
+    tuning: Tuning | None = None,
+    variants: dict[str, Tuning] | None = None,
 ) -> list[ContextResult]:
-    """Each weights format's build at every context, shortest first (one model in memory at a time)."""
+    """Each weights format's builds (the default `tuning`, then each of `variants`) at every context, shortest
+    first (one model in memory at a time, one runner at a time)."""
+    builds = {"default": tuning, **(variants or {})}
     out = []
     for fmt in formats:
         model = random_model_in(config, fmt)
-        try:
-            runner = MegakernelRunner(model, tuning=tuning)
-        except Exception as e:
-            note = f"failed: {type(e).__name__}: {e}"[:300]
-            out += [ContextResult(fmt, n, None, None, 0, note) for n in sorted(contexts)]
-            del model
-            torch.cuda.empty_cache()
-            continue
-        weights = runner.weights.gemv_bytes + config.hidden_size * 2  # and one embedding row
-        for context in sorted(contexts):
-            row = ContextResult(fmt, context, None, None, weights + _state_bytes(config, context))
+        for label, build in builds.items():
             try:
-                row.tok_s, row.ms_per_token = time_context(runner, model, context, steps)
+                runner = MegakernelRunner(model, tuning=build)
             except Exception as e:
-                row.note = f"failed: {type(e).__name__}: {e}"[:300]
-            out.append(row)
-            print(f"  [{fmt}, context {context}] {row.tok_s} tok/s {row.note}", flush=True)
+                note = f"failed: {type(e).__name__}: {e}"[:300]
+                out += [ContextResult(fmt, n, None, None, 0, note, label) for n in sorted(contexts)]
+                torch.cuda.empty_cache()
+                continue
+            weights = runner.weights.gemv_bytes + config.hidden_size * 2  # and one embedding row
+            for context in sorted(contexts):
+                row = ContextResult(
+                    fmt, context, None, None, weights + _state_bytes(config, context), build=label
+                )
+                try:
+                    row.tok_s, row.ms_per_token = time_context(runner, model, context, steps)
+                except Exception as e:
+                    row.note = f"failed: {type(e).__name__}: {e}"[:300]
+                out.append(row)
+                print(f"  [{fmt}, {label}, context {context}] {row.tok_s} tok/s {row.note}", flush=True)
+                torch.cuda.empty_cache()
+            del runner
             torch.cuda.empty_cache()
-        del runner, model
+        del model
         torch.cuda.empty_cache()
     return out
 
@@ -103,17 +117,17 @@ def bench_contexts(
 def format_contexts(ceilings: Ceilings, rows: list[ContextResult], title: str) -> str:
     lines = [
         f"== {title}: decode against the context length (device-chained greedy)",
-        f"   {'weights':8s} {'context':>8s} {'tok/s':>8s} {'ms/tok':>8s} {'GB/token':>9s} {'%read':>6s} "
-        f"{'x shortest':>10s}",
+        f"   {'weights':8s} {'build':12s} {'context':>8s} {'tok/s':>8s} {'ms/tok':>8s} {'GB/token':>9s} "
+        f"{'%read':>6s} {'x shortest':>10s}",
     ]
     for r in rows:
-        base = next((b.tok_s for b in rows if b.weights == r.weights and b.tok_s), None)
+        base = next((b.tok_s for b in rows if (b.weights, b.build) == (r.weights, r.build) and b.tok_s), None)
         if r.tok_s is None:
-            lines.append(f"   {r.weights:8s} {r.context:8d} {'-':>8s} {'-':>8s}  {r.note}")
+            lines.append(f"   {r.weights:8s} {r.build[:12]:12s} {r.context:8d} {'-':>8s} {'-':>8s}  {r.note}")
             continue
         ratio = f"{r.tok_s / base:10.3f}" if base else f"{'-':>10s}"
         lines.append(
-            f"   {r.weights:8s} {r.context:8d} {r.tok_s:8.1f} {r.ms_per_token:8.3f} "
+            f"   {r.weights:8s} {r.build[:12]:12s} {r.context:8d} {r.tok_s:8.1f} {r.ms_per_token:8.3f} "
             f"{r.bytes_per_token / 1e9:9.3f} {100 * (r.read_share(ceilings) or 0.0):6.1f} {ratio}"
         )
     return "\n".join(lines)

@@ -646,6 +646,7 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
 #define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
+static_assert(MK_ATT_GROUP >= 1 && MK_ATT_GROUP <= 8, "positions per warp and step of the attention loop");
 static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
 // (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
@@ -781,6 +782,12 @@ __device__ __forceinline__ AttNode att_root(const AttNode (&stk)[LV], int n) {
     for (int lv = 0; lv < LV; ++lv)
         if ((n >> lv) & 1) node = att_join(stk[lv], node);
     return node;
+}
+
+// Value e (0..7, a constant after unrolling) of 8 bf16 in a 16-byte vector.
+__device__ __forceinline__ float bf_elem(const vec16& v, int e) {
+    const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+    return (e & 1) ? bf_hi(w) : bf_lo(w);
 }
 
 // The last split item of a (key/value head, pass): each thread folds its values' split roots in split order up
@@ -921,7 +928,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             const int p0 = c * cl, p1 = min(L, p0 + cl);
             // The next chunk of the split starts towards L2 while this one is used (the barrier before the phase
             // started the first).
-            if (tid == 0 && c + 1 < c1) {
+            if (MK_ATT_L2_NEXT && tid == 0 && c + 1 < c1) {
                 const int bytes = (min(L, p1 + cl) - p1) * MK_HD * 2;
                 const char* kn = (const char*)(kh + (long long)p1 * MK_HD);
                 const char* vn = (const char*)(vh + (long long)p1 * MK_HD);
@@ -931,7 +938,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     prefetch_l2_bytes(vn + off, n);
                 }
             }
-            // The queries stay in shared memory (qsm): registers go to the accumulators and the next position's loads.
+            // The queries stay in shared memory (qsm): registers go to the accumulators and the loads in flight.
             float acc[NP][ATT_DPL], m[NP], l[NP];
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
@@ -940,9 +947,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                 for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
             }
-            // A warp's positions two at a time (p and p + MK_NWARPS, fixed by the chunk, so a pair's sums do not
-            // depend on the context length), the next two's keys and values loading while these are used (positions
-            // of this launch from shared memory, earlier ones from the cache; zeros past the chunk).
+            // A warp's positions MK_ATT_GROUP at a time (p, p + MK_NWARPS, ...: fixed by the chunk, so a pair's sums do
+            // not depend on the context length), the next group's keys and values loading while these are used
+            // (positions of this launch from shared memory, earlier ones from the cache; zeros past the chunk).
+            constexpr int G = MK_ATT_GROUP, GS = G * MK_NWARPS;
             auto load_kv = [&](int q, vec16& k, vec16& v) {
                 if (q >= p1) {
                     k = vec16{0u, 0u, 0u, 0u};
@@ -956,44 +964,70 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     v = ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
                 }
             };
-            vec16 kr0 = {0u, 0u, 0u, 0u}, vr0 = kr0, kr1 = kr0, vr1 = kr0;
-            if (active) {
-                load_kv(p0 + warp, kr0, vr0);
-                load_kv(p0 + warp + MK_NWARPS, kr1, vr1);
+            vec16 kr[G], vr[G];
+#pragma unroll
+            for (int i = 0; i < G; ++i) {
+                kr[i] = vec16{0u, 0u, 0u, 0u};
+                vr[i] = kr[i];
+                if (active) load_kv(p0 + warp + i * MK_NWARPS, kr[i], vr[i]);
             }
-            for (int p = p0 + warp; p < p1; p += 2 * MK_NWARPS) {
-                const int pb = p + MK_NWARPS;
-                float kf0[8], vf0[8], kf1[8], vf1[8];
-                unpack8(kr0, kf0);  // zeros on inactive lanes
-                unpack8(vr0, vf0);
-                unpack8(kr1, kf1);
-                unpack8(vr1, vf1);
+            for (int p = p0 + warp; p < p1; p += GS) {
+                vec16 kg[G], vg[G];  // this group's raw keys and values (kr, vr refill with the next group's)
+#pragma unroll
+                for (int i = 0; i < G; ++i) kg[i] = kr[i], vg[i] = vr[i];
                 if (active) {
-                    load_kv(p + 2 * MK_NWARPS, kr0, vr0);
-                    load_kv(pb + 2 * MK_NWARPS, kr1, vr1);
+#pragma unroll
+                    for (int i = 0; i < G; ++i) load_kv(p + GS + i * MK_NWARPS, kr[i], vr[i]);
+                }
+                // Every pair's scores of the group (partial per lane), then their butterflies side by side.
+                float sc[NP][G];
+#pragma unroll
+                for (int i = 0; i < G; ++i) {
+                    float kf[8];
+                    unpack8(kg[i], kf);  // zeros on inactive lanes
+#pragma unroll
+                    for (int j = 0; j < NP; ++j) {
+                        const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);
+                        float s = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) s = fmaf(qj[e], kf[e], s);
+                        sc[j][i] = s;
+                    }
                 }
 #pragma unroll
+                for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                    for (int j = 0; j < NP; ++j)
+#pragma unroll
+                        for (int i = 0; i < G; ++i) sc[j][i] += __shfl_xor_sync(0xffffffffu, sc[j][i], o);
+#pragma unroll
                 for (int j = 0; j < NP; ++j) {
-                    if (p > lastpos[j]) continue;  // warp-uniform; so is the second position's test
-                    const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);  // kf is 0 on inactive lanes
-                    float s0 = 0.0f, s1 = 0.0f;
+                    if (p > lastpos[j]) continue;  // warp-uniform; so are the later positions' tests
+                    float smax = sc[j][0] * scale;
+                    sc[j][0] = smax;
+#pragma unroll
+                    for (int i = 1; i < G; ++i) {
+                        const int pi = p + i * MK_NWARPS;
+                        // no key: weight 0 exactly
+                        sc[j][i] = pi <= lastpos[j] && pi < p1 ? sc[j][i] * scale : -MK_INF;
+                        smax = fmaxf(smax, sc[j][i]);
+                    }
+                    const float mn = fmaxf(m[j], smax);
+                    const float corr = expf(m[j] - mn);
+                    float w[G];
+#pragma unroll
+                    for (int i = 0; i < G; ++i) w[i] = expf(sc[j][i] - mn);
+                    float lj = l[j] * corr;
+#pragma unroll
+                    for (int i = 0; i < G; ++i) lj += w[i];
+                    l[j] = lj;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        s0 = fmaf(qj[e], kf0[e], s0);
-                        s1 = fmaf(qj[e], kf1[e], s1);
-                    }
+                        float u = w[0] * bf_elem(vg[0], e);
 #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) {
-                        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-                        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                        for (int i = 1; i < G; ++i) u = fmaf(w[i], bf_elem(vg[i], e), u);
+                        acc[j][e] = fmaf(acc[j][e], corr, u);
                     }
-                    s0 *= scale;
-                    s1 = pb <= lastpos[j] && pb < p1 ? s1 * scale : -MK_INF;  // no second key: weight 0 exactly
-                    const float mn = fmaxf(m[j], fmaxf(s0, s1));
-                    const float corr = expf(m[j] - mn), w0 = expf(s0 - mn), w1 = expf(s1 - mn);
-                    l[j] = (l[j] * corr + w0) + w1;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(acc[j][e], corr, fmaf(w1, vf1[e], w0 * vf0[e]));
                     m[j] = mn;
                 }
             }

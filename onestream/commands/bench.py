@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N[,N...]",
         help="prompt tokens before decoding (default 64); several (e.g. 512,8192,32768,131072): instead of the "
         "baselines, the megakernel at each context (random KV caches of that length), with the ratio to the "
-        "shortest, for bf16 and each --weights format",
+        "shortest, for bf16 and each --weights format (and each --variant build)",
     )
     decode.add_argument("--steps", type=int, default=64, help="decode steps timed for the megakernel")
     decode.add_argument("--ref-steps", type=int, default=16, help="decode steps timed for the baselines")
@@ -104,7 +104,14 @@ def run_contexts(args: argparse.Namespace, tuning: Any, ceilings: Any, device: s
 
     formats = ["bf16", *[w for w in (args.weights or []) if w != "bf16"]]
     name = f"27B shapes ({args.layers} of 64 layers)" if args.layers != 64 else "27B shapes"
-    rows = bench_contexts(config_27b(args.layers), formats, args.context, steps=args.steps, tuning=tuning)
+    rows = bench_contexts(
+        config_27b(args.layers),
+        formats,
+        args.context,
+        steps=args.steps,
+        tuning=tuning,
+        variants=dict(args.variant),
+    )
     print(f"device: {device}")
     print(
         f"measured ceilings: copy {ceilings.copy_gbs:.0f} GB/s (read+write), read {ceilings.read_gbs:.0f} GB/s"
