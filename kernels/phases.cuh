@@ -928,7 +928,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             const int p0 = c * cl, p1 = min(L, p0 + cl);
             // The next chunk of the split starts towards L2 while this one is used (the barrier before the phase
             // started the first).
-            if (MK_ATT_L2_NEXT && tid == 0 && c + 1 < c1) {
+            if (tid == 0 && c + 1 < c1) {
                 const int bytes = (min(L, p1 + cl) - p1) * MK_HD * 2;
                 const char* kn = (const char*)(kh + (long long)p1 * MK_HD);
                 const char* vn = (const char*)(vh + (long long)p1 * MK_HD);

@@ -459,7 +459,6 @@ class KernelPlan:
             "MK_ATT_MERGE_CHUNKS": self.att_merge_chunks,
             "MK_ATT_SPLIT_LOG": t.att_split_log,
             "MK_ATT_GROUP": t.att_group,
-            "MK_ATT_L2_NEXT": int(t.att_l2_next),
             "MK_ATT_FOLD_LEVELS": ATT_FOLD_LEVELS,
             "MK_HIST_ENTRIES": self.history_entries,
             "MK_SYNC_BARRIER": sync.barrier,

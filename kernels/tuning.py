@@ -68,8 +68,6 @@ class Tuning:
     # ahead: the loads in flight per warp. Changes results (the order a chunk's keys are summed in), the same way
     # for every launch of a build.
     att_group: int = 4
-    # The attention item starts its split's next chunk towards L2 (a bulk prefetch) while it works on one.
-    att_l2_next: bool = True
     # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
     # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
     # blocks finish).
