@@ -375,3 +375,24 @@ def test_backend_prefill_choice(tmp_path, monkeypatch) -> None:  # type: ignore[
     monkeypatch.setenv("ONESTREAM_PREFILL_TOKENS", "many")
     with pytest.raises(InvalidRequestError, match="ONESTREAM_PREFILL_TOKENS"):
         create_backend(model_dir)
+
+
+def test_row_blocks_and_in_place_swiglu_give_the_same_bits(model: Qwen35ForCausalLM, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The prefill's fp32 elementwise work in blocks of rows (conv, gated norm) and its in-place SwiGLU change
+    what a piece holds, not a bit of its output: a block of 7 rows against one block for the whole piece."""
+    from onestream.worker.prefill import deltanet as prefill_deltanet
+    from onestream.worker.prefill.runner import mlp_residual
+
+    ids = tokens(model, 150, seed=3)
+    outputs = []
+    for block in (7, 1 << 20):
+        monkeypatch.setattr(prefill_deltanet, "ROW_BLOCK_TOKENS", block)
+        state = model.new_state(400)
+        with torch.inference_mode():
+            outputs.append(FastPrefill(model)(ids, state))
+    assert torch.equal(outputs[0].hidden, outputs[1].hidden)
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    layer = model.model.layers[0]
+    h = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert torch.equal(mlp_residual(layer, h), layer._mlp_residual(h))

@@ -67,13 +67,35 @@ def main() -> None:
     parser.add_argument(
         "--piece",
         type=int,
-        default=4096,
-        help="fast-prefill piece ($ONESTREAM_PREFILL_TOKENS): half the default, what a 24 GB card serving 32K takes",
+        default=None,
+        help="fast-prefill piece ($ONESTREAM_PREFILL_TOKENS; default: the engine's)",
+    )
+    parser.add_argument(
+        "--card-memory",
+        type=float,
+        default=None,
+        help="a card's memory in bytes (24e9: a 24 GB card): the piece is the longest whose accounting fits it, "
+        "and the measured peak is reported against it",
     )
     args = parser.parse_args()
-    from onestream.worker.prefill.runner import PIECE_ENV
+    from onestream.worker.prefill.runner import DEFAULT_PIECE_TOKENS, PIECE_ENV
 
-    os.environ[PIECE_ENV] = str(args.piece)
+    if args.card_memory is not None and args.piece is None:
+        from onestream.kernels.random_model import config_27b
+        from onestream.worker.memory import device_memory, largest_fitting_piece, preset_weight_types
+
+        cfg = config_27b(args.layers, mtp=True)
+        kinds = preset_weight_types(cfg, args.preset)
+
+        def plan_for(piece: int):  # type: ignore[no-untyped-def]
+            return device_memory(
+                cfg, kinds, args.context, spec_k=args.spec_k, prefill_tokens=piece, megakernel=True
+            )
+
+        args.piece = largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, int(args.card_memory)) or 512
+        print(f"card memory {args.card_memory / 1e9:.2f} GB: prefill piece {args.piece}", flush=True)
+    if args.piece is not None:
+        os.environ[PIECE_ENV] = str(args.piece)
 
     from onestream.kernels.backend import MegakernelBackend
     from onestream.worker.memory import device_memory, preset_weight_types
@@ -122,8 +144,10 @@ def main() -> None:
     prompt_len = args.prompt or args.context - 64
     g = torch.Generator(device=device).manual_seed(5)
     ids = torch.randint(0, config.vocab_size, (prompt_len,), device=device, generator=g)
-    out = backend.prefill(ids, state)
-    stage(f"prefill of {prompt_len} tokens", "prefill")
+    piece = backend.prefill_tokens
+    for p0 in range(0, prompt_len, piece):  # in the engine's pieces, as Sequence.feed runs a prompt
+        out = backend.prefill(ids[p0 : p0 + piece], state)
+    stage(f"prefill of {prompt_len} tokens in pieces of {piece}", "prefill")
     token = out.logits[-1].argmax().reshape(1)
     steps, times = 8, []
     for _ in range(steps):  # greedy steps, each read back (a sanity figure of the build's speed, not a bench)
@@ -203,6 +227,19 @@ def report(
     print(f"  accounting (worker/memory.py): {plan.total / 1e9:.3f} GB: {plan.format()}")
     used = total - free1
     verdict = "under" if max(engine, used) < TARGET_BYTES else "NOT under"
+    allocated = peak + cupy_pool
+    print(
+        f"engine (allocator peak + CuPy pool) {allocated / 1e9:.2f} GB: "
+        f"{'under' if allocated < TARGET_BYTES else 'NOT under'} the {TARGET_BYTES / 1e9:.0f} GB target"
+        + (
+            f"; card memory {args.card_memory / 1e9:.2f} GB: "
+            f"{'fits' if max(allocated, reserved_peak + cupy_pool) <= args.card_memory else 'does NOT fit'} "
+            f"(reserved peak + CuPy pool {(reserved_peak + cupy_pool) / 1e9:.2f} GB)"
+            if args.card_memory
+            else ""
+        ),
+        flush=True,
+    )
     print(
         f"engine (reserved peak + CuPy pool) {engine / 1e9:.2f} GB, device used {used / 1e9:.2f} GB: "
         f"{verdict} the {TARGET_BYTES / 1e9:.0f} GB target",
@@ -216,6 +253,7 @@ def report(
             "rollback": plan.rollback_history, "workspace": plan.workspace, "megakernel": plan.kernel_buffers,
         },
         "types": sorted(set(chosen.values())), "target_bytes": TARGET_BYTES,
+        "card_memory": args.card_memory, "piece": backend.prefill_tokens, "engine_allocated_peak": allocated,
     }), flush=True)  # fmt: skip
 
 
