@@ -2,12 +2,15 @@
 # The pool on a real GPU, in one device call: the reference model's CUDA tests, then `onestream serve` with a
 # Ray card on the GPU (num_gpus=1, megakernel back end), two turns of one session through the gRPC client,
 # `onestream status`, a scrape of the card's /metrics, and a SIGTERM drain.
-#   run (carry .devpkgs): bash tools/gpu/check_pool.sh
+#   run (carry .devpkgs): bash tools/gpu/check_pool.sh [gguf]
+# gguf: skip the CUDA tests; quantize the embedded model to Q4_K_M on the device and serve that .gguf file on the
+# megakernel back end (issue 21, "In the pool": the card's onestream_card_info must name the quantization).
 # .devpkgs is made here: `../shared/tools/ray-bundle.sh .devpkgs`, plus the gRPC health and reflection services,
 # which the GPU image lacks: `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .devpkgs
 # "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"` (1.84.0: the
 # grpcio there; later wheels refuse to load on it).
 set -uo pipefail
+MODE=${1:-embedded}
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/onestream-gpu-logs}
 mkdir -p "$OUT"
@@ -21,10 +24,17 @@ export PYTHONPATH=/tmp/site
 . tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool.log"
+SERVE_ARGS=()
+if [ "$MODE" = gguf ]; then
+  timeout 120 python3 -m onestream quantize --type q4_k_m --device cuda --out /tmp/embedded-q4_k_m.gguf 2>&1 |
+    tail -3 | tee -a "$OUT/pool.log"
+  SERVE_ARGS=(--model /tmp/embedded-q4_k_m.gguf --backend megakernel)
+else
 timeout 120 python3 -m pytest -q -rA -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" -m gpu \
   "$REPO/tests/test_model_parity.py" "$REPO/tests/test_loading.py" 2>&1 | tail -15 | tee -a "$OUT/pool.log"
+fi
 
-python3 -m onestream serve --listen 127.0.0.1:50051 --metrics 127.0.0.1:9400 > "$OUT/serve.log" 2>&1 &
+python3 -m onestream serve "${SERVE_ARGS[@]}" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9400 > "$OUT/serve.log" 2>&1 &
 SERVE=$!
 for _ in $(seq 120); do grep -q "ready" "$OUT/serve.log" && break; sleep 1; done
 cat "$OUT/serve.log" | grep -v WARNING | tee -a "$OUT/pool.log"
