@@ -245,7 +245,6 @@ def deltanet_prefill(
         for j in range(span):
             conv += window[j + r0 : j + r1].float() * weight[:, j]
         mixed[r0:r1] = F.silu(conv)
-    del conv
     conv_state.copy_(window[t:].T)
     del window
     q, k, v = layer._split(mixed)
