@@ -378,10 +378,10 @@ def test_backend_prefill_choice(tmp_path, monkeypatch) -> None:  # type: ignore[
 
 
 def test_row_blocks_and_in_place_swiglu_give_the_same_bits(model: Qwen35ForCausalLM, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The prefill's fp32 elementwise work in blocks of rows (conv, gated norm) and its in-place SwiGLU change
-    what a piece holds, not a bit of its output: a block of 7 rows against one block for the whole piece."""
+    """The prefill's fp32 elementwise work in blocks of rows (conv, gated norm) and the SwiGLU's in-place inference
+    path change what a piece holds, not a bit of its output: a block of 7 rows against one block for the whole
+    piece, and the SwiGLU without autograd against the same SwiGLU with it."""
     from onestream.worker.prefill import deltanet as prefill_deltanet
-    from onestream.worker.prefill.runner import mlp_residual
 
     ids = tokens(model, 150, seed=3)
     outputs = []
@@ -394,5 +394,6 @@ def test_row_blocks_and_in_place_swiglu_give_the_same_bits(model: Qwen35ForCausa
     assert torch.equal(outputs[0].logits, outputs[1].logits)
     layer = model.model.layers[0]
     h = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        assert torch.equal(mlp_residual(layer, h), layer._mlp_residual(h))
+    with torch.no_grad():
+        in_place = layer._mlp_residual(h)
+    assert torch.equal(in_place, layer._mlp_residual(h).detach())

@@ -82,12 +82,17 @@ def main() -> None:
 
     if args.card_memory is not None and args.piece is None:
         from onestream.kernels.random_model import config_27b
-        from onestream.worker.memory import device_memory, largest_fitting_piece, preset_weight_types
+        from onestream.worker.memory import (
+            MemoryPlan,
+            device_memory,
+            largest_fitting_piece,
+            preset_weight_types,
+        )
 
         cfg = config_27b(args.layers, mtp=True)
         kinds = preset_weight_types(cfg, args.preset)
 
-        def plan_for(piece: int):  # type: ignore[no-untyped-def]
+        def plan_for(piece: int) -> MemoryPlan:
             return device_memory(
                 cfg, kinds, args.context, spec_k=args.spec_k, prefill_tokens=piece, megakernel=True
             )

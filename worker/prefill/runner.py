@@ -14,10 +14,8 @@ import contextlib
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
-from ..layers.mlp import SwiGLU
 from ..model import Qwen35ForCausalLM, StepOutput
 from ..quant import QuantizedLinear
 from ..quant.scratch import DequantScratch
@@ -51,19 +49,6 @@ def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
     if value < 1:
         raise InvalidRequestError(f"${PIECE_ENV} must be a positive integer, got {raw!r}")
     return value
-
-
-def mlp_residual(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """`layer._mlp_residual(h)` holding two `[T, intermediate]` tensors rather than three: the SwiGLU's silu and
-    product are taken in place (the same roundings, so the same bits)."""
-    mlp = layer.mlp
-    if not isinstance(mlp, SwiGLU):
-        return layer._mlp_residual(h)  # type: ignore[operator,no-any-return]
-    x = layer.post_attention_layernorm(h)
-    act = F.silu(mlp.gate_proj(x), inplace=True)
-    act.mul_(mlp.up_proj(x))
-    del x
-    return h + mlp.down_proj(act)
 
 
 class FastPrefill:
@@ -166,7 +151,7 @@ class FastPrefill:
                     layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule
                 )
             del x
-            h = mlp_residual(layer, h)
+            h = layer._mlp_residual(h)
         hidden = model.model.norm(h)
         state.advance(input_ids)
         state.history = None  # as a step without keep_states: nothing to roll back into
@@ -195,6 +180,6 @@ class FastPrefill:
         h = x + attention_prefill(
             layer.self_attn, layer.input_layernorm(x), cos, sin, state.mtp_kv, start, self.sdpa
         )
-        out = mtp.norm(mlp_residual(layer, h))
+        out = mtp.norm(layer._mlp_residual(h))
         state.mtp_length += t
         return StepOutput(self._last_logits(out), out)
