@@ -196,3 +196,32 @@ def test_the_megakernel_adds_its_buffers_and_keeps_one_copy_of_the_weights() -> 
     bf16 = device_memory(config, dtype_weight_types(config, torch.bfloat16), 32768, megakernel=True)
     assert bf16.kernel_buffers == kernel.kernel_buffers  # the kernel reads the model's own table either way
     print(kernel.format())
+
+
+def test_fast_prefill_workspace_follows_the_delta_rule_in_use() -> None:
+    """The fla delta rule holds its tensors in the model dtype (the states at chunk starts among them), the torch
+    form in fp32: the 27B Q4_K_M engine at 32K with 8K pieces fits the 23 GB target on fla, not on torch."""
+    from onestream.worker.memory import fla_delta_rule_bytes, torch_delta_rule_bytes
+
+    config = config_27b(mtp=True)
+    types = preset_weight_types(config, "q4_k_m")
+    piece, context = 8192, 32768
+    fla = fla_delta_rule_bytes(config, piece, 2)
+    # per token: q, k copied and normalised (4 x 16 x 128 bf16), v copied, WY matrix, w, u, new values, output
+    # (48 value heads: 128, 64, 128, 3 x 128 bf16), inverse norms and decay (fp32); one bf16 state per chunk of 64
+    per_token = 2 * (4 * 16 * 128 + 48 * 128 + 48 * 64 + 48 * 128 + 3 * 48 * 128) + 4 * (2 * 16 + 48)
+    assert fla == piece * per_token + (piece // 64) * 48 * 128 * 128 * 2 + 48 * 128 * 128 * 4
+    assert fla < torch_delta_rule_bytes(config, piece)
+    plans = {
+        rule: device_memory(
+            config, types, context, spec_k=3, prefill_tokens=piece, megakernel=True, delta_rule=rule
+        )
+        for rule in ("fla", "torch")
+    }
+    print({rule: f"{plan.total / 1e9:.2f} GB" for rule, plan in plans.items()})
+    attention = 2 * config.num_attention_heads * context * config.head_dim * 2
+    assert fla > attention  # both kernels' transients exceed the expanded key/value heads here
+    assert plans["torch"].total - plans["fla"].total == torch_delta_rule_bytes(config, piece) - fla
+    assert plans["fla"].fits(TARGET_23GB) and not plans["torch"].fits(TARGET_23GB)
+    with pytest.raises(ValueError, match="delta_rule"):
+        device_memory(config, types, context, prefill_tokens=piece, delta_rule="triton")

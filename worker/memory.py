@@ -98,6 +98,7 @@ def device_memory(
     prefill_tokens: int | None = None,
     dequantize_once: bool = False,
     megakernel: bool = False,
+    delta_rule: str = "torch",
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
@@ -106,7 +107,8 @@ def device_memory(
     every such matrix dequantized beside its blocks instead (a small model, `loading.dequantizes_once`).
     `prefill_tokens`: the piece of the fast prefill path (worker/prefill/), or None for the reference path's
     pieces. `megakernel`: the decode megakernel's runner too (`megakernel_buffers`); its verify records the
-    DeltaNet states in its own buffers, which then are the rollback history."""
+    DeltaNet states in its own buffers, which then are the rollback history. `delta_rule`: the fast prefill's
+    delta-rule kernel (worker/prefill/deltanet.py: "fla" or "torch"), whose transients differ."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -155,7 +157,7 @@ def device_memory(
     if prefill_tokens is None:  # the reference path's masked attention materialises its fp32 scores
         prefill += chunk * chunk * 4 * config.num_attention_heads
     else:
-        prefill += fast_prefill_workspace(config, chunk, context, elem)
+        prefill += fast_prefill_workspace(config, chunk, context, elem, delta_rule)
     logits = verify_tokens * config.vocab_size * 4
     per_call = dequantizes and not dequantize_once
     workspace = (largest_dequantized if per_call else 0) + max(prefill, logits) + kv_growth
@@ -211,19 +213,61 @@ def megakernel_buffers(
     return {"history": history, "scratch": scratch}
 
 
-def fast_prefill_workspace(config: ModelConfig, piece: int, context: int, elem: int) -> int:
-    """What the fast prefill holds beyond the projections at its peak: the torch delta rule's fp32 tensors
-    (q, k, v per value head, the solve's right-hand side and solution, the writes, the states at every chunk
-    start, three [C, C] matrices per chunk and head) or the attention's key/value heads expanded over the
-    context, whichever is larger (they are not alive together)."""
+def fast_prefill_workspace(
+    config: ModelConfig, piece: int, context: int, elem: int, delta_rule: str = "torch"
+) -> int:
+    """What the fast prefill holds beyond the projections at its peak: the delta rule's transients
+    (`torch_delta_rule_bytes` or `fla_delta_rule_bytes`, by the kernel in use) or the attention's key/value
+    heads expanded over the context, whichever is larger (they are not alive together)."""
+    if delta_rule not in DELTA_RULES:
+        raise ValueError(f"delta_rule must be one of {DELTA_RULES}, got {delta_rule!r}")
+    if delta_rule == "fla":
+        delta = fla_delta_rule_bytes(config, piece, elem)
+    else:
+        delta = torch_delta_rule_bytes(config, piece)
+    attention = 2 * config.num_attention_heads * context * config.head_dim * elem
+    return max(delta, attention)
+
+
+DELTA_RULES = ("fla", "torch")
+
+
+def torch_delta_rule_bytes(config: ModelConfig, piece: int) -> int:
+    """The torch delta rule's fp32 tensors over one piece (deltanet.chunk_gated_delta_rule_torch): q, k, v per
+    value head, the solve's right-hand side and solution, the writes, the states at every chunk start, three
+    [C, C] matrices per chunk and head."""
     from .prefill.deltanet import DEFAULT_CHUNK
 
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     chunks = -(-piece // DEFAULT_CHUNK)
     per_token = hv * (2 * dk + dv + 2 * (dk + dv) + dv)
-    delta = 4 * (piece * per_token + (chunks + 1) * hv * dk * dv + 3 * chunks * hv * DEFAULT_CHUNK**2)
-    attention = 2 * config.num_attention_heads * context * config.head_dim * elem
-    return max(delta, attention)
+    return 4 * (piece * per_token + (chunks + 1) * hv * dk * dv + 3 * chunks * hv * DEFAULT_CHUNK**2)
+
+
+# flash-linear-attention's chunk length: deltanet.py calls its chunk_gated_delta_rule without one, so its default.
+FLA_CHUNK = 64
+
+
+def fla_delta_rule_bytes(config: ModelConfig, piece: int, elem: int) -> int:
+    """What flash-linear-attention's `chunk_gated_delta_rule` (its Triton path, as deltanet.py calls it) holds at
+    its peak, while its output kernel runs, over one piece of `piece` tokens in a model dtype of `elem` bytes.
+
+    All of it is alive then: the copies its input guard makes of q, k and v (ours are column slices of the conv
+    output, so not contiguous), q and k l2-normalised in the model dtype with their fp32 inverse norms, the fp32
+    chunk-local cumulative log decay per value head, the solved [T, Hv, C] WY matrix, w [T, Hv, dk] and u
+    [T, Hv, dv], the states at every chunk start [T / C, Hv, dk, dv] and the new values, the output [T, Hv, dv]
+    (all in the model dtype), and the fp32 final state. g and beta arrive contiguous, the initial state too."""
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    chunks = -(-piece // FLA_CHUNK)
+    per_token = (
+        elem * (2 * 2 * hk * dk + hv * dv)  # q, k: copies and normalised; v: its copy
+        + 4 * (2 * hk + hv)  # the inverse norms of q and k, the cumulative decay
+        + elem * hv * FLA_CHUNK  # the WY matrix
+        + elem * hv * (dk + 3 * dv)  # w; u, the new values, the output
+    )
+    states = chunks * hv * dk * dv * elem + hv * dk * dv * 4
+    return piece * per_token + states
 
 
 def checkpoint_weight_types(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, str]:
