@@ -355,3 +355,44 @@ def test_engine_sizes_its_prefill_pieces_for_its_budget(
         Engine(model_dir, device="cpu", memory_budget=total(MIN_PIECE_TOKENS) - 1)
     monkeypatch.setenv("ONESTREAM_PREFILL_TOKENS", "1024")  # the operator's piece wins over the budget
     assert Engine(model_dir, device="cpu", memory_budget=1).backend.prefill_tokens == 1024
+
+
+def test_a_cuda_back_end_plans_with_what_its_device_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a budget, a CUDA back end's piece fits the device's free memory plus what torch's allocator holds
+    (the weights already loaded are in both that and the plan)."""
+    from types import SimpleNamespace
+
+    from onestream.worker.memory import device_budget, fit_prefill_pieces
+
+    monkeypatch.delenv("ONESTREAM_PREFILL_TOKENS", raising=False)
+    plan_for = _plans_27b("torch")
+    reserved = 16 * 10**9
+    free = (plan_for(4096).total + plan_for(8192).total) // 2 - reserved
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    device = torch.device("cuda", 0)
+    assert device_budget(device) == free + reserved
+    config = config_27b(mtp=True)
+    backend = SimpleNamespace(
+        name="megakernel",
+        config=config,
+        dtype=torch.bfloat16,
+        device=device,
+        fast_prefill=SimpleNamespace(delta_rule=SimpleNamespace(name="torch")),
+        prefill_tokens=8192,
+    )
+    types = preset_weight_types(config, "q4_k_m")
+    assert fit_prefill_pieces(backend, types, 32768, drafts=3) == 4096 == backend.prefill_tokens
+
+
+def test_expected_delta_rule_before_the_card_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from onestream.worker.prefill.deltanet import KERNEL_ENV, expected_kernel
+
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    assert expected_kernel() == "torch"
+    monkeypatch.setenv(KERNEL_ENV, "fla")
+    assert expected_kernel() == "fla"
+    monkeypatch.delenv(KERNEL_ENV)
+    assert expected_kernel() == ("fla" if importlib.util.find_spec("fla") is not None else "torch")
