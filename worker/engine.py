@@ -33,6 +33,7 @@ from .drafting import (
     NGramIndex,
 )
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
+from .memory import checkpoint_weight_types, fit_prefill_pieces
 from .prefixes import (
     DEFAULT_PREFIX_SHARING,
     MESSAGE_START_TOKENS,
@@ -118,13 +119,17 @@ class Engine:
         ngram: tuple[int, int] = DEFAULT_NGRAM,
         adaptive_drafts: bool = True,
         extend_mtp: bool = True,
+        memory_budget: int | None = None,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
         the checkpoint's own; `on_load_progress` hears how far the weights' load has got (a card's `loading`
         state), besides the terminal and log lines every load reports. `drafting`, `lookup_k`, `ngram`
         (the lookup's shortest and longest n-gram), `adaptive_drafts` and `extend_mtp` (continue MTP drafts
-        with copies) say where speculative drafts come from and how long they are (worker/drafting/)."""
+        with copies) say where speculative drafts come from and how long they are (worker/drafting/).
+        `memory_budget`: the bytes the engine may hold on its device (default: what the device has for this
+        process); the fast prefill's piece is the longest whose accounting fits it (worker/memory.py), unless
+        $ONESTREAM_PREFILL_TOKENS sets one."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
@@ -152,6 +157,19 @@ class Engine:
         self.ngram = ngram
         self.adaptive_drafts = adaptive_drafts
         self.extend_mtp = extend_mtp
+        if memory_budget is not None and memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+        # a back end of its own, or a budget given for one passed in
+        sized = isinstance(backend, str) or memory_budget is not None
+        if sized and getattr(self.backend, "fast_prefill", None) is not None:
+            # the fast prefill's pieces, sized for this card, context and draft length (the rollback records)
+            fit_prefill_pieces(
+                self.backend,
+                checkpoint_weight_types(self.checkpoint, self.backend.dtype),
+                self.max_context,
+                drafts=self.max_drafts,
+                budget=memory_budget,
+            )
         self._lookup_indexes: OrderedDict[str, NGramIndex] = OrderedDict()
         # Heal text prompts that end mid-token (tokenizer.TokenHealing); off by default so that a prompt's
         # tokens are exactly what the model is fed. `onestream generate` turns it on.

@@ -43,6 +43,11 @@ class BackendUnavailableError(OnestreamError, RuntimeError):
     """The requested back end cannot run here (no GPU, kernels failed to build)."""
 
 
+class MemoryBudgetError(BackendUnavailableError):
+    """The card's memory (or the operator's budget) cannot hold the model at its context, even with the shortest
+    prefill piece."""
+
+
 QUOTED_CHARS = 40  # how much of a client's value an error message quotes
 
 

@@ -7,18 +7,23 @@ reference back end's step holds at its peak (docs/design.md, "Memory").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .checkpoints.base import PLAIN, Checkpoint
 from .config import ModelConfig
+from .errors import MemoryBudgetError
 from .layout import expected_tensor_shapes
 from .quant.weight import SLAB_ELEMENTS
 from .sequence import MAX_TOKENS_PER_CALL
 from .state import KV_CHUNK
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DTYPE_TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -98,6 +103,7 @@ def device_memory(
     prefill_tokens: int | None = None,
     dequantize_once: bool = False,
     megakernel: bool = False,
+    delta_rule: str = "torch",
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
@@ -106,7 +112,8 @@ def device_memory(
     every such matrix dequantized beside its blocks instead (a small model, `loading.dequantizes_once`).
     `prefill_tokens`: the piece of the fast prefill path (worker/prefill/), or None for the reference path's
     pieces. `megakernel`: the decode megakernel's runner too (`megakernel_buffers`); its verify records the
-    DeltaNet states in its own buffers, which then are the rollback history."""
+    DeltaNet states in its own buffers, which then are the rollback history. `delta_rule`: the fast prefill's
+    delta-rule kernel (worker/prefill/deltanet.py: "fla" or "torch"), whose transients differ."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -155,7 +162,7 @@ def device_memory(
     if prefill_tokens is None:  # the reference path's masked attention materialises its fp32 scores
         prefill += chunk * chunk * 4 * config.num_attention_heads
     else:
-        prefill += fast_prefill_workspace(config, chunk, context, elem)
+        prefill += fast_prefill_workspace(config, chunk, context, elem, delta_rule)
     logits = verify_tokens * config.vocab_size * 4
     per_call = dequantizes and not dequantize_once
     workspace = (largest_dequantized if per_call else 0) + max(prefill, logits) + kv_growth
@@ -211,19 +218,61 @@ def megakernel_buffers(
     return {"history": history, "scratch": scratch}
 
 
-def fast_prefill_workspace(config: ModelConfig, piece: int, context: int, elem: int) -> int:
-    """What the fast prefill holds beyond the projections at its peak: the torch delta rule's fp32 tensors
-    (q, k, v per value head, the solve's right-hand side and solution, the writes, the states at every chunk
-    start, three [C, C] matrices per chunk and head) or the attention's key/value heads expanded over the
-    context, whichever is larger (they are not alive together)."""
+def fast_prefill_workspace(
+    config: ModelConfig, piece: int, context: int, elem: int, delta_rule: str = "torch"
+) -> int:
+    """What the fast prefill holds beyond the projections at its peak: the delta rule's transients
+    (`torch_delta_rule_bytes` or `fla_delta_rule_bytes`, by the kernel in use) or the attention's key/value
+    heads expanded over the context, whichever is larger (they are not alive together)."""
+    if delta_rule not in DELTA_RULES:
+        raise ValueError(f"delta_rule must be one of {DELTA_RULES}, got {delta_rule!r}")
+    if delta_rule == "fla":
+        delta = fla_delta_rule_bytes(config, piece, elem)
+    else:
+        delta = torch_delta_rule_bytes(config, piece)
+    attention = 2 * config.num_attention_heads * context * config.head_dim * elem
+    return max(delta, attention)
+
+
+DELTA_RULES = ("fla", "torch")
+
+
+def torch_delta_rule_bytes(config: ModelConfig, piece: int) -> int:
+    """The torch delta rule's fp32 tensors over one piece (deltanet.chunk_gated_delta_rule_torch): q, k, v per
+    value head, the solve's right-hand side and solution, the writes, the states at every chunk start, three
+    [C, C] matrices per chunk and head."""
     from .prefill.deltanet import DEFAULT_CHUNK
 
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     chunks = -(-piece // DEFAULT_CHUNK)
     per_token = hv * (2 * dk + dv + 2 * (dk + dv) + dv)
-    delta = 4 * (piece * per_token + (chunks + 1) * hv * dk * dv + 3 * chunks * hv * DEFAULT_CHUNK**2)
-    attention = 2 * config.num_attention_heads * context * config.head_dim * elem
-    return max(delta, attention)
+    return 4 * (piece * per_token + (chunks + 1) * hv * dk * dv + 3 * chunks * hv * DEFAULT_CHUNK**2)
+
+
+# flash-linear-attention's chunk length: deltanet.py calls its chunk_gated_delta_rule without one, so its default.
+FLA_CHUNK = 64
+
+
+def fla_delta_rule_bytes(config: ModelConfig, piece: int, elem: int) -> int:
+    """What flash-linear-attention's `chunk_gated_delta_rule` (its Triton path, as deltanet.py calls it) holds at
+    its peak, while its output kernel runs, over one piece of `piece` tokens in a model dtype of `elem` bytes.
+
+    All of it is alive then: the copies its input guard makes of q, k and v (ours are column slices of the conv
+    output, so not contiguous), q and k l2-normalised in the model dtype with their fp32 inverse norms, the fp32
+    chunk-local cumulative log decay per value head, the solved [T, Hv, C] WY matrix, w [T, Hv, dk] and u
+    [T, Hv, dv], the states at every chunk start [T / C, Hv, dk, dv] and the new values, the output [T, Hv, dv]
+    (all in the model dtype), and the fp32 final state. g and beta arrive contiguous, the initial state too."""
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    chunks = -(-piece // FLA_CHUNK)
+    per_token = (
+        elem * (2 * 2 * hk * dk + hv * dv)  # q, k: copies and normalised; v: its copy
+        + 4 * (2 * hk + hv)  # the inverse norms of q and k, the cumulative decay
+        + elem * hv * FLA_CHUNK  # the WY matrix
+        + elem * hv * (dk + 3 * dv)  # w; u, the new values, the output
+    )
+    states = chunks * hv * dk * dv * elem + hv * dk * dv * 4
+    return piece * per_token + states
 
 
 def checkpoint_weight_types(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, str]:
@@ -266,9 +315,13 @@ def fit_report(
     device_bytes: int | None = None,
     prefill_tokens: int | None = None,
     megakernel: bool = False,
+    fast_prefill: bool = False,
+    delta_rule: str = "torch",
 ) -> str:
     """One line for `serve`: what a card needs for this model, format and context, and whether it fits
-    (`prefill_tokens`: the fast prefill path's piece, on a GPU; `megakernel`: its runner's buffers too)."""
+    (`prefill_tokens`: the fast prefill path's piece as the operator set it; `fast_prefill` without one: the
+    piece the engine will choose for `device_bytes`, `choose_prefill_piece`; `megakernel`: its runner's
+    buffers too; `delta_rule`: the fast prefill's kernel)."""
     from .loading import dequantizes_once
 
     config = checkpoint.config
@@ -285,20 +338,29 @@ def fit_report(
             prefill_tokens=piece,
             dequantize_once=dequantizes_once(config, dtype),
             megakernel=megakernel,
+            delta_rule=delta_rule,
         )
 
+    chosen = ""
+    if fast_prefill and prefill_tokens is None:
+        try:
+            prefill_tokens = choose_prefill_piece(plan_for, device_bytes)
+            chosen = f"; prefill pieces of {prefill_tokens} tokens"
+        except MemoryBudgetError:  # the verdict below says it does not fit, at the shortest piece
+            prefill_tokens = MIN_PIECE_TOKENS
+            chosen = f"; even prefill pieces of {MIN_PIECE_TOKENS} tokens are too long"
     plan = plan_for(prefill_tokens)
     line = f"{checkpoint.name} [{checkpoint.format.label}] needs {plan.format()}"
     if device_bytes is not None:
         verdict = "fits" if plan.fits(device_bytes) else "does NOT fit"
         line += f"; {verdict} a card of {device_bytes / GIB:.1f} GiB"
-        if prefill_tokens is not None and not plan.fits(device_bytes):
+        if prefill_tokens is not None and not plan.fits(device_bytes) and not chosen:
             smaller = largest_fitting_piece(plan_for, prefill_tokens, device_bytes)
             if smaller is not None:
                 from .prefill.runner import PIECE_ENV
 
                 line += f" (with ${PIECE_ENV}={smaller} it fits)"
-    return line
+    return line + chosen
 
 
 MIN_PIECE_TOKENS = 512  # shorter prefill pieces leave the GEMMs far from the matrix peak
@@ -313,3 +375,99 @@ def largest_fitting_piece(plan_for: Callable[[int], MemoryPlan], start: int, dev
             return piece
         piece //= 2
     return None
+
+
+def choose_prefill_piece(
+    plan_for: Callable[[int], MemoryPlan],
+    budget: int | None,
+    *,
+    operator: int | None = None,
+    start: int | None = None,
+) -> int:
+    """The fast prefill's piece, in one place for the engine, `serve`'s fit line and the tools: the operator's
+    (`operator`, $ONESTREAM_PREFILL_TOKENS) when set, whatever the budget; else, with no budget, `start` (the
+    default piece); else the longest of `start`, `start` / 2, ... whose plan fits `budget` bytes. Raises
+    MemoryBudgetError, naming the numbers, when even MIN_PIECE_TOKENS does not fit."""
+    from .prefill.runner import DEFAULT_PIECE_TOKENS, PIECE_ENV
+
+    if operator is not None:
+        return operator
+    start = DEFAULT_PIECE_TOKENS if start is None else start
+    if budget is None:
+        return start
+    piece = largest_fitting_piece(plan_for, start, budget)
+    if piece is None:
+        need = plan_for(MIN_PIECE_TOKENS)
+        raise MemoryBudgetError(
+            f"a memory budget of {budget / 1e9:.2f} GB ({budget / GIB:.2f} GiB) cannot hold this model: even with "
+            f"prefill pieces of {MIN_PIECE_TOKENS} tokens it needs {need.total / 1e9:.2f} GB ({need.format()}); "
+            f"a shorter context, a smaller format or a larger card would fit (${PIECE_ENV} sets the piece "
+            "regardless)"
+        )
+    return piece
+
+
+def device_budget(device: torch.device) -> int:
+    """Bytes this process's allocator may hold on a CUDA `device`: what it holds already (the loaded weights,
+    its cache) and what the device has free. The rest (the CUDA context and modules, other processes) is not
+    the engine's to plan with."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
+
+
+def fit_prefill_pieces(
+    backend: Any,
+    weight_types: Mapping[str, str],
+    context: int,
+    *,
+    drafts: int,
+    budget: int | None = None,
+) -> int | None:
+    """Set `backend.prefill_tokens` to the piece `choose_prefill_piece` gives its card: the operator's when set,
+    else the longest whose plan (this back end's path: its delta-rule kernel, the megakernel's buffers, `drafts`
+    per verify, `context` positions) fits `budget`, by default what its device has for this process
+    (`device_budget`). Returns the piece; None for a back end without the fast prefill (its pieces bound the
+    reference path's scores, not memory)."""
+    from .loading import dequantizes_once
+    from .prefill.runner import operator_piece_tokens
+
+    fast = getattr(backend, "fast_prefill", None)
+    if fast is None:
+        return None
+    config: ModelConfig = backend.config
+    dtype: torch.dtype = backend.dtype
+
+    def plan_for(piece: int) -> MemoryPlan:
+        return device_memory(
+            config,
+            weight_types,
+            context,
+            dtype=dtype,
+            spec_k=drafts,
+            prefill_tokens=piece,
+            dequantize_once=dequantizes_once(config, dtype),
+            megakernel=getattr(backend, "name", None) == "megakernel",
+            delta_rule=fast.delta_rule.name,
+        )
+
+    operator = operator_piece_tokens()
+    if budget is None and backend.device.type == "cuda":
+        budget = device_budget(backend.device)
+    piece = choose_prefill_piece(plan_for, budget, operator=operator)
+    plan = plan_for(piece)
+    if budget is not None and not plan.fits(budget):  # only the operator's piece gets here
+        log.warning(
+            "prefill pieces of %d tokens (the operator's) need %.2f GB, over the memory budget of %.2f GB",
+            piece,
+            plan.total / 1e9,
+            budget / 1e9,
+        )
+    else:
+        log.info(
+            "prefill pieces of %d tokens: %s%s",
+            piece,
+            plan.format(),
+            "" if budget is None else f", within a budget of {budget / GIB:.2f} GiB",
+        )
+    backend.prefill_tokens = piece
+    return piece

@@ -75,6 +75,14 @@ def register(subparsers: Any) -> None:
     add_drafting_arguments(p)
     p.add_argument("--max-context", type=int, default=None, help="cap the context length of every card")
     p.add_argument("--cache-gib", type=float, default=None, help="session cache per card, GiB")
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory a GPU card may plan with, GB (default: what its device has free for it): the "
+        "prefill piece is the longest that fits it by our accounting ($ONESTREAM_PREFILL_TOKENS overrides)",
+    )
     p.add_argument("--card-threads", type=int, default=None, help="torch threads per CPU card")
     p.add_argument("--queue", type=int, default=256, help="requests that may wait for a card")
     p.add_argument("--home-wait", type=float, default=2.0, help="seconds a turn waits for its busy home card")
@@ -147,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
         engine_options["max_context"] = args.max_context
     if args.cache_gib is not None:
         engine_options["cache_bytes"] = int(args.cache_gib * (1 << 30))
+    if args.memory_budget is not None:
+        if args.memory_budget <= 0:
+            print("onestream serve: --memory-budget must be a positive number of GB", file=sys.stderr)
+            return 2
+        engine_options["memory_budget"] = int(args.memory_budget * 1e9)
     engine_options |= {k: v for k, v in engine_format_options(args).items() if v is not None}
     try:
         if not (
@@ -225,25 +238,31 @@ def users_problem(args: argparse.Namespace) -> str | None:
 
 def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dict[str, Any]) -> str:
     """What one card needs for this model, format and context (worker/memory.py), and whether the local GPU
-    has it."""
+    has it, with the prefill piece its engine will choose (memory.choose_prefill_piece)."""
     import torch
 
     from onestream.worker.checkpoints import open_checkpoint
     from onestream.worker.engine import parse_dtype
     from onestream.worker.memory import fit_report
-    from onestream.worker.prefill import piece_tokens_from_env
+    from onestream.worker.prefill import operator_piece_tokens
+    from onestream.worker.prefill.deltanet import expected_kernel
 
     checkpoint = open_checkpoint(model_dir, quantize=args.quantize, tokenizer_dir=args.tokenizer)
     gpu = args.cpu_cards is None and torch.cuda.is_available()
     dtype = parse_dtype(args.dtype) or (torch.bfloat16 if gpu else torch.float32)
-    device_bytes = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    device_bytes = None
+    if gpu:  # before the card loads: its whole memory (the card plans with what its device has then)
+        budget = engine_options.get("memory_budget")
+        device_bytes = budget if budget is not None else torch.cuda.get_device_properties(0).total_memory
     return fit_report(
         checkpoint,
         dtype=dtype,
         context=engine_options.get("max_context"),
         spec_k=_max_drafts(engine_options),
         device_bytes=device_bytes,
-        prefill_tokens=piece_tokens_from_env() if gpu else None,  # a GPU card prefills on the fast path
+        prefill_tokens=operator_piece_tokens() if gpu else None,  # a GPU card prefills on the fast path
+        fast_prefill=gpu,
+        delta_rule=expected_kernel() if gpu else "torch",
         megakernel=gpu and args.backend != "reference",  # and decodes on the megakernel when it builds
     )
 

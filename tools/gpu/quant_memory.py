@@ -74,36 +74,17 @@ def main() -> None:
         "--card-memory",
         type=float,
         default=None,
-        help="a card's memory in bytes (24e9: a 24 GB card): the piece is the longest whose accounting fits it, "
-        "and the measured peak is reported against it",
+        help="a card's memory in bytes (24e9: a 24 GB card): the engine's choice of the piece plans with it "
+        "instead of this device's memory, and the measured peak is reported against it",
     )
     args = parser.parse_args()
-    from onestream.worker.prefill.runner import DEFAULT_PIECE_TOKENS, PIECE_ENV
+    from onestream.worker.prefill.runner import PIECE_ENV
 
-    if args.card_memory is not None and args.piece is None:
-        from onestream.kernels.random_model import config_27b
-        from onestream.worker.memory import (
-            MemoryPlan,
-            device_memory,
-            largest_fitting_piece,
-            preset_weight_types,
-        )
-
-        cfg = config_27b(args.layers, mtp=True)
-        kinds = preset_weight_types(cfg, args.preset)
-
-        def plan_for(piece: int) -> MemoryPlan:
-            return device_memory(
-                cfg, kinds, args.context, spec_k=args.spec_k, prefill_tokens=piece, megakernel=True
-            )
-
-        args.piece = largest_fitting_piece(plan_for, DEFAULT_PIECE_TOKENS, int(args.card_memory)) or 512
-        print(f"card memory {args.card_memory / 1e9:.2f} GB: prefill piece {args.piece}", flush=True)
-    if args.piece is not None:
+    if args.piece is not None:  # the operator's piece, which the engine's choice leaves alone
         os.environ[PIECE_ENV] = str(args.piece)
 
     from onestream.kernels.backend import MegakernelBackend
-    from onestream.worker.memory import device_memory, preset_weight_types
+    from onestream.worker.memory import device_memory, fit_prefill_pieces, preset_weight_types
 
     device = torch.device("cuda")
     torch.cuda.init()
@@ -141,8 +122,21 @@ def main() -> None:
     runner = backend.runner
     after_runner = torch.cuda.memory_allocated()
     stage("runner (weights repacked, the T = 1 build; the fast prefill's scratch resized)", "runner")
+    # the piece as the engine chooses it (worker/memory.py), for --card-memory rather than this device's memory
+    budget = int(args.card_memory) if args.card_memory is not None else None
+    fit_prefill_pieces(backend, types, args.context, drafts=k, budget=budget)
+    print(
+        f"prefill piece {backend.prefill_tokens} (delta rule {backend.fast_prefill.delta_rule.name})",
+        flush=True,
+    )
     plan = device_memory(
-        config, types, args.context, spec_k=k, prefill_tokens=backend.prefill_tokens, megakernel=True
+        config,
+        types,
+        args.context,
+        spec_k=k,
+        prefill_tokens=backend.prefill_tokens,
+        megakernel=True,
+        delta_rule=backend.fast_prefill.delta_rule.name,
     )
     print(f"accounting (worker/memory.py, megakernel): {plan.format()}", flush=True)
     state = backend.new_state(args.context)

@@ -10,6 +10,7 @@ Two kernels compute the same recurrence (worker/layers/deltanet.py has its defin
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -88,6 +89,16 @@ def chunk_gated_delta_rule_torch(
         states[i + 1].baddbmm_(to_end[i], writes[i])
     out = (q * cum.exp().unsqueeze(-1)) @ states[:n] + scores @ writes  # [n, H, C, dv]
     return out.transpose(0, 1).reshape(h, n * chunk, dv)[:, :t], states[n].clone()
+
+
+def expected_kernel() -> str:
+    """The kernel a CUDA device's prefill will run as far as can be told without a device to probe on (what
+    `serve` plans a card's memory with before the card loads): the pinned one, else fla where the package is
+    installed (its probe decides when the back end is made), else torch."""
+    kind = os.environ.get(KERNEL_ENV, "auto")
+    if kind in ("fla", "torch"):
+        return kind
+    return "fla" if importlib.util.find_spec("fla") is not None else "torch"
 
 
 def _fla_function() -> Callable[..., Any] | None:

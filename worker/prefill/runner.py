@@ -38,10 +38,12 @@ def _elements(module: torch.nn.Module) -> int:
     return int(rows) * int(cols)
 
 
-def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
+def operator_piece_tokens() -> int | None:
+    """The operator's prefill piece ($ONESTREAM_PREFILL_TOKENS), or None when unset: it wins over the piece
+    the engine chooses for its card (memory.choose_prefill_piece)."""
     raw = os.environ.get(PIECE_ENV)
     if raw is None:
-        return default
+        return None
     try:
         value = int(raw)
     except ValueError:
@@ -49,6 +51,12 @@ def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
     if value < 1:
         raise InvalidRequestError(f"${PIECE_ENV} must be a positive integer, got {raw!r}")
     return value
+
+
+def piece_tokens_from_env(default: int = DEFAULT_PIECE_TOKENS) -> int:
+    """The operator's piece, else `default` (a back end's piece until its engine sizes it for the card)."""
+    operator = operator_piece_tokens()
+    return default if operator is None else operator
 
 
 class FastPrefill:
