@@ -83,6 +83,19 @@ def test_a_stamped_engine_writes_one_stamp_per_item(tmp_path: Path) -> None:
     assert engine.progress > 0 and source.model_info(engine)["model_name"] == SOURCE.label  # the engine's own
 
 
+def test_serve_flags_name_a_random_source() -> None:
+    from onestream.cli import build_parser
+    from onestream.commands.serve import random_source, run
+
+    parser = build_parser("serve")
+    args = parser.parse_args(
+        ["serve", "--random-model", "27b", "--random-layers", "16", "--random-weights", "q4_k_m"]
+    )
+    assert random_source(args) == RandomModelSource("27b", layers=16, weights="q4_k_m")
+    assert random_source(parser.parse_args(["serve"])) is None
+    assert run(parser.parse_args(["serve", "--model", "/m", "--random-model", "tiny"])) == 2  # two models
+
+
 # ---- served by a pool -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool_cards() -> tuple[int, ...]:
