@@ -236,6 +236,7 @@ def pool_phase(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             pool = PoolThread(config).start(wait_for_cards=1, ready_timeout_s=args.start_timeout)
             built_s = time.perf_counter() - t0
+            print(f"  {label}: the pool serves ({built_s:.0f} s)", flush=True)
             runs = []
             try:
                 with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
@@ -414,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = run_phase(args, "engine")
     print(f"  engine in process: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for label, side in engine.items():  # now, in case the pool's side runs out of time
+        ttft, tok_s = median_of(side["runs"], "ttft_ms"), median_of(side["runs"], "decode_tok_s")
+        print(f"    {label}: TTFT {ttft:.2f} ms, decode {tok_s:.1f} tok/s (built in {side['build_s']:.0f} s)")
     pool = run_phase(args, "pool")
     print(f"  through the pool: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     result = report(args, engine, pool)
