@@ -261,7 +261,7 @@ def pool_phase(args: argparse.Namespace) -> dict[str, Any]:
                             runs.append(
                                 summarise(start, stamps) | {"hops": hops(start, engine, routed, stamps)}
                             )
-                card_backend = str(client_backend(pool))
+                card_backend = str(served_backend(pool))
             finally:
                 cards = [r.actor for r in pool.call(pool.pool.registry.records)]
                 pool.stop()
@@ -275,7 +275,8 @@ def pool_phase(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def client_backend(pool: Any) -> Any:
+def served_backend(pool: Any) -> Any:
+    """The back end the card reports (the registry keeps the first card's model info)."""
     info = pool.call(lambda: pool.pool.registry.model_info) or {}
     return info.get("backend", "?")
 
