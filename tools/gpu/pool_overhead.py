@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the card to come up")
+    p.add_argument(
+        "--limit-s",
+        type=float,
+        default=0.0,
+        help="seconds for everything (0: no limit): a side still running then is ended and reported missing",
+    )
     p.add_argument("--phase", choices=("all", "engine", "pool"), default="all", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -324,15 +330,37 @@ def hops(
 
 
 # ---- both, and the table ----------------------------------------------------------------------------------
-def run_phase(args: argparse.Namespace, phase: str) -> dict[str, Any]:
-    """One side in its own process: the GPU holds one copy of the model, and a side's memory is gone after."""
+def run_phase(args: argparse.Namespace, phase: str, deadline: float | None) -> dict[str, Any] | None:
+    """One side in its own process: the GPU holds one copy of the model, and a side's memory is gone after.
+    None when `deadline` (perf_counter seconds) passes first: the side's process group (Ray's processes
+    with it) is ended, so that what the other side measured is still reported."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / f"{phase}.json"
-        argv = [a for a in sys.argv[1:]]
-        subprocess.run(
-            [sys.executable, __file__, *argv, "--phase", phase, "--phase-out", str(result)], check=True
-        )
+        argv = [*sys.argv[1:], "--phase", phase, "--phase-out", str(result)]
+        child = subprocess.Popen([sys.executable, __file__, *argv], start_new_session=True)
+        try:
+            code = child.wait(timeout=None if deadline is None else max(deadline - time.perf_counter(), 1.0))
+        except subprocess.TimeoutExpired:
+            print(f"  {phase}: out of time (--limit-s {args.limit_s:.0f}); ended", flush=True)
+            _end_group(child)
+            return None
+        if code != 0:
+            raise RuntimeError(f"the {phase} side failed (exit {code})")
         return json.loads(result.read_text())
+
+
+def _end_group(child: subprocess.Popen[bytes]) -> None:
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(child.pid, sig)
+            child.wait(timeout=wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def median_of(runs: list[dict[str, Any]], key: str, sub: str | None = None) -> float | None:
@@ -414,17 +442,25 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.phase_out).write_text(json.dumps(result))
         return 0
     t0 = time.perf_counter()
-    engine = run_phase(args, "engine")
+    deadline = t0 + args.limit_s if args.limit_s > 0 else None
+    engine = run_phase(args, "engine", deadline)
+    if engine is None:
+        return 3
     print(f"  engine in process: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     for label, side in engine.items():  # now, in case the pool's side runs out of time
         ttft, tok_s = median_of(side["runs"], "ttft_ms"), median_of(side["runs"], "decode_tok_s")
         print(f"    {label}: TTFT {ttft:.2f} ms, decode {tok_s:.1f} tok/s (built in {side['build_s']:.0f} s)")
-    pool = run_phase(args, "pool")
+    pool = run_phase(args, "pool", deadline)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if pool is None:  # the engine's side alone, for the record
+        (out / "pool_overhead.json").write_text(
+            json.dumps({"args": vars(args), "engine": engine, "pool": None})
+        )
+        return 3
     print(f"  through the pool: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     result = report(args, engine, pool)
     print(format_table(result), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "pool_overhead.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'pool_overhead.json'} ({time.perf_counter() - t0:.0f} s)")
     return 0

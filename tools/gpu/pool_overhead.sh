@@ -2,7 +2,7 @@
 # What the pool path costs against the engine in process (issue 23, "The engine"), in one device call:
 # tools/gpu/pool_overhead.py on a random model of the 27B shapes, the engine in process, then a Ray card on the
 # GPU behind the router and gRPC; prints the table, writes $OUT/pool_overhead.json.
-#   run (carry .devpkgs .whl): bash tools/gpu/pool_overhead.sh [pool_overhead.py options]   (default --layers 64)
+#   run (carry .devpkgs .whl): [LIMIT=280] bash tools/gpu/pool_overhead.sh [pool_overhead.py options]   (default --layers 64)
 # .devpkgs is check_pool.sh's (the Ray bundle and the gRPC health/reflection 1.84.0 wheels, see its header);
 # .whl holds gguf (worker/quant, which the kernel plan imports): `pip download --no-deps -d .whl gguf`.
 set -uo pipefail
@@ -22,6 +22,8 @@ echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/pool_overhead.log"
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--layers 64)
-python3 "$REPO/tools/gpu/pool_overhead.py" "${ARGS[@]}" --out "$OUT" 2>&1 |
-  grep -v -e "WARNING" -e "has constructor arguments in the object store" | tee -a "$OUT/pool_overhead.log"
+# --limit-s: on expiry the tool ends its side's process group and reports what it has (the engine's side first).
+python3 "$REPO/tools/gpu/pool_overhead.py" "${ARGS[@]}" --out "$OUT" --limit-s "${LIMIT:-280}" 2>&1 |
+  grep --line-buffered -v -e "WARNING" -e "has constructor arguments in the object store" \
+    -e "Overwriting previous Ray address" | tee -a "$OUT/pool_overhead.log"
 echo "exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pool_overhead.log"
