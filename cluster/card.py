@@ -20,12 +20,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from onestream.worker.api import Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import OnestreamError
 
+from .engine_source import EngineSource, source_for
 from .http_server import MetricsHTTPServer
 from .metrics import CardMetrics
 from .prefix_index import PointReporter
@@ -50,6 +50,12 @@ class CardSettings:
     torch_threads: int | None = None  # CPU cards: intra-op threads of the engine
     metrics_host: str | None = None  # None: the node's IP address
     engine_options: dict[str, Any] = field(default_factory=dict)
+    # What builds the engine (cluster/engine_source.py); None: the checkpoint at `model_dir`.
+    engine_source: EngineSource | None = None
+
+    @property
+    def source(self) -> EngineSource:
+        return source_for(self.model_dir, self.engine_source)
 
 
 @dataclass(frozen=True)
@@ -127,9 +133,8 @@ class CardActor:
             self._engine.warm_up(reporter)
         except Exception as e:  # the first request then compiles (or reports) whatever failed here
             log.warning("card warm-up failed: %s: %s", type(e).__name__, e)
-        info = _plain(self._engine.model_info())
-        self._model_info = info if isinstance(info, dict) else {"info": info}
-        model = str(self._model_info.get("model_name") or Path(settings.model_dir).name)
+        self._model_info = settings.source.model_info(self._engine)
+        model = str(self._model_info.get("model_name") or settings.source.label)
         gpu_index, gpu_uuid, device_name = _device_identity(settings)
         node_id, node_ip = _node()
         self._metrics = CardMetrics(
@@ -320,15 +325,14 @@ def _load_reporter(board: Any, key: str) -> Callable[[Any], None] | None:
 
 
 def _build_engine(settings: CardSettings, on_load_progress: Callable[[Any], None] | None = None) -> Any:
-    from onestream.worker.engine import Engine
-
-    options = dict(settings.engine_options)
-    if settings.dtype:
-        options["dtype"] = settings.dtype  # the engine parses "bf16", "fp32", ...
+    """The card's engine, from its settings' source: only the device and back end are the card's to decide."""
     backend = "reference" if settings.cpu and settings.backend == "auto" else settings.backend
-    device = "cpu" if settings.cpu else "cuda"
-    return Engine(
-        settings.model_dir, backend=backend, device=device, on_load_progress=on_load_progress, **options
+    return settings.source.build(
+        device="cpu" if settings.cpu else "cuda",
+        backend=backend,
+        dtype=settings.dtype,
+        options=dict(settings.engine_options),
+        on_load_progress=on_load_progress,
     )
 
 

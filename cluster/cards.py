@@ -249,6 +249,7 @@ class CardRegistry:
             torch_threads=self.config.card_torch_threads,
             metrics_host=self.config.card_metrics_host,
             engine_options={**self.config.engine_options, "prefix_sharing": self.config.prefix_sharing},
+            engine_source=self.config.engine_source,
         )
 
     def _create(self, node_id: str, slot: int, settings: CardSettings) -> Any:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onestream.worker.prefixes import DEFAULT_PREFIX_SHARING
+
+if TYPE_CHECKING:
+    from .engine_source import EngineSource
 
 
 @dataclass
@@ -24,6 +27,9 @@ class PoolConfig:
     card_torch_threads: int | None = None
     card_metrics_host: str | None = None  # None: each node's IP address
     engine_options: dict[str, Any] = field(default_factory=dict)
+    # What builds the cards' engines (cluster/engine_source.py: a random 27B-shaped model for a benchmark,
+    # say); None: the checkpoint at `model_dir`, whose tokenizer the router routes text prompts with anyway.
+    engine_source: EngineSource | None = None
     max_restarts: int = 3  # Ray restarts of a dead card actor before it is recreated from scratch
     ray_namespace: str = "onestream"
     # Scheduling (cluster/policy.py).

@@ -25,6 +25,7 @@ from .card import SessionRecord
 from .cards import CardRegistry
 from .config import PoolConfig
 from .discovery import service_discovery_groups
+from .engine_source import source_for
 from .frontdoor.app import FrontDoor
 from .health import HealthServicer
 from .http_server import MetricsHTTPServer
@@ -76,7 +77,7 @@ class PoolServer:
 
     async def start(self, *, wait_for_cards: int = 1, ready_timeout_s: float | None = None) -> None:
         """Open the gRPC and metrics ports, start the cards, and wait until `wait_for_cards` serve."""
-        self.model = self.config.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.model = source_for(self.config.model_dir, self.config.engine_source).label
         self.metrics = RouterMetrics(self.model, per_user=self.config.metrics_per_user)
         self._export_users()
         self.scheduler = Scheduler(

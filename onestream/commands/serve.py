@@ -115,8 +115,39 @@ def register(subparsers: Any) -> None:
     users.add_argument(
         "--metrics-per-user", action="store_true", help="label the per-user counters with the user"
     )
+    bench = p.add_argument_group("benchmarks (cluster/engine_source.py: cards that draw a random model)")
+    bench.add_argument(
+        "--random-model",
+        default=None,
+        choices=("27b", "tiny"),
+        help="every card draws a random model of these shapes on its device instead of loading --model "
+        "(the embedded model lends its tokenizer: send token-id prompts)",
+    )
+    bench.add_argument(
+        "--random-layers", type=int, default=None, metavar="N", help="its layers (default: all)"
+    )
+    bench.add_argument(
+        "--random-weights", default="bf16", help="bf16, or a preset's random GGUF blocks (q4_k_m, q8_0, ...)"
+    )
+    bench.add_argument("--random-mtp", action="store_true", help="give it an MTP head (for --spec-k)")
+    bench.add_argument("--random-seed", type=int, default=7)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
+
+
+def random_source(args: argparse.Namespace) -> Any:
+    """The cards' RandomModelSource when --random-model is given, else None (they load --model)."""
+    if args.random_model is None:
+        return None
+    from onestream.cluster.engine_source import RandomModelSource
+
+    return RandomModelSource(
+        args.random_model,
+        layers=args.random_layers,
+        weights=args.random_weights,
+        seed=args.random_seed,
+        mtp=args.random_mtp,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     problem = users_problem(args)  # before anything slow starts
+    if problem is None and args.random_model is not None and args.model is not None:
+        problem = "--random-model and --model name two models; give one"
     if problem:
         print(f"onestream serve: {problem}", file=sys.stderr)
         return 2
@@ -162,7 +195,14 @@ def run(args: argparse.Namespace) -> int:
         engine_options["memory_budget"] = int(args.memory_budget * 1e9)
     engine_options |= {k: v for k, v in engine_format_options(args).items() if v is not None}
     try:
-        if not (
+        source = random_source(args)
+    except ValueError as e:
+        print(f"onestream serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        if source is not None:  # nothing to load: the memory is the drawn model's
+            print(f"onestream serve: cards draw {source.label} (random weights, token prompts)", flush=True)
+        elif not (
             args.address and not Path(model_dir).exists()
         ):  # a remote cluster's path may be its nodes' only
             print(f"onestream serve: {_memory_report(model_dir, args, engine_options)}", flush=True)
@@ -181,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         card_torch_threads=args.card_threads,
         card_metrics_host=args.card_metrics_host,
         engine_options=engine_options,
+        engine_source=source,
         queue_capacity=args.queue,
         home_wait_s=args.home_wait,
         prefix_sharing=args.prefix_sharing,
