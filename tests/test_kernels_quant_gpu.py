@@ -325,6 +325,29 @@ def test_rows_per_item_do_not_change_results(mixed):
     torch.cuda.empty_cache()
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["mixed", "q4_k_m_27b"])
+def test_the_weight_ring_does_not_change_results(which, request):
+    """Quantized items through the shared-memory ring (cp.async, the default where it fits) and through the
+    register double buffer give every format's logits bit for bit: the ring only changes where a unit's bytes
+    wait before they are multiplied."""
+    model, runner, _ = request.getfixturevalue(which)
+    assert runner.plan.stages > 0, runner.describe()
+    registers = DiagnosticRunner(model, tuning=Tuning(stages=0))
+    assert registers.plan.stages == 0
+    g = torch.Generator(device="cuda").manual_seed(13)
+    prompt = torch.randint(0, model.config.vocab_size, (6,), device="cuda", generator=g)
+    state = model.new_state(64)
+    model.forward_step(prompt, state, logits="last")
+    other = state.clone()
+    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
+        a = runner.step(token.view(1), state).logits[0]
+        b = registers.step(token.view(1), other).logits[0]
+        assert torch.equal(a, b), float((a - b).abs().max())
+    del registers
+    torch.cuda.empty_cache()
+
+
 # ---- a quantized embedding table ------------------------------------------------------------------------------
 @torch.no_grad()
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
