@@ -502,7 +502,8 @@ class KernelPlan:
             shapes[f"MK_WFMT_{kind.upper()}"] = self.quant_mask(kind)
         if self.embed_format is not WeightFormat.BF16:  # left out for bf16 rows: those plans keep their PTX
             assert self.embed_format.quant_type is not None
-            shapes["MK_EFMT"] = WEIGHT_FORMAT_CODES[self.embed_format]  # decoded by the quantized GEMV's helpers
+            # The rows are decoded by the quantized GEMV's helpers.
+            shapes["MK_EFMT"] = WEIGHT_FORMAT_CODES[self.embed_format]
             shapes["MK_EMBED_STRIDE"] = row_layout(self.embed_format.quant_type, self.config.hidden_size)[1]
         union = self.quant_union
         if union:  # bf16-only plans keep their defines (and their PTX)
