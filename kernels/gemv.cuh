@@ -384,7 +384,10 @@ __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan
 // phase's prologue (norm, staging). gemv_run(..., head_issued = true) then skips issuing it again.
 __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
 #if MK_QFMTS
-    if (gemv_desc_quant(d)) return;  // quantized weights stream through registers (gemv_quant.cuh)
+    if (gemv_desc_quant(d)) {
+        gemv_issue_first_head_quant(d, ring);
+        return;
+    }
 #endif
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
@@ -406,7 +409,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
                          bool head_issued, Finish finish, Stage stage) {
 #if MK_QFMTS
     if (gemv_desc_quant(d)) {  // a quantized GEMV (its segments are all quantized): gemv_quant.cuh
-        gemv_run_quant(d, xs_in, part, rowval, ring, finish, stage);
+        gemv_run_quant(d, xs_in, part, rowval, ring, head_issued, finish, stage);
         return;
     }
 #endif

@@ -772,14 +772,38 @@ __device__ __forceinline__ void q_read_item(int fmt, const QPlan& p, int nr, int
     QF_DISPATCH(fmt, QF_READ)
 #undef QF_READ
 }
+// Start copying this warp's unit k of the pass over chunks [c0, c0 + nkq) of rows [rs, rs + nr) (`count` units in
+// all) into ring slot k % MK_STAGES (`ring0`: this lane's plane 0 of slot 0), as one commit group (empty past the
+// end, so that the group count stays uniform).
+__device__ __forceinline__ void q_ring_issue(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                             int nr, int c0, int nkq, int count, int k, int lane, u32 ring0,
+                                             u64 policy) {
+    if (k < count) {
+        const GemvUnit u = gemv_unit(tid_x() >> 5, k, c0, nkq);
+        q_issue_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane,
+                     ring0 + (k % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
+    }
+    cp_async_commit();
+}
 #endif
+
+// The segment holding row a: its index and first row.
+__device__ __forceinline__ void q_segment_of(const GemvDesc& d, int a, int& s, int& start) {
+    s = 0, start = 0;
+    for (int j = 0; j + 1 < d.nseg; ++j) {
+        if (a >= d.end[j]) {
+            s = j + 1;
+            start = d.end[j];
+        }
+    }
+}
 
 // Rows [a, b) of the block's share, all in one segment (or a gate/up interleave of two segments of one format).
 // `staged`: window 0 is in shared memory (updated as passes restage).
 template <class Finish, class Stage>
 __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b, const bf16_t* xs_in, float* part,
-                                                float* rowval, vec16* ring, bool& staged, Finish finish,
-                                                Stage stage) {
+                                                float* rowval, vec16* ring, bool& head, bool& staged,
+                                                Finish finish, Stage stage) {
     const QPlan p = qplan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
@@ -787,13 +811,8 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
     const int cpp = qplan_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     // The segment of row a (its start row and rows), or both halves of a gate/up interleave.
-    int s = 0, start = 0;
-    for (int j = 0; j + 1 < d.nseg; ++j) {
-        if (a >= d.end[j]) {
-            s = j + 1;
-            start = d.end[j];
-        }
-    }
+    int s, start;
+    q_segment_of(d, a, s, start);
     const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
 #if MK_STAGES > 0
     const u32 ring0 = smem_addr(ring + warp * 32 + lane);  // this lane's plane 0 of slot 0
@@ -813,16 +832,12 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             // Unit k lives in ring slot k % MK_STAGES; one commit group per unit (empty past the end, so that the
             // count stays uniform). The head does not depend on the input: in flight while the window is staged.
             const u64 policy = evict_first_policy();
-            auto issue = [&](int k) {
-                if (k < count) {
-                    const GemvUnit u = gemv_unit(warp, k, c0, nkq);
-                    q_issue_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane,
-                                 ring0 + (k % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
-                }
-                cp_async_commit();
-            };
+            auto issue = [&](int k) { q_ring_issue(fmt, d, s, start, p, rs, nr, c0, nkq, count, k, lane, ring0, policy); };
+            if (!head) {  // else issued before the phase (gemv_issue_first_head_quant)
 #pragma unroll
-            for (int k = 0; k < MK_STAGES - 1; ++k) issue(k);
+                for (int k = 0; k < MK_STAGES - 1; ++k) issue(k);
+            }
+            head = false;
 #endif
             if (q > 0 || !staged) {
                 __syncthreads();  // every warp is done with the previous window
@@ -904,7 +919,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
 // The quantized GEMV of this block's rows, one segment (one format) at a time.
 template <class Finish, class Stage>
 __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* xs, float* part, float* rowval,
-                                               vec16* ring, Finish finish, Stage stage) {
+                                               vec16* ring, bool head_issued, Finish finish, Stage stage) {
     int r0, r1;
     block_row_range(d.nrows, d.align, r0, r1);
 #ifdef MK_PHASE_TIMING
@@ -916,15 +931,36 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
         qplan_pass_range(d, qplan(d.K), 0, k0, k1);
         q_stage_input(xs, q_xsum(xs), k0, k1);
     }
+    bool head = head_issued;  // the first segment's first items are in flight
     for (int a = r0; a < r1;) {
-        int s = 0;
-        for (int j = 0; j + 1 < d.nseg; ++j)
-            if (a >= d.end[j]) s = j + 1;
+        int s, start;
+        q_segment_of(d, a, s, start);
         const int b = d.interleave ? r1 : min(r1, d.end[s]);
-        gemv_quant_rows(d, a, b, xs, part, rowval, ring, staged, finish, stage);
+        gemv_quant_rows(d, a, b, xs, part, rowval, ring, head, staged, finish, stage);
         a = b;
     }
 }
+
+#if MK_STAGES > 0
+// gemv_issue_first_head for a quantized GEMV: this warp's first MK_STAGES - 1 units of the block's first segment,
+// round and pass, one commit group each, before the phase's input exists.
+__device__ void gemv_issue_first_head_quant(const GemvDesc& d, vec16* ring) {
+    const QPlan p = qplan(d.K);
+    int r0, r1;
+    block_row_range(d.nrows, d.align, r0, r1);
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    int s, start;
+    q_segment_of(d, r0, s, start);
+    const int b = d.interleave ? r1 : min(r1, d.end[s]);
+    const int nr = min(p.round, b - r0), nkq = min(qplan_pass_chunks(p), p.nk);
+    const int count = nr > 0 ? gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq) : 0;
+    const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
+    const u32 ring0 = smem_addr(ring + warp * 32 + lane);
+    const u64 policy = evict_first_policy();
+#pragma unroll
+    for (int k = 0; k < MK_STAGES - 1; ++k) q_ring_issue(fmt, d, s, start, p, r0, nr, 0, nkq, count, k, lane, ring0, policy);
+}
+#endif
 
 // Pull the first plane (the bulk of the bytes) of up to `max_bytes` of block b's rows of a coming quantized GEMV
 // phase into L2.

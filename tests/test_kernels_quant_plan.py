@@ -159,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_gemv_quant_probe(
     __syncthreads();
     const Smem sm = carve_smem(smem_raw);
     gemv_run_quant(
-        d, sm.xs, sm.part, sm.rowval, sm.ring,
+        d, sm.xs, sm.part, sm.rowval, sm.ring, false,
         [&](int rs, int nr, const float* rowval, int ld) {
             for (int i = tid_x(); i < nr * MK_NT; i += MK_THREADS) out[rs + i] = rowval[i];
         },
