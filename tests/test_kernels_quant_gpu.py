@@ -158,7 +158,7 @@ def test_mlp_gemv_per_format(mixed, fmt):
 def test_every_format_is_in_the_mixed_build(mixed):
     _, runner, chosen = mixed
     assert {t.name for t in chosen.values()} == set(FORMATS)
-    assert runner.plan.stages == 0 and not runner.plan.streams_bf16  # registers only: no bf16 GEMV, no ring
+    assert runner.plan.stages > 0 and not runner.plan.streams_bf16  # no bf16 GEMV; quantized items in the ring
 
 
 @torch.no_grad()
