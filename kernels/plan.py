@@ -314,6 +314,10 @@ class KernelPlan:
         Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
+        if self.tuning.stages is None and not self.streams_bf16 and self.quant_ring_vecs > 2:
+            # Q8_0 and Q5_K items take 3 ring vectors per unit: a ring that size crowds out the window and L1, and
+            # a Q8_0 model measured slower with it than with the register double buffer (docs/benchmarks.md).
+            options = (0,)
         windows = self._windows()
         least = self._least_part_rows()
         if top < least:

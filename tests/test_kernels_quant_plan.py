@@ -70,6 +70,19 @@ def test_a_quantized_plan_names_its_formats_per_kind() -> None:
     assert "#define MK_QFMTS " in src and "gemv_run_quant" in src
 
 
+def test_the_weight_ring_holds_quantized_items_of_two_vectors_per_unit() -> None:
+    """A Q4_K_M model streams its items through the ring (2 vectors per unit); a Q8_0 model keeps the register
+    double buffer unless the tuning names a ring, whose slots then hold 3 vectors per unit."""
+    q8 = weight_formats_of({k: {W.Q8_0} for k in WEIGHT_KINDS})
+    plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8)
+    assert plan.quant_ring_vecs == 3 and plan.stages == 0 and plan.carve.xs == 0
+    ring = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8, tuning=Tuning(stages=2)
+    )
+    assert ring.stages == 2 and ring.ring_planes == 4 * 3
+    assert ring.carve.xs == 2 * ring.ring_planes * ring.tuning.threads * 16
+
+
 def test_a_plan_with_bf16_kinds_keeps_the_bf16_gemv() -> None:
     kinds = {"mlp_down": {W.Q8_0}}
     plan = KernelPlan(
