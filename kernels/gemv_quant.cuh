@@ -12,8 +12,10 @@
 // by q_slot_xor (the lanes' staged inputs, 64 bytes apart, would otherwise share shared-memory banks). The lane
 // extracts a unit's levels once for all MK_NT tokens, reads and converts each token's staged inputs once for all
 // the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
-// sums do not depend on the other rows of its item, nor a token's on the other tokens. Items are double-buffered
-// in registers like the bf16 register path; the shared-memory ring is not used. Partials, rounds, passes over K
+// sums do not depend on the other rows of its item, nor a token's on the other tokens. Items stream through the
+// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, MK_STAGES - 1 items ahead, the first
+// issued before the phase), else they are double-buffered in registers; either way the lane multiplies the same
+// bytes, so the results are the same. Partials, rounds, passes over K
 // windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
 // computes a row.
 //
