@@ -102,6 +102,16 @@ __device__ __forceinline__ vec16 ld_shared16(const void* p) {
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
     return r;
 }
+__device__ __forceinline__ u32 ld_shared4(const void* p) {
+    u32 r;
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
+    return r;
+}
+__device__ __forceinline__ void ld_shared8(const void* p, u32& x, u32& y) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(x), "=r"(y) : "r"(a));
+}
 __device__ __forceinline__ void st_shared16(void* p, const vec16& v) {
     const u32 a = (u32)__cvta_generic_to_shared(p);
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -120,6 +130,15 @@ __device__ __forceinline__ void cp_async16(u32 dst_smem, const void* src, u64 po
 // The same for data written earlier in this launch (activations): L2 only, no eviction hint.
 __device__ __forceinline__ void cp_async16_l2(u32 dst_smem, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst_smem), "l"(src) : "memory");
+}
+// 4 or 8 bytes (the quantized GEMV's scale and high-bit planes): the small copies go through L1 (.ca is the only
+// form for them); the hint still marks the lines evict-first in L2.
+template <int N>
+__device__ __forceinline__ void cp_async_small(u32 dst_smem, const void* src, u64 policy) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3;" ::"r"(dst_smem), "l"(src), "n"(N),
+                 "l"(policy)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

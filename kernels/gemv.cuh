@@ -40,6 +40,9 @@
 #ifndef MK_STAGES
 #define MK_STAGES 0  // > 0: weights stream through a per-thread ring of MK_STAGES items in shared memory (cp.async)
 #endif
+#ifndef MK_RING_PLANES
+#define MK_RING_PLANES MK_UMAX  // 16-byte vectors per thread in a ring slot (plan.py: KernelPlan.ring_planes)
+#endif
 #ifndef MK_XW
 #error "MK_XW (input values staged per token) missing: compile through onestream.kernels.build"
 #endif
@@ -91,6 +94,7 @@ __shared__ u64 mk_gemv_t[2];
 #ifndef MK_GEMV_BF16
 #define MK_GEMV_BF16 1  // 0: no weight kind holds bf16 (a quantized model): the bf16 loop is not compiled
 #endif
+static_assert(MK_STAGES == 0 || MK_RING_PLANES >= MK_UMAX || !MK_GEMV_BF16, "a ring slot holds a bf16 item");
 static_assert((MK_WFMT_DN_IN | MK_WFMT_DN_OUT | MK_WFMT_ATT_IN | MK_WFMT_ATT_OUT | MK_WFMT_MLP_IN | MK_WFMT_MLP_DOWN |
                MK_WFMT_LM_HEAD | MK_WFMT_MTP_FC | (MK_EFMT ? 1 << MK_EFMT : 0)) == MK_QFMTS,
               "MK_QFMTS is the union of the weight kinds' quantized formats and the embedding's");
@@ -380,7 +384,10 @@ __device__ __forceinline__ void gemv_ring_head(const GemvDesc& d, const GemvPlan
 // phase's prologue (norm, staging). gemv_run(..., head_issued = true) then skips issuing it again.
 __device__ void gemv_issue_first_head(const GemvDesc& d, vec16* ring) {
 #if MK_QFMTS
-    if (gemv_desc_quant(d)) return;  // quantized weights stream through registers (gemv_quant.cuh)
+    if (gemv_desc_quant(d)) {
+        gemv_issue_first_head_quant(d, ring);
+        return;
+    }
 #endif
     const GemvPlan p = gemv_plan(d.K);
     int r0, r1;
@@ -402,7 +409,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
                          bool head_issued, Finish finish, Stage stage) {
 #if MK_QFMTS
     if (gemv_desc_quant(d)) {  // a quantized GEMV (its segments are all quantized): gemv_quant.cuh
-        gemv_run_quant(d, xs_in, part, rowval, finish, stage);
+        gemv_run_quant(d, xs_in, part, rowval, ring, head_issued, finish, stage);
         return;
     }
 #endif

@@ -12,8 +12,10 @@
 // by q_slot_xor (the lanes' staged inputs, 64 bytes apart, would otherwise share shared-memory banks). The lane
 // extracts a unit's levels once for all MK_NT tokens, reads and converts each token's staged inputs once for all
 // the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
-// sums do not depend on the other rows of its item, nor a token's on the other tokens. Items are double-buffered
-// in registers like the bf16 register path; the shared-memory ring is not used. Partials, rounds, passes over K
+// sums do not depend on the other rows of its item, nor a token's on the other tokens. Items stream through the
+// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, MK_STAGES - 1 items ahead, the first
+// issued before the phase), else they are double-buffered in registers; either way the lane multiplies the same
+// bytes, so the results are the same. Partials, rounds, passes over K
 // windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
 // computes a row.
 //
@@ -170,6 +172,88 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
         q.s[0] = ld_stream4(p[2] + v * 4);
     }
 }
+
+#if MK_STAGES > 0
+// ---- the shared-memory ring ----------------------------------------------------------------------------
+// With MK_STAGES > 0 the lane copies its units' bytes into the weight ring (cp.async) instead of its registers,
+// MK_STAGES - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
+// flight no longer cost registers. A unit takes MK_QVECS 16-byte vectors of its lane's ring planes (plane i of a
+// unit at + i * MK_THREADS vectors): the payload, then the scales and high bits. Two-byte fields travel in the
+// aligned 4-byte word that holds them (cp.async copies 4, 8 or 16 bytes; the neighbour's half is the same DRAM
+// sector); q_read_unit picks the half, so a unit read back equals what q_load_unit loads.
+#ifndef MK_QVECS
+#define MK_QVECS 2  // ring vectors per unit (plan.py: KernelPlan.quant_ring_vecs)
+#endif
+static_assert(MK_QVECS >= (QF_ON(QF_Q8_0) || QF_ON(QF_Q5_K) ? 3 : 2), "Q8_0 and Q5_K units take 3 ring vectors");
+#define QRING_PLANES (MK_QUMAX * MK_QROWS * MK_QVECS)  // ring planes of one quantized item
+static_assert(QRING_PLANES <= MK_RING_PLANES, "a ring slot holds a quantized item");
+#define QRING_PLANE_BYTES (MK_THREADS * 16)
+
+// The aligned word holding the 2-byte field `i` of a plane of 2-byte fields.
+__device__ __forceinline__ const unsigned char* q_word_of_half(const unsigned char* plane, int i) {
+    return plane + (i & ~1) * 2;
+}
+__device__ __forceinline__ u32 q_half_of_word(u32 w, int i) { return i & 1 ? w >> 16 : w & 0xFFFFu; }
+
+// Start copying unit v of a row whose planes start at p[0..3] to the ring at shared address `dst` (plane 0).
+template <int F>
+__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, u32 dst, u64 policy) {
+    constexpr u32 PB = QRING_PLANE_BYTES;
+    if (F == QF_Q8_0) {
+        cp_async16(dst, p[0] + v * 32, policy);
+        cp_async16(dst + PB, p[0] + v * 32 + 16, policy);
+        cp_async_small<4>(dst + 2 * PB, q_word_of_half(p[1], v), policy);
+        return;
+    }
+    cp_async16(dst, p[0] + v * 16, policy);
+    if (F == QF_Q4_K) {
+        cp_async16(dst + PB, p[1] + (v >> 3) * 16, policy);
+    } else if (F == QF_Q5_K) {
+        cp_async16(dst + PB, p[2] + (v >> 3) * 16, policy);
+        cp_async_small<4>(dst + 2 * PB, p[1] + v * 4, policy);
+    } else if (F == QF_Q6_K) {
+        cp_async_small<8>(dst + PB, p[1] + v * 8, policy);
+        cp_async_small<4>(dst + PB + 8, q_word_of_half(p[2], v), policy);
+        cp_async_small<4>(dst + PB + 12, q_word_of_half(p[3], v >> 3), policy);
+    } else if (F == QF_Q4_0) {
+        cp_async_small<4>(dst + PB, q_word_of_half(p[1], v), policy);
+    } else if (F == QF_Q5_0) {
+        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
+        cp_async_small<4>(dst + PB + 4, q_word_of_half(p[2], v), policy);
+    } else {  // QF_Q5_1
+        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
+        cp_async_small<4>(dst + PB + 4, p[2] + v * 4, policy);
+    }
+}
+
+// Unit v as q_load_unit gives it, from its ring planes at `src` (plane 0; plane i at + i * MK_THREADS).
+template <int F>
+__device__ __forceinline__ void q_read_unit(const vec16* src, int v, QUnit& q) {
+    const vec16 n = ld_shared16(src);
+    q.w[0] = n.x, q.w[1] = n.y, q.w[2] = n.z, q.w[3] = n.w;
+    if (F == QF_Q8_0) {
+        const vec16 b = ld_shared16(src + MK_THREADS);
+        q.w[4] = b.x, q.w[5] = b.y, q.w[6] = b.z, q.w[7] = b.w;
+        q.s[0] = q_half_of_word(ld_shared4(src + 2 * MK_THREADS), v);
+    } else if (F == QF_Q4_K || F == QF_Q5_K) {
+        const vec16 h = ld_shared16(src + MK_THREADS);
+        q.s[0] = h.x, q.s[1] = h.y, q.s[2] = h.z, q.s[3] = h.w;
+        if (F == QF_Q5_K) q.w[4] = ld_shared4(src + 2 * MK_THREADS);
+    } else if (F == QF_Q6_K) {
+        const vec16 h = ld_shared16(src + MK_THREADS);
+        q.w[4] = h.x, q.w[5] = h.y;
+        q.s[0] = q_half_of_word(h.z, v);
+        q.s[1] = q_half_of_word(h.w, v >> 3);
+    } else if (F == QF_Q4_0) {
+        q.s[0] = q_half_of_word(ld_shared4(src + MK_THREADS), v);
+    } else {  // QF_Q5_0, QF_Q5_1
+        u32 a, b;
+        ld_shared8(src + MK_THREADS, a, b);
+        q.w[4] = a;
+        q.s[0] = F == QF_Q5_0 ? q_half_of_word(b, v) : b;
+    }
+}
+#endif
 
 // The unit's scale factors: (a, b) with weight = a * level - b (K-quants; Q5_1: a * level + b), or the
 // symmetric formats' d. `v`: the unit's index in its row (a K-quant's sub-block is v % 8).
@@ -567,6 +651,51 @@ __device__ __forceinline__ void q_load_item_f(const GemvDesc& d, int s, int star
     }
 }
 
+#if MK_STAGES > 0
+// The row base of row rs + i of an item (q_load_item_f's addressing).
+template <int F>
+__device__ __forceinline__ const unsigned char* q_item_row(const GemvDesc& d, int s, int start, int r) {
+    const int lr = d.interleave ? (r >> 1) : r - start;
+    return qf_ptr(d.seg[d.interleave ? (r & 1) : s]) + (long long)lr * q_row_stride<F>(d.K);
+}
+// Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
+// lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * MK_QVECS) on.
+template <int F>
+__device__ __forceinline__ void q_issue_item_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
+                                               int rg, int chunk, int lane, u32 slot, u64 policy) {
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h) {
+        const int i = rg * MK_QROWS + h;
+        if (i >= nr) continue;  // warp-uniform
+        const unsigned char* row = q_item_row<F>(d, s, start, rs + i);
+        const unsigned char* rowp[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) rowp[k] = row + q_plane_offset<F>(k, d.K);
+#pragma unroll
+        for (int j = 0; j < MK_QUMAX; ++j) {
+            const int v = (chunk * p.u + j) * 32 + lane;
+            if (j < p.u && v < p.nunits)
+                q_issue_unit<F>(rowp, v, slot + (j * MK_QROWS + h) * MK_QVECS * QRING_PLANE_BYTES, policy);
+        }
+    }
+}
+// The lane's units of one item back from its ring slot (`slot`: this lane's plane 0), zeros where nothing was copied.
+template <int F>
+__device__ __forceinline__ void q_read_item_f(const QPlan& p, int nr, int rg, int chunk, int lane, const vec16* slot,
+                                              QItem& it) {
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h) {
+        const bool row_ok = rg * MK_QROWS + h < nr;
+#pragma unroll
+        for (int j = 0; j < MK_QUMAX; ++j) {
+            const int v = (chunk * p.u + j) * 32 + lane;
+            if (row_ok && j < p.u && v < p.nunits)
+                q_read_unit<F>(slot + (j * MK_QROWS + h) * MK_QVECS * MK_THREADS, v, it.u[j][h]);
+        }
+    }
+}
+#endif
+
 // Multiply one item of format F: unit v covers input elements [32 v, 32 v + 32), staged from element k0 on. Rows
 // past the round multiply the zeros they loaded (never stored).
 template <int F>
@@ -603,10 +732,10 @@ __device__ __forceinline__ void q_consume_item_f(const QPlan& p, const QItem& it
         }                 \
         break;
 
-__device__ __forceinline__ void q_load_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
-                                            int nr, int rg, int chunk, int lane, QItem& it) {
+// Define every register of an item (a predicated load alone keeps old values live).
+__device__ __forceinline__ void q_zero_item(QItem& it) {
 #pragma unroll
-    for (int j = 0; j < MK_QUMAX; ++j) {  // define every register (a predicated load alone keeps old values live)
+    for (int j = 0; j < MK_QUMAX; ++j) {
 #pragma unroll
         for (int h = 0; h < MK_QROWS; ++h) {
 #pragma unroll
@@ -615,6 +744,10 @@ __device__ __forceinline__ void q_load_item(int fmt, const GemvDesc& d, int s, i
             for (int i = 0; i < 4; ++i) it.u[j][h].s[i] = 0u;
         }
     }
+}
+__device__ __forceinline__ void q_load_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                            int nr, int rg, int chunk, int lane, QItem& it) {
+    q_zero_item(it);
 #define QF_LOAD(F) q_load_item_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, rg, chunk, lane, it)
     QF_DISPATCH(fmt, QF_LOAD)
 #undef QF_LOAD
@@ -627,11 +760,52 @@ __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QI
 #undef QF_CONSUME
 }
 
+#if MK_STAGES > 0
+__device__ __forceinline__ void q_issue_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                             int nr, int rg, int chunk, int lane, u32 slot, u64 policy) {
+#define QF_ISSUE(F) q_issue_item_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, rg, chunk, lane, slot, policy)
+    QF_DISPATCH(fmt, QF_ISSUE)
+#undef QF_ISSUE
+}
+__device__ __forceinline__ void q_read_item(int fmt, const QPlan& p, int nr, int rg, int chunk, int lane,
+                                            const vec16* slot, QItem& it) {
+    q_zero_item(it);
+#define QF_READ(F) q_read_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, nr, rg, chunk, lane, slot, it)
+    QF_DISPATCH(fmt, QF_READ)
+#undef QF_READ
+}
+// Start copying this warp's unit k of the pass over chunks [c0, c0 + nkq) of rows [rs, rs + nr) (`count` units in
+// all) into ring slot k % MK_STAGES (`ring0`: this lane's plane 0 of slot 0), as one commit group (empty past the
+// end, so that the group count stays uniform).
+__device__ __forceinline__ void q_ring_issue(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                             int nr, int c0, int nkq, int count, int k, int lane, u32 ring0,
+                                             u64 policy) {
+    if (k < count) {
+        const GemvUnit u = gemv_unit(tid_x() >> 5, k, c0, nkq);
+        q_issue_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane,
+                     ring0 + (k % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
+    }
+    cp_async_commit();
+}
+#endif
+
+// The segment holding row a: its index and first row.
+__device__ __forceinline__ void q_segment_of(const GemvDesc& d, int a, int& s, int& start) {
+    s = 0, start = 0;
+    for (int j = 0; j + 1 < d.nseg; ++j) {
+        if (a >= d.end[j]) {
+            s = j + 1;
+            start = d.end[j];
+        }
+    }
+}
+
 // Rows [a, b) of the block's share, all in one segment (or a gate/up interleave of two segments of one format).
 // `staged`: window 0 is in shared memory (updated as passes restage).
 template <class Finish, class Stage>
 __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b, const bf16_t* xs_in, float* part,
-                                                float* rowval, bool& staged, Finish finish, Stage stage) {
+                                                float* rowval, vec16* ring, bool& head, bool& staged,
+                                                Finish finish, Stage stage) {
     const QPlan p = qplan(d.K);
     const int lane = tid_x() & 31, warp = tid_x() >> 5;
     const vec16* xs = (const vec16*)xs_in;
@@ -639,14 +813,13 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
     const int cpp = qplan_pass_chunks(p);
     const int npass = (p.nk + cpp - 1) / cpp;
     // The segment of row a (its start row and rows), or both halves of a gate/up interleave.
-    int s = 0, start = 0;
-    for (int j = 0; j + 1 < d.nseg; ++j) {
-        if (a >= d.end[j]) {
-            s = j + 1;
-            start = d.end[j];
-        }
-    }
+    int s, start;
+    q_segment_of(d, a, s, start);
     const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
+#if MK_STAGES > 0
+    const u32 ring0 = smem_addr(ring + warp * 32 + lane);  // this lane's plane 0 of slot 0
+    const vec16* mine = ring + warp * 32 + lane;
+#endif
     int rs = a, nr = min(p.round, b - a);
     while (nr > 0) {
         const int next_rs = rs + nr, next_nr = min(p.round, b - next_rs);
@@ -654,24 +827,39 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             const int c0 = q * cpp, nkq = min(cpp, p.nk - c0);
             int k0 = 0, k1 = 0;
             qplan_pass_range(d, p, q, k0, k1);
+            // Items of MK_QROWS rows by one chunk (gemv_unit's order, its row group rg standing for rows
+            // MK_QROWS rg ..).
+            const int count = gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq);
+#if MK_STAGES > 0
+            // Unit k lives in ring slot k % MK_STAGES; one commit group per unit (empty past the end, so that the
+            // count stays uniform). The head does not depend on the input: in flight while the window is staged.
+            const u64 policy = evict_first_policy();
+            auto issue = [&](int k) { q_ring_issue(fmt, d, s, start, p, rs, nr, c0, nkq, count, k, lane, ring0, policy); };
+            if (!head) {  // else issued before the phase (gemv_issue_first_head_quant)
+#pragma unroll
+                for (int k = 0; k < MK_STAGES - 1; ++k) issue(k);
+            }
+            head = false;
+#endif
             if (q > 0 || !staged) {
                 __syncthreads();  // every warp is done with the previous window
                 stage(k0, k1);
                 q_stage_input(xs_in, xsum, k0, k1);
             }
-            // Items of MK_QROWS rows by one chunk (gemv_unit's order, its row group rg standing for rows
-            // MK_QROWS rg ..).
-            const int count = gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq);
             float acc[MK_QROWS][MK_NT];
 #pragma unroll
             for (int h = 0; h < MK_QROWS; ++h)
 #pragma unroll
                 for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
+#if MK_STAGES > 0
+            QItem ia;
+#else
             QItem ia, ib;
             auto load = [&](int k, QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
                 q_load_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane, it);
             };
+#endif
             auto consume = [&](int k, const QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
                 q_consume_item(fmt, p, it, u.chunk, lane, xs, xsum, k0, acc);
@@ -688,6 +876,16 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
                     if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + u.chunk] = v;
                 }
             };
+#if MK_STAGES > 0
+            for (int k = 0; k < count; ++k) {
+                issue(k + MK_STAGES - 1);
+                cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
+                const GemvUnit u = gemv_unit(warp, k, c0, nkq);
+                q_read_item(fmt, p, nr, u.rg, u.chunk, lane, mine + (k % MK_STAGES) * QRING_PLANES * MK_THREADS, ia);
+                consume(k, ia);
+            }
+            cp_async_wait<0>();  // only empty groups can be pending: the slots are free for the next pass
+#else
             int k = 0;
             if (count > 0) load(0, ia);
             while (k < count) {
@@ -698,6 +896,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
                 consume(k, ib);
                 ++k;
             }
+#endif
         }
         staged = npass == 1;
         __syncthreads();
@@ -722,7 +921,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
 // The quantized GEMV of this block's rows, one segment (one format) at a time.
 template <class Finish, class Stage>
 __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* xs, float* part, float* rowval,
-                                               Finish finish, Stage stage) {
+                                               vec16* ring, bool head_issued, Finish finish, Stage stage) {
     int r0, r1;
     block_row_range(d.nrows, d.align, r0, r1);
 #ifdef MK_PHASE_TIMING
@@ -734,15 +933,36 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
         qplan_pass_range(d, qplan(d.K), 0, k0, k1);
         q_stage_input(xs, q_xsum(xs), k0, k1);
     }
+    bool head = head_issued;  // the first segment's first items are in flight
     for (int a = r0; a < r1;) {
-        int s = 0;
-        for (int j = 0; j + 1 < d.nseg; ++j)
-            if (a >= d.end[j]) s = j + 1;
+        int s, start;
+        q_segment_of(d, a, s, start);
         const int b = d.interleave ? r1 : min(r1, d.end[s]);
-        gemv_quant_rows(d, a, b, xs, part, rowval, staged, finish, stage);
+        gemv_quant_rows(d, a, b, xs, part, rowval, ring, head, staged, finish, stage);
         a = b;
     }
 }
+
+#if MK_STAGES > 0
+// gemv_issue_first_head for a quantized GEMV: this warp's first MK_STAGES - 1 units of the block's first segment,
+// round and pass, one commit group each, before the phase's input exists.
+__device__ void gemv_issue_first_head_quant(const GemvDesc& d, vec16* ring) {
+    const QPlan p = qplan(d.K);
+    int r0, r1;
+    block_row_range(d.nrows, d.align, r0, r1);
+    const int lane = tid_x() & 31, warp = tid_x() >> 5;
+    int s, start;
+    q_segment_of(d, r0, s, start);
+    const int b = d.interleave ? r1 : min(r1, d.end[s]);
+    const int nr = min(p.round, b - r0), nkq = min(qplan_pass_chunks(p), p.nk);
+    const int count = nr > 0 ? gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq) : 0;
+    const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
+    const u32 ring0 = smem_addr(ring + warp * 32 + lane);
+    const u64 policy = evict_first_policy();
+#pragma unroll
+    for (int k = 0; k < MK_STAGES - 1; ++k) q_ring_issue(fmt, d, s, start, p, r0, nr, 0, nkq, count, k, lane, ring0, policy);
+}
+#endif
 
 // Pull the first plane (the bulk of the bytes) of up to `max_bytes` of block b's rows of a coming quantized GEMV
 // phase into L2.

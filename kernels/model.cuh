@@ -11,9 +11,9 @@
 #define MK_C (2 * MK_HK * MK_DK + MK_HV * MK_DV)  // DeltaNet conv channels (q, k, v)
 #define MK_VD (MK_HV * MK_DV)                     // DeltaNet value width (z, core output)
 #define MK_DN_IN_ROWS (MK_C + MK_VD + 2 * MK_HV)  // in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
-#define MK_QROWS (2 * MK_NH * MK_HD)              // q_proj: [query | gate] per head
+#define MK_ATT_QROWS (2 * MK_NH * MK_HD)          // q_proj: [query | gate] per head
 #define MK_KVROWS (MK_KVH * MK_HD)
-#define MK_ATT_IN_ROWS (MK_QROWS + 2 * MK_KVROWS)  // q_proj | k_proj | v_proj
+#define MK_ATT_IN_ROWS (MK_ATT_QROWS + 2 * MK_KVROWS)  // q_proj | k_proj | v_proj
 #define MK_AD (MK_NH * MK_HD)                      // attention output width (o_proj input)
 #define MK_GQ (MK_NH / MK_KVH)                     // query heads per key/value head
 #define MK_GQ_PAIRS (MK_GQ * MK_NT)                // (query head, token) pairs per key/value head

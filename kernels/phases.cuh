@@ -15,7 +15,7 @@
 static_assert(MK_XW % 8 == 0 && MK_XW >= MK_H && (MK_XW >= MK_KMAX || MK_XW >= MK_UMAX * GEMV_KL * GEMV_SUB * 8),
               "the staged window must hold a hidden row and a whole GEMV chunk (or every input whole)");
 #define PART_FLOATS (MK_NT * MK_PART_ROWS)
-static_assert(MK_SMEM_XS == MK_STAGES * MK_UMAX * MK_THREADS * 16, "the weight ring comes first, whole");
+static_assert(MK_SMEM_XS == MK_STAGES * MK_RING_PLANES * MK_THREADS * 16, "the weight ring comes first, whole");
 static_assert(MK_SMEM_XS % MK_SMEM_ALIGN == 0, "the regions after the ring keep its alignment");
 static_assert(MK_SMEM_PART - MK_SMEM_XS >= MK_NT * MK_XLD * (int)sizeof(bf16_t) && MK_SMEM_PART % 16 == 0,
               "the staged input's rows");
@@ -303,8 +303,8 @@ __device__ __forceinline__ GemvDesc desc_att_in(const Tables& tb, int l) {  // q
     GemvDesc d = desc_plain(tb.lp<const bf16_t>(l, L_Q), MK_H, MK_ATT_IN_ROWS);
     d.seg[1] = tb.lp<const bf16_t>(l, L_K);
     d.seg[2] = tb.lp<const bf16_t>(l, L_V);
-    d.end[0] = MK_QROWS;
-    d.end[1] = MK_QROWS + MK_KVROWS;
+    d.end[0] = MK_ATT_QROWS;
+    d.end[1] = MK_ATT_QROWS + MK_KVROWS;
     d.nseg = 3;
     return d;
 }
@@ -882,10 +882,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                 for (int j = 0; j < ATT_NPL; ++j) {
                     const int d = lane + 32 * j;
-                    vv[j] = d < MK_HD ? ld_cg_bf(row + MK_QROWS + MK_KVROWS + kvh * MK_HD + d) : (bf16_t)0;
+                    vv[j] = d < MK_HD ? ld_cg_bf(row + MK_ATT_QROWS + MK_KVROWS + kvh * MK_HD + d) : (bf16_t)0;
                 }
                 float* kt = knew + t * MK_HD;
-                norm_rope_head(row + MK_QROWS + kvh * MK_HD, kn_w, inv_freq, p, kt);
+                norm_rope_head(row + MK_ATT_QROWS + kvh * MK_HD, kn_w, inv_freq, p, kt);
                 bf16_t* kv = kvnew + t * 2 * MK_HD;
 #pragma unroll
                 for (int j = 0; j < ATT_NPL; ++j) {

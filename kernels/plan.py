@@ -263,6 +263,33 @@ class KernelPlan:
         return 4 if nt <= 2 else 2 if nt <= 4 else 1
 
     @property
+    def quant_ring_vecs(self) -> int:
+        """16-byte ring vectors per lane, row and unit of a quantized item (MK_QVECS): 2 hold a unit of every format
+        but Q8_0 and Q5_K (32-byte payload, or 16-byte scales and high bits), which take 3."""
+        wide = {WEIGHT_FORMAT_CODES[WeightFormat.Q8_0], WEIGHT_FORMAT_CODES[WeightFormat.Q5_K]}
+        return 3 if any(self.quant_union >> code & 1 for code in wide) else 2
+
+    @property
+    def quant_union(self) -> int:
+        """MK_QFMTS: the union of the weight kinds' quantized format codes and the embedding's (0: bf16 only)."""
+        union = 0
+        for kind in WEIGHT_KINDS:
+            union |= self.quant_mask(kind)
+        if self.embed_format is not WeightFormat.BF16:
+            union |= 1 << WEIGHT_FORMAT_CODES[self.embed_format]
+        return union
+
+    @property
+    def ring_planes(self) -> int:
+        """16-byte vectors per thread in one slot of the weight ring (MK_RING_PLANES): the bf16 GEMV's item of
+        umax loads, or the quantized GEMV's of qunits x quant_rows units of quant_ring_vecs vectors, whichever the
+        build streams is larger."""
+        t = self.tuning
+        bf16 = t.umax if self.streams_bf16 else 0
+        quant = t.qunits * self.quant_rows * self.quant_ring_vecs if self.quant_union else 0
+        return max(bf16, quant)
+
+    @property
     def stages(self) -> int:
         """Items per warp in flight through the shared-memory weight ring (0: register double buffer)."""
         return self._fitted[1]
@@ -287,8 +314,10 @@ class KernelPlan:
         Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
-        if not self.streams_bf16:
-            options = (0,)  # quantized weights stream through registers: no ring
+        if self.tuning.stages is None and not self.streams_bf16 and self.quant_ring_vecs > 2:
+            # Q8_0 and Q5_K items take 3 ring vectors per unit: a ring that size crowds out the window and L1, and
+            # a Q8_0 model measured slower with it than with the register double buffer (docs/benchmarks.md).
+            options = (0,)
         windows = self._windows()
         least = self._least_part_rows()
         if top < least:
@@ -444,6 +473,7 @@ class KernelPlan:
             "MK_ATT_CHUNK": t.att_chunk,
             "MK_PF_IDLE_BYTES": t.pf_idle_bytes,
             "MK_STAGES": self.stages,
+            "MK_RING_PLANES": self.ring_planes,
             "MK_FP32_ACT": int(t.fp32_act),
             "MK_MMA": int(t.mma),
             "MK_MMA_SUB": t.mma_sub,
@@ -472,22 +502,19 @@ class KernelPlan:
                 shapes[f"MK_{name}_PHASE_{k}"] = int(phase)
         for k, phase in enumerate(FINAL_PHASES):
             shapes[f"MK_FINAL_PHASE_{k}"] = int(phase)
-        masks = {kind: self.quant_mask(kind) for kind in WEIGHT_KINDS}
-        for kind, mask in masks.items():
-            shapes[f"MK_WFMT_{kind.upper()}"] = mask
-        union = 0
-        for mask in masks.values():
-            union |= mask
+        for kind in WEIGHT_KINDS:
+            shapes[f"MK_WFMT_{kind.upper()}"] = self.quant_mask(kind)
         if self.embed_format is not WeightFormat.BF16:  # left out for bf16 rows: those plans keep their PTX
-            code = WEIGHT_FORMAT_CODES[self.embed_format]
             assert self.embed_format.quant_type is not None
-            shapes["MK_EFMT"] = code
+            # The rows are decoded by the quantized GEMV's helpers.
+            shapes["MK_EFMT"] = WEIGHT_FORMAT_CODES[self.embed_format]
             shapes["MK_EMBED_STRIDE"] = row_layout(self.embed_format.quant_type, self.config.hidden_size)[1]
-            union |= 1 << code  # the rows are decoded by the quantized GEMV's helpers
+        union = self.quant_union
         if union:  # bf16-only plans keep their defines (and their PTX)
             shapes["MK_QFMTS"] = union
             shapes["MK_QUMAX"] = t.qunits
             shapes["MK_QROWS"] = self.quant_rows
+            shapes["MK_QVECS"] = self.quant_ring_vecs
             shapes["MK_SMEM_XSUM"] = carve.xsum
             shapes["MK_XSW"] = quant_sum_width(self.window, t.qint8)
             if t.qint8:
@@ -518,7 +545,7 @@ class KernelPlan:
         staged, so that they start in different banks), the partial sums and the row values of one round, and
         the block reductions (a multiple of 4 floats, at least one per token and warp)."""
         nt, t = self.tokens_per_launch, self.tuning
-        ring = stages * t.umax * t.threads * 16
+        ring = stages * self.ring_planes * t.threads * 16
         xld = window + (64 // 2 if nt > 1 else 0)
         part_bytes = nt * part_rows * 4
         red_floats = max(64, -(-nt * (t.threads // 32) // 4) * 4)

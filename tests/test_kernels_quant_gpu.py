@@ -158,7 +158,8 @@ def test_mlp_gemv_per_format(mixed, fmt):
 def test_every_format_is_in_the_mixed_build(mixed):
     _, runner, chosen = mixed
     assert {t.name for t in chosen.values()} == set(FORMATS)
-    assert runner.plan.stages == 0 and not runner.plan.streams_bf16  # registers only: no bf16 GEMV, no ring
+    # No bf16 GEMV; Q8_0 and Q5_K units (3 ring vectors) keep the items in registers.
+    assert runner.plan.stages == 0 and not runner.plan.streams_bf16
 
 
 @torch.no_grad()
@@ -322,6 +323,29 @@ def test_rows_per_item_do_not_change_results(mixed):
         b = single.step(token.view(1), other).logits[0]
         assert torch.equal(a, b), float((a - b).abs().max())
     del single
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["mixed", "q4_k_m_27b"])
+def test_the_weight_ring_does_not_change_results(which, request):
+    """Quantized items through the shared-memory ring (cp.async, the default where it fits) and through the
+    register double buffer give every format's logits bit for bit: the ring only changes where a unit's bytes
+    wait before they are multiplied."""
+    model, _, _ = request.getfixturevalue(which)
+    runner = DiagnosticRunner(model, tuning=Tuning(stages=2))
+    registers = DiagnosticRunner(model, tuning=Tuning(stages=0))
+    assert runner.plan.stages == 2 and registers.plan.stages == 0
+    g = torch.Generator(device="cuda").manual_seed(13)
+    prompt = torch.randint(0, model.config.vocab_size, (6,), device="cuda", generator=g)
+    state = model.new_state(64)
+    model.forward_step(prompt, state, logits="last")
+    other = state.clone()
+    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
+        a = runner.step(token.view(1), state).logits[0]
+        b = registers.step(token.view(1), other).logits[0]
+        assert torch.equal(a, b), float((a - b).abs().max())
+    del runner, registers
     torch.cuda.empty_cache()
 
 

@@ -62,10 +62,25 @@ def test_a_quantized_plan_names_its_formats_per_kind() -> None:
     q4, q6 = 1 << FORMAT_CODES[QuantType.Q4_K], 1 << FORMAT_CODES[QuantType.Q6_K]
     assert d["MK_WFMT_MLP_DOWN"] == q4 | q6 and d["MK_WFMT_MLP_IN"] == q4 and d["MK_WFMT_LM_HEAD"] == q4 | q6
     assert d["MK_QFMTS"] == q4 | q6
-    # No kind holds bf16: the bf16 GEMV and its shared-memory ring are left out, the window holds every input.
-    assert d["MK_GEMV_BF16"] == 0 and plan.stages == 0 and plan.window == config_27b().intermediate_size
+    # No kind holds bf16: the bf16 GEMV is left out; a ring slot holds a quantized item (4 rows of 2 vectors per
+    # lane: Q4_K and Q6_K units), and the window holds every input.
+    assert d["MK_GEMV_BF16"] == 0 and plan.window == config_27b().intermediate_size
+    assert plan.stages == 2 and d["MK_QVECS"] == 2 and d["MK_RING_PLANES"] == plan.quant_rows * 2 == 8
     src = assemble_source(plan)
     assert "#define MK_QFMTS " in src and "gemv_run_quant" in src
+
+
+def test_the_weight_ring_holds_quantized_items_of_two_vectors_per_unit() -> None:
+    """A Q4_K_M model streams its items through the ring (2 vectors per unit); a Q8_0 model keeps the register
+    double buffer unless the tuning names a ring, whose slots then hold 3 vectors per unit."""
+    q8 = weight_formats_of({k: {W.Q8_0} for k in WEIGHT_KINDS})
+    plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8)
+    assert plan.quant_ring_vecs == 3 and plan.stages == 0 and plan.carve.xs == 0
+    ring = KernelPlan(
+        config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8, tuning=Tuning(stages=2)
+    )
+    assert ring.stages == 2 and ring.ring_planes == 4 * 3
+    assert ring.carve.xs == 2 * ring.ring_planes * ring.tuning.threads * 16
 
 
 def test_a_plan_with_bf16_kinds_keeps_the_bf16_gemv() -> None:
@@ -157,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_gemv_quant_probe(
     __syncthreads();
     const Smem sm = carve_smem(smem_raw);
     gemv_run_quant(
-        d, sm.xs, sm.part, sm.rowval,
+        d, sm.xs, sm.part, sm.rowval, sm.ring, false,
         [&](int rs, int nr, const float* rowval, int ld) {
             for (int i = tid_x(); i < nr * MK_NT; i += MK_THREADS) out[rs + i] = rowval[i];
         },
