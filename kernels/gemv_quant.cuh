@@ -652,11 +652,13 @@ __device__ __forceinline__ void q_load_item_f(const GemvDesc& d, int s, int star
 }
 
 #if MK_STAGES > 0
-// A segment's row addressing in format F, resolved once per segment: row r (numbered as the GEMV's rows) starts at
-// base[r & 1] + (r >> 1) * stride in a gate/up interleave, else at base[0] + r * stride (base[0] already offset
-// by the segment's first row); its planes at + off[i].
+// A segment's row addressing in format F, resolved once per segment. Row r (numbered as the GEMV's rows) starts at
+// seg[r & 1] + (r >> 1) * stride in a gate/up interleave, else at seg + (r - start) * stride. An item's rows
+// r0 + h are then base[h] + line(r0) * stride, with line(r0) = r0 / 2 (interleave: r0 is even, since block shares
+// and rounds are whole pairs and items of 2 or 4 rows keep them) or r0; items of 1 row take the general form.
 struct QRows {
-    unsigned long long base[2];
+    unsigned long long base[MK_QROWS];
+    unsigned long long seg[2];
     long long stride;
     int off[4];
     bool interleave;
@@ -666,16 +668,22 @@ __device__ __forceinline__ QRows q_rows_of(const GemvDesc& d, int s, int start) 
     QRows q;
     q.stride = q_row_stride<F>(d.K);
     q.interleave = d.interleave != 0;
-    q.base[0] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 0 : s]) - (q.interleave ? 0 : start * q.stride);
-    q.base[1] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 1 : s]);
+    q.seg[0] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 0 : s]) - (q.interleave ? 0 : start * q.stride);
+    q.seg[1] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 1 : s]);
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h)
+        q.base[h] = q.interleave ? q.seg[h & 1] + (h >> 1) * q.stride : q.seg[0] + h * q.stride;
 #pragma unroll
     for (int k = 0; k < 4; ++k) q.off[k] = q_plane_offset<F>(k, d.K);
     return q;
 }
-__device__ __forceinline__ const unsigned char* q_row_at(const QRows& q, int r) {
-    // Selects, not an index: a register array indexed at run time is local memory.
-    const unsigned long long b = (r & 1) && q.interleave ? q.base[1] : q.base[0];
-    return (const unsigned char*)(b + (q.interleave ? (r >> 1) : r) * q.stride);
+// Row r0 + h of an item whose first row is r0.
+__device__ __forceinline__ const unsigned char* q_row_at(const QRows& q, int r0, int h) {
+    if (MK_QROWS == 1) {  // selects, not an index: a register array indexed at run time is local memory
+        const unsigned long long b = (r0 & 1) && q.interleave ? q.seg[1] : q.seg[0];
+        return (const unsigned char*)(b + (q.interleave ? (r0 >> 1) : r0) * q.stride);
+    }
+    return (const unsigned char*)(q.base[h] + (q.interleave ? (r0 >> 1) : r0) * q.stride);
 }
 // Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
 // lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * MK_QVECS) on.
@@ -686,7 +694,7 @@ __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, i
     for (int h = 0; h < MK_QROWS; ++h) {
         const int i = rg * MK_QROWS + h;
         if (i >= nr) continue;  // warp-uniform
-        const unsigned char* row = q_row_at(q, rs + i);
+        const unsigned char* row = q_row_at(q, rs + rg * MK_QROWS, h);
         const unsigned char* rowp[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) rowp[k] = row + q.off[k];
