@@ -652,45 +652,57 @@ __device__ __forceinline__ void q_load_item_f(const GemvDesc& d, int s, int star
 }
 
 #if MK_STAGES > 0
-// The row base of row rs + i of an item (q_load_item_f's addressing).
+// A segment's row addressing in format F, resolved once per segment. Row r (numbered as the GEMV's rows) starts at
+// seg[r & 1] + (r >> 1) * stride in a gate/up interleave, else at seg + (r - start) * stride. An item's rows
+// r0 + h are then base[h] + line(r0) * stride, with line(r0) = r0 / 2 (interleave: r0 is even, since block shares
+// and rounds are whole pairs and items of 2 or 4 rows keep them) or r0; items of 1 row take the general form.
+struct QRows {
+    unsigned long long base[MK_QROWS];
+    unsigned long long seg[2];
+    long long stride;
+    int off[4];
+    bool interleave;
+};
 template <int F>
-__device__ __forceinline__ const unsigned char* q_item_row(const GemvDesc& d, int s, int start, int r) {
-    const int lr = d.interleave ? (r >> 1) : r - start;
-    return qf_ptr(d.seg[d.interleave ? (r & 1) : s]) + (long long)lr * q_row_stride<F>(d.K);
+__device__ __forceinline__ QRows q_rows_of(const GemvDesc& d, int s, int start) {
+    QRows q;
+    q.stride = q_row_stride<F>(d.K);
+    q.interleave = d.interleave != 0;
+    q.seg[0] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 0 : s]) - (q.interleave ? 0 : start * q.stride);
+    q.seg[1] = (unsigned long long)qf_ptr(d.seg[q.interleave ? 1 : s]);
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h)
+        q.base[h] = q.interleave ? q.seg[h & 1] + (h >> 1) * q.stride : q.seg[0] + h * q.stride;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.off[k] = q_plane_offset<F>(k, d.K);
+    return q;
+}
+// Row r0 + h of an item whose first row is r0.
+__device__ __forceinline__ const unsigned char* q_row_at(const QRows& q, int r0, int h) {
+    if (MK_QROWS == 1) {  // selects, not an index: a register array indexed at run time is local memory
+        const unsigned long long b = (r0 & 1) && q.interleave ? q.seg[1] : q.seg[0];
+        return (const unsigned char*)(b + (q.interleave ? (r0 >> 1) : r0) * q.stride);
+    }
+    return (const unsigned char*)(q.base[h] + (q.interleave ? (r0 >> 1) : r0) * q.stride);
 }
 // Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
 // lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * MK_QVECS) on.
 template <int F>
-__device__ __forceinline__ void q_issue_item_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
-                                               int rg, int chunk, int lane, u32 slot, u64 policy) {
+__device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, int rs, int nr, int rg, int chunk,
+                                               int lane, u32 slot, u64 policy) {
 #pragma unroll
     for (int h = 0; h < MK_QROWS; ++h) {
         const int i = rg * MK_QROWS + h;
         if (i >= nr) continue;  // warp-uniform
-        const unsigned char* row = q_item_row<F>(d, s, start, rs + i);
+        const unsigned char* row = q_row_at(q, rs + rg * MK_QROWS, h);
         const unsigned char* rowp[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) rowp[k] = row + q_plane_offset<F>(k, d.K);
+        for (int k = 0; k < 4; ++k) rowp[k] = row + q.off[k];
 #pragma unroll
         for (int j = 0; j < MK_QUMAX; ++j) {
             const int v = (chunk * p.u + j) * 32 + lane;
             if (j < p.u && v < p.nunits)
                 q_issue_unit<F>(rowp, v, slot + (j * MK_QROWS + h) * MK_QVECS * QRING_PLANE_BYTES, policy);
-        }
-    }
-}
-// The lane's units of one item back from its ring slot (`slot`: this lane's plane 0), zeros where nothing was copied.
-template <int F>
-__device__ __forceinline__ void q_read_item_f(const QPlan& p, int nr, int rg, int chunk, int lane, const vec16* slot,
-                                              QItem& it) {
-#pragma unroll
-    for (int h = 0; h < MK_QROWS; ++h) {
-        const bool row_ok = rg * MK_QROWS + h < nr;
-#pragma unroll
-        for (int j = 0; j < MK_QUMAX; ++j) {
-            const int v = (chunk * p.u + j) * 32 + lane;
-            if (row_ok && j < p.u && v < p.nunits)
-                q_read_unit<F>(slot + (j * MK_QROWS + h) * MK_QVECS * MK_THREADS, v, it.u[j][h]);
         }
     }
 }
@@ -763,16 +775,11 @@ __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QI
 #if MK_STAGES > 0
 __device__ __forceinline__ void q_issue_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
                                              int nr, int rg, int chunk, int lane, u32 slot, u64 policy) {
-#define QF_ISSUE(F) q_issue_item_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, rg, chunk, lane, slot, policy)
+#define QF_ISSUE(F)                                                                                   \
+    q_issue_item_f<(QF_ON(F) ? F : QF_Q4_K)>(q_rows_of<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start), p, rs, nr, rg, \
+                                             chunk, lane, slot, policy)
     QF_DISPATCH(fmt, QF_ISSUE)
 #undef QF_ISSUE
-}
-__device__ __forceinline__ void q_read_item(int fmt, const QPlan& p, int nr, int rg, int chunk, int lane,
-                                            const vec16* slot, QItem& it) {
-    q_zero_item(it);
-#define QF_READ(F) q_read_item_f<(QF_ON(F) ? F : QF_Q4_K)>(p, nr, rg, chunk, lane, slot, it)
-    QF_DISPATCH(fmt, QF_READ)
-#undef QF_READ
 }
 // Start copying this warp's unit k of the pass over chunks [c0, c0 + nkq) of rows [rs, rs + nr) (`count` units in
 // all) into ring slot k % MK_STAGES (`ring0`: this lane's plane 0 of slot 0), as one commit group (empty past the
@@ -799,6 +806,82 @@ __device__ __forceinline__ void q_segment_of(const GemvDesc& d, int a, int& s, i
         }
     }
 }
+
+#if MK_STAGES > 0
+// This warp's `count` units of one pass in format F through the ring (head issued): one copy of the loop per format,
+// so that issuing, reading back, multiplying and reducing an item is straight-line code the compiler can schedule
+// as one block (the ring holds the items, so the copies fit the registers without spilling).
+// gemv_unit's (row group, chunk) of a warp's units k = 0, 1, ...: advanced by MK_NWARPS items a step without a
+// division per unit.
+struct QUnitWalk {
+    int rg, chunk;  // of the current unit (chunk counted from the pass's first, c0)
+    int step_rg, step_chunk, nkq;
+    __device__ __forceinline__ QUnitWalk(int warp, int k, int nkq_) : nkq(nkq_) {
+        const int i = warp + k * MK_NWARPS;
+        rg = i / nkq;
+        chunk = i - rg * nkq;
+        step_rg = MK_NWARPS / nkq;
+        step_chunk = MK_NWARPS - step_rg * nkq;
+    }
+    __device__ __forceinline__ void next() {
+        rg += step_rg;
+        chunk += step_chunk;
+        if (chunk >= nkq) {
+            chunk -= nkq;
+            ++rg;
+        }
+    }
+};
+
+template <int F>
+__device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
+                                              int c0, int nkq, int count, int k0, int lane, int warp, u32 ring0,
+                                              const vec16* mine, const vec16* xs, const float* xsum, float* part,
+                                              u64 policy) {
+    float acc[MK_QROWS][MK_NT];
+#pragma unroll
+    for (int h = 0; h < MK_QROWS; ++h)
+#pragma unroll
+        for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
+    const QRows rows = q_rows_of<F>(d, s, start);
+    QUnitWalk cur(warp, 0, nkq), ahead(warp, MK_STAGES - 1, nkq);
+    for (int k = 0; k < count; ++k) {
+        const int kn = k + MK_STAGES - 1;
+        if (kn < count)
+            q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane,
+                              ring0 + (kn % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
+        ahead.next();
+        cp_async_commit();
+        cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
+        const int chunk = c0 + cur.chunk;
+        // Every unit of the slot is read back: those past the round's rows or the row's units hold stale bytes,
+        // which rows past the round multiply without storing and units past the row are skipped by.
+        QItem it;
+        const vec16* slot = mine + (k % MK_STAGES) * QRING_PLANES * MK_THREADS;
+#pragma unroll
+        for (int h = 0; h < MK_QROWS; ++h)
+#pragma unroll
+            for (int j = 0; j < MK_QUMAX; ++j)
+                q_read_unit<F>(slot + (j * MK_QROWS + h) * MK_QVECS * MK_THREADS, (chunk * p.u + j) * 32 + lane,
+                               it.u[j][h]);
+        q_consume_item_f<F>(p, it, chunk, lane, xs, xsum, k0, acc);
+        const int h = lane / (32 / MK_QROWS), i = cur.rg * MK_QROWS + h;
+#pragma unroll
+        for (int t = 0; t < MK_NT; ++t) {
+            float a[MK_QROWS];
+#pragma unroll
+            for (int j = 0; j < MK_QROWS; ++j) {
+                a[j] = acc[j][t];
+                acc[j][t] = 0.0f;
+            }
+            const float v = q_rows_sum(a, lane);
+            if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + chunk] = v;
+        }
+        cur.next();
+    }
+    cp_async_wait<0>();  // only empty groups can be pending: the slots are free for the next pass
+}
+#endif
 
 // Rows [a, b) of the block's share, all in one segment (or a gate/up interleave of two segments of one format).
 // `staged`: window 0 is in shared memory (updated as passes restage).
@@ -846,20 +929,23 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
                 stage(k0, k1);
                 q_stage_input(xs_in, xsum, k0, k1);
             }
+#if MK_STAGES > 0
+#define QF_PASS(F)                                                                                               \
+    q_ring_pass_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, c0, nkq, count, k0, lane, warp, ring0, mine, xs, \
+                                            xsum, part, policy)
+            QF_DISPATCH(fmt, QF_PASS)
+#undef QF_PASS
+#else
             float acc[MK_QROWS][MK_NT];
 #pragma unroll
             for (int h = 0; h < MK_QROWS; ++h)
 #pragma unroll
                 for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
-#if MK_STAGES > 0
-            QItem ia;
-#else
             QItem ia, ib;
             auto load = [&](int k, QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
                 q_load_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane, it);
             };
-#endif
             auto consume = [&](int k, const QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
                 q_consume_item(fmt, p, it, u.chunk, lane, xs, xsum, k0, acc);
@@ -876,16 +962,6 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
                     if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + u.chunk] = v;
                 }
             };
-#if MK_STAGES > 0
-            for (int k = 0; k < count; ++k) {
-                issue(k + MK_STAGES - 1);
-                cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
-                const GemvUnit u = gemv_unit(warp, k, c0, nkq);
-                q_read_item(fmt, p, nr, u.rg, u.chunk, lane, mine + (k % MK_STAGES) * QRING_PLANES * MK_THREADS, ia);
-                consume(k, ia);
-            }
-            cp_async_wait<0>();  // only empty groups can be pending: the slots are free for the next pass
-#else
             int k = 0;
             if (count > 0) load(0, ia);
             while (k < count) {
