@@ -659,7 +659,8 @@ static_assert(MK_HD <= 32 * ATT_DPL && MK_HD % ATT_KL == 0 && ATT_DQ % ATT_PB ==
 static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
 // (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
-static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD +
+static_assert(MK_ATT_MACC >= 1 && MK_ATT_MACC <= MK_NWARPS, "the chunk merge's accumulators");
+static_assert(MK_ATT_SCRATCH_FLOATS == (1 + MK_ATT_MACC) * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD +
                                              2 * (MK_ATT_SPLIT_LOG + 1) * MK_ATT_PAIRS &&
                   MK_ATT_SCRATCH_FLOATS <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
@@ -877,8 +878,8 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     const int grp = (tid & 31) / ATT_KL, sub = (tid & 31) % ATT_KL;  // the lane's position in a step, its dims
 
     float* qsm = scratch;                          // [PAIRS][HD]
-    float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [PAIRS][HD]
-    float* wm = accs + MK_ATT_PAIRS * MK_HD;       // [NWARPS][PAIRS]
+    float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [MACC][PAIRS][HD]
+    float* wm = accs + MK_ATT_MACC * MK_ATT_PAIRS * MK_HD;  // [NWARPS][PAIRS]
     float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
     float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [NT][HD]
     float* tml = knew + MK_NT * MK_HD;             // [SPLIT_LOG + 1][PAIRS][2]: the split tree's (m, l) per level
@@ -1094,15 +1095,17 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 M[j] = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) M[j] = fmaxf(M[j], wm[w * MK_ATT_PAIRS + j]);
             }
-            for (int w = 0; w < MK_NWARPS; ++w) {
-                if (warp == w && active) {
+            // MK_ATT_MACC warps at a time, each into its own accumulator (warp w into w % MK_ATT_MACC, in warp order).
+            for (int w0 = 0; w0 < MK_NWARPS; w0 += MK_ATT_MACC) {
+                if (warp >= w0 && warp < w0 + MK_ATT_MACC && active) {
+                    float* ab = accs + (warp - w0) * MK_ATT_PAIRS * MK_HD;
 #pragma unroll
                     for (int j = 0; j < NP; ++j) {
                         const float f = (m[j] == -MK_INF) ? 0.0f : exp2f(m[j] - M[j]);
 #pragma unroll
                         for (int e = 0; e < ATT_DPL; ++e) {
                             const int d = j * MK_HD + lane * ATT_DPL + e;
-                            accs[d] = (w == 0 ? 0.0f : accs[d]) + acc[j][e] * f;
+                            ab[d] = (w0 == 0 ? 0.0f : ab[d]) + acc[j][e] * f;
                         }
                     }
                 }
@@ -1116,7 +1119,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 if (e >= np * MK_HD) continue;
                 float Mj = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) Mj = fmaxf(Mj, wm[w * MK_ATT_PAIRS + j]);
-                AttNode node{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), accs[e]};
+                float a = accs[e];  // the accumulators' sum in order (the first round writes each of them)
+#pragma unroll
+                for (int b = 1; b < MK_ATT_MACC; ++b) a += accs[b * MK_ATT_PAIRS * MK_HD + e];
+                AttNode node{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), a};
                 bool placed = false;
 #pragma unroll
                 for (int lv = 0; lv < LV; ++lv) {
