@@ -977,11 +977,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
             }
             // A warp step takes ATT_PW consecutive positions (warp w: p0 + w * ATT_PW + i * ATT_PW * MK_NWARPS,
-            // fixed by the chunk, so a pair's sums do not depend on the context length), the next step's keys and
-            // values loading while these are used (positions of this launch from shared memory, earlier ones from
-            // the cache; zeros past the chunk).
+            // fixed by the chunk, so a pair's sums do not depend on the context length); positions of this launch
+            // come from shared memory, earlier ones from the cache. Past the chunk a lane loads the chunk's last
+            // position instead (finite values under a weight of 0).
             constexpr int GS = ATT_PW * MK_NWARPS;
-            // Past the chunk a lane loads the chunk's last position instead (finite values; its weight is 0).
             auto load_k = [&](int q, AttKey (&k)[ATT_NPC]) {
                 q = min(q, p1 - 1);
                 if (q >= pos) {
