@@ -633,8 +633,8 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 
 // ---- gated full attention -----------------------------------------------------------------------
 // Flash decoding over a fixed binary tree. The keys are cut into chunks of MK_ATT_CHUNK positions; a chunk's
-// partial (max, sum, unnormalised output) per (query head, token) pair is computed by one block, its warps merged
-// in warp order. Partials combine pairwise up a binary tree over the chunk index (att_join: left, then right; an
+// partial (max, sum, unnormalised output; scores in log2 units) per (query head, token) pair is computed by one
+// block, its warps merged in warp order. Partials combine pairwise up a binary tree over the chunk index (att_join: left, then right; an
 // empty side leaves the other's bits unchanged), so a pair's result depends only on its position and the cache,
 // never on how the tree is cut into work: a token's attention is bit-identical whether it runs alone or in a
 // verify pass, and whatever split the context length and the grid give.
@@ -644,13 +644,23 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 // the last split item of a (key/value head, pass) to arrive folds the splits' roots up the rest of the tree,
 // applies the sigmoid gate and writes the attention output (with one split, the item writes it itself).
 #define ATT_NPL ((MK_HD + 31) / 32)  // head dims per lane in the per-warp norm/rope helper
-#define ATT_DPL 8                    // head dims per lane in the attention loop (16 bytes)
+#define ATT_DPL 8                    // head dims per lane of the values (16 bytes; lanes past MK_HD idle)
+// The scores have lanes on positions: ATT_KL lanes per key, each the dot product over ATT_DQ of its dims, so a
+// score needs a log2(ATT_KL)-level butterfly and one exp per ATT_KL lanes (not a 5-level one and 32 exps).
+#define ATT_PW MK_ATT_GROUP          // positions per warp step
+#define ATT_KL (32 / ATT_PW)         // lanes per key
+#define ATT_DQ (MK_HD / ATT_KL)      // key dims per lane
+#define ATT_PB (ATT_DQ < 8 ? ATT_DQ : 8)  // dims per key load (16 bytes at most)
+#define ATT_NPC (ATT_DQ / ATT_PB)    // key loads per lane and step
 static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps of a block");
-static_assert(MK_ATT_GROUP >= 1 && MK_ATT_GROUP <= 8, "positions per warp and step of the attention loop");
+static_assert(ATT_PW == 4 || ATT_PW == 8, "positions per warp and step of the attention loop");
+static_assert(MK_HD <= 32 * ATT_DPL && MK_HD % ATT_KL == 0 && ATT_DQ % ATT_PB == 0 && ATT_PB % 4 == 0,
+              "head_dim must split into even pieces over a key's lanes");
 static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
 // (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
-static_assert(MK_ATT_SCRATCH_FLOATS == 2 * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD +
+static_assert(MK_ATT_MACC >= 1 && MK_ATT_MACC <= MK_NWARPS, "the chunk merge's accumulators");
+static_assert(MK_ATT_SCRATCH_FLOATS == (1 + MK_ATT_MACC) * MK_ATT_PAIRS * MK_HD + 2 * MK_NWARPS * MK_ATT_PAIRS + MK_NT * MK_HD +
                                              2 * (MK_ATT_SPLIT_LOG + 1) * MK_ATT_PAIRS &&
                   MK_ATT_SCRATCH_FLOATS <= 2 * PART_FLOATS,
               "attention scratch exceeds shared memory");
@@ -699,7 +709,7 @@ __device__ __forceinline__ float att_block_den(const float* wm, const float* wl,
     float v = 0.0f;
     for (int w = 0; w < MK_NWARPS; ++w) {
         const float mw = wm[w * MK_ATT_PAIRS + j];
-        if (mw != -MK_INF) v += wl[w * MK_ATT_PAIRS + j] * expf(mw - M);
+        if (mw != -MK_INF) v += wl[w * MK_ATT_PAIRS + j] * exp2f(mw - M);
     }
     return v;
 }
@@ -747,7 +757,8 @@ __device__ __forceinline__ AttSplit att_split(const StepInfo& si) {
 // Work items of the attention phase at this step; blocks [items, grid) have none.
 __device__ __forceinline__ int att_items(const AttSplit& a) { return MK_KVH * a.splits * a.passes; }
 
-// One node of the tree for one value: the pair's maximum m (-inf: no key), its sum l, the value's output a.
+// One node of the tree for one value: the pair's maximum score m in log2 units (-inf: no key), its sum l, the
+// value's output a.
 struct AttNode {
     float m, l, a;
 };
@@ -756,7 +767,7 @@ struct AttNode {
 __device__ __forceinline__ AttNode att_join(const AttNode& x, const AttNode& y) {
     if (y.m == -MK_INF) return x;
     if (x.m == -MK_INF) return y;
-    const float M = fmaxf(x.m, y.m), fx = expf(x.m - M), fy = expf(y.m - M);
+    const float M = fmaxf(x.m, y.m), fx = exp2f(x.m - M), fy = exp2f(y.m - M);
     return AttNode{M, fmaf(x.l, fx, y.l * fy), fmaf(x.a, fx, y.a * fy)};
 }
 // A binary counter of subtree roots: leaf i (0-based, in order) joins the complete subtrees it closes.
@@ -782,6 +793,22 @@ __device__ __forceinline__ AttNode att_root(const AttNode (&stk)[LV], int n) {
     for (int lv = 0; lv < LV; ++lv)
         if ((n >> lv) & 1) node = att_join(stk[lv], node);
     return node;
+}
+
+// ATT_PB bf16 of a key (an aligned piece) as packed words, from the shared new positions or the cache.
+struct AttKey {
+    u32 w[ATT_PB / 2];
+};
+__device__ __forceinline__ AttKey att_ld_key(const bf16_t* p, bool shared) {
+    AttKey k;
+    if constexpr (ATT_PB == 8) {
+        const vec16 v = shared ? ld_shared16(p) : ld_cg16(p);
+        k.w[0] = v.x, k.w[1] = v.y, k.w[2] = v.z, k.w[3] = v.w;
+    } else {
+        const uint2 v = shared ? *(const uint2*)p : __ldcg((const uint2*)p);
+        k.w[0] = v.x, k.w[1] = v.y;
+    }
+    return k;
 }
 
 // Value e (0..7, a constant after unrolling) of 8 bf16 in a 16-byte vector.
@@ -847,11 +874,12 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     bf16_t* vc = tb.lp<bf16_t>(layer, L_VCACHE);
     const float* qn_w = tb.lp<const float>(layer, L_QNORM);
     const float* kn_w = tb.lp<const float>(layer, L_KNORM);
-    const float scale = rsqrtf((float)MK_HD);
+    const float cs = rsqrtf((float)MK_HD) * 1.44269504088896341f;  // the softmax scale times log2(e)
+    const int grp = (tid & 31) / ATT_KL, sub = (tid & 31) % ATT_KL;  // the lane's position in a step, its dims
 
     float* qsm = scratch;                          // [PAIRS][HD]
-    float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [PAIRS][HD]
-    float* wm = accs + MK_ATT_PAIRS * MK_HD;       // [NWARPS][PAIRS]
+    float* accs = qsm + MK_ATT_PAIRS * MK_HD;      // [MACC][PAIRS][HD]
+    float* wm = accs + MK_ATT_MACC * MK_ATT_PAIRS * MK_HD;  // [NWARPS][PAIRS]
     float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
     float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [NT][HD]
     float* tml = knew + MK_NT * MK_HD;             // [SPLIT_LOG + 1][PAIRS][2]: the split tree's (m, l) per level
@@ -939,6 +967,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 }
             }
             // The queries stay in shared memory (qsm): registers go to the accumulators and the loads in flight.
+            // l is per lane: the sum of its position group's weights (the groups' sums add up after the chunk).
             float acc[NP][ATT_DPL], m[NP], l[NP];
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
@@ -947,90 +976,109 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                 for (int e = 0; e < ATT_DPL; ++e) acc[j][e] = 0.0f;
             }
-            // A warp's positions MK_ATT_GROUP at a time (p, p + MK_NWARPS, ...: fixed by the chunk, so a pair's sums do
-            // not depend on the context length), the next group's keys and values loading while these are used
-            // (positions of this launch from shared memory, earlier ones from the cache; zeros past the chunk).
-            constexpr int G = MK_ATT_GROUP, GS = G * MK_NWARPS;
-            auto load_kv = [&](int q, vec16& k, vec16& v) {
-                if (q >= p1) {
-                    k = vec16{0u, 0u, 0u, 0u};
-                    v = k;
-                } else if (q >= pos) {
-                    const bf16_t* src = kvnew + (q - pos) * 2 * MK_HD + lane * ATT_DPL;
-                    k = ld_shared16(src);
-                    v = ld_shared16(src + MK_HD);
+            // A warp step takes ATT_PW consecutive positions (warp w: p0 + w * ATT_PW + i * ATT_PW * MK_NWARPS,
+            // fixed by the chunk, so a pair's sums do not depend on the context length); positions of this launch
+            // come from shared memory, earlier ones from the cache. Past the chunk a lane loads the chunk's last
+            // position instead (finite values under a weight of 0).
+            constexpr int GS = ATT_PW * MK_NWARPS;
+            auto load_k = [&](int q, AttKey (&k)[ATT_NPC]) {
+                q = min(q, p1 - 1);
+                if (q >= pos) {
+                    const bf16_t* src = kvnew + (q - pos) * 2 * MK_HD + sub * ATT_PB;
+#pragma unroll
+                    for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, true);
                 } else {
-                    k = ld_cg16(kh + (long long)q * MK_HD + lane * ATT_DPL);
+                    // interleaved pieces: the loads of a position's lanes are contiguous
+                    const bf16_t* src = kh + (long long)q * MK_HD + sub * ATT_PB;
+#pragma unroll
+                    for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, false);
+                }
+            };
+            auto load_v = [&](int q, vec16& v) {
+                q = min(q, p1 - 1);
+                if (q >= pos) {
+                    v = ld_shared16(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL);
+                } else {
                     v = ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
                 }
             };
-            vec16 kr[G], vr[G];
+            // One step over the positions p..p + ATT_PW - 1 from the keys in kg; the values load at its start (the
+            // scores' work covers them), the keys a step ahead.
+            auto att_step = [&](int p, const AttKey (&kg)[ATT_NPC]) {
+                vec16 vg[ATT_PW];
 #pragma unroll
-            for (int i = 0; i < G; ++i) {
-                kr[i] = vec16{0u, 0u, 0u, 0u};
-                vr[i] = kr[i];
-                if (active) load_kv(p0 + warp + i * MK_NWARPS, kr[i], vr[i]);
-            }
-            for (int p = p0 + warp; p < p1; p += GS) {
-                vec16 kg[G], vg[G];  // this group's raw keys and values (kr, vr refill with the next group's)
-#pragma unroll
-                for (int i = 0; i < G; ++i) kg[i] = kr[i], vg[i] = vr[i];
-                if (active) {
-#pragma unroll
-                    for (int i = 0; i < G; ++i) load_kv(p + GS + i * MK_NWARPS, kr[i], vr[i]);
+                for (int i = 0; i < ATT_PW; ++i) {
+                    vg[i] = vec16{0u, 0u, 0u, 0u};
+                    if (active) load_v(p + i, vg[i]);
                 }
-                // Every pair's scores of the group (partial per lane), then their butterflies side by side.
-                float sc[NP][G];
+                // Every pair's partial score of the lane's position (its ATT_DQ dims), then a log2(ATT_KL)-level
+                // butterfly within the position's lanes: each of them ends with the same bits (additions commute).
+                float sc[NP];
 #pragma unroll
-                for (int i = 0; i < G; ++i) {
-                    float kf[8];
-                    unpack8(kg[i], kf);  // zeros on inactive lanes
+                for (int j = 0; j < NP; ++j) sc[j] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < ATT_NPC; ++i) {
+                    float kf[ATT_PB];
+#pragma unroll
+                    for (int e = 0; e < ATT_PB; ++e) kf[e] = (e & 1) ? bf_hi(kg[i].w[e >> 1]) : bf_lo(kg[i].w[e >> 1]);
 #pragma unroll
                     for (int j = 0; j < NP; ++j) {
-                        const float* qj = qsm + j * MK_HD + (active ? lane * ATT_DPL : 0);
-                        float s = 0.0f;
+                        const float* qj = qsm + j * MK_HD + (sub + ATT_KL * i) * ATT_PB;
+                        float qf[ATT_PB];  // 16-byte shared loads (the compiler cannot see the alignment)
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) s = fmaf(qj[e], kf[e], s);
-                        sc[j][i] = s;
+                        for (int e = 0; e < ATT_PB; e += 4) {
+                            const vec16 q4 = ld_shared16(qj + e);
+                            qf[e] = __uint_as_float(q4.x), qf[e + 1] = __uint_as_float(q4.y);
+                            qf[e + 2] = __uint_as_float(q4.z), qf[e + 3] = __uint_as_float(q4.w);
+                        }
+#pragma unroll
+                        for (int e = 0; e < ATT_PB; ++e) sc[j] = fmaf(qf[e], kf[e], sc[j]);
                     }
                 }
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1)
+                for (int o = 1; o < ATT_KL; o <<= 1)
 #pragma unroll
-                    for (int j = 0; j < NP; ++j)
-#pragma unroll
-                        for (int i = 0; i < G; ++i) sc[j][i] += __shfl_xor_sync(0xffffffffu, sc[j][i], o);
+                    for (int j = 0; j < NP; ++j) sc[j] += __shfl_xor_sync(0xffffffffu, sc[j], o);
+                const int q = p + grp;  // the lane's position
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
-                    if (p > lastpos[j]) continue;  // warp-uniform; so are the later positions' tests
-                    float smax = sc[j][0] * scale;
-                    sc[j][0] = smax;
+                    if (p > lastpos[j]) continue;  // warp-uniform; so are the later steps' tests
+                    // Scores in log2 units (exp2 is one MUFU); no key: weight 0 exactly.
+                    const float x = q <= lastpos[j] && q < p1 ? sc[j] * cs : -MK_INF;
+                    float smax = x;
 #pragma unroll
-                    for (int i = 1; i < G; ++i) {
-                        const int pi = p + i * MK_NWARPS;
-                        // no key: weight 0 exactly
-                        sc[j][i] = pi <= lastpos[j] && pi < p1 ? sc[j][i] * scale : -MK_INF;
-                        smax = fmaxf(smax, sc[j][i]);
-                    }
+                    for (int o = ATT_KL; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
                     const float mn = fmaxf(m[j], smax);
-                    const float corr = expf(m[j] - mn);
-                    float w[G];
+                    const float corr = exp2f(m[j] - mn);
+                    const float wx = exp2f(x - mn);  // one exp per position group (ATT_KL lanes), not per lane
+                    l[j] = fmaf(l[j], corr, wx);
+                    float w[ATT_PW];  // the step's weights, from each position's first lane
 #pragma unroll
-                    for (int i = 0; i < G; ++i) w[i] = expf(sc[j][i] - mn);
-                    float lj = l[j] * corr;
+                    for (int i = 0; i < ATT_PW; ++i) w[i] = __shfl_sync(0xffffffffu, wx, i * ATT_KL);
 #pragma unroll
-                    for (int i = 0; i < G; ++i) lj += w[i];
-                    l[j] = lj;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
+                    for (int e = 0; e < ATT_DPL; ++e) {
                         float u = w[0] * bf_elem(vg[0], e);
 #pragma unroll
-                        for (int i = 1; i < G; ++i) u = fmaf(w[i], bf_elem(vg[i], e), u);
+                        for (int i = 1; i < ATT_PW; ++i) u = fmaf(w[i], bf_elem(vg[i], e), u);
                         acc[j][e] = fmaf(acc[j][e], corr, u);
                     }
                     m[j] = mn;
                 }
+            };
+            AttKey kr[ATT_NPC];
+            load_k(p0 + warp * ATT_PW + grp, kr);
+            for (int p = p0 + warp * ATT_PW; p < p1; p += GS) {
+                AttKey kg[ATT_NPC];  // this step's keys (kr refills with the next step's)
+#pragma unroll
+                for (int i = 0; i < ATT_NPC; ++i) kg[i] = kr[i];
+                load_k(p + GS + grp, kr);
+                att_step(p, kg);
             }
+            // The warp's sum per pair: its position groups' sums by a butterfly (every lane the same bits).
+#pragma unroll
+            for (int o = ATT_KL; o < 32; o <<= 1)
+#pragma unroll
+                for (int j = 0; j < NP; ++j) l[j] += __shfl_xor_sync(0xffffffffu, l[j], o);
             // The chunk's partial: the warps merged in warp order (deterministic).
             if (lane == 0) {
 #pragma unroll
@@ -1046,15 +1094,17 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 M[j] = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) M[j] = fmaxf(M[j], wm[w * MK_ATT_PAIRS + j]);
             }
-            for (int w = 0; w < MK_NWARPS; ++w) {
-                if (warp == w && active) {
+            // MK_ATT_MACC warps at a time, each into its own accumulator (warp w into w % MK_ATT_MACC, in warp order).
+            for (int w0 = 0; w0 < MK_NWARPS; w0 += MK_ATT_MACC) {
+                if (warp >= w0 && warp < w0 + MK_ATT_MACC && active) {
+                    float* ab = accs + (warp - w0) * MK_ATT_PAIRS * MK_HD;
 #pragma unroll
                     for (int j = 0; j < NP; ++j) {
-                        const float f = (m[j] == -MK_INF) ? 0.0f : expf(m[j] - M[j]);
+                        const float f = (m[j] == -MK_INF) ? 0.0f : exp2f(m[j] - M[j]);
 #pragma unroll
                         for (int e = 0; e < ATT_DPL; ++e) {
                             const int d = j * MK_HD + lane * ATT_DPL + e;
-                            accs[d] = (w == 0 ? 0.0f : accs[d]) + acc[j][e] * f;
+                            ab[d] = (w0 == 0 ? 0.0f : ab[d]) + acc[j][e] * f;
                         }
                     }
                 }
@@ -1068,7 +1118,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 if (e >= np * MK_HD) continue;
                 float Mj = -MK_INF;
                 for (int w = 0; w < MK_NWARPS; ++w) Mj = fmaxf(Mj, wm[w * MK_ATT_PAIRS + j]);
-                AttNode node{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), accs[e]};
+                float a = accs[e];  // the accumulators' sum in order (the first round writes each of them)
+#pragma unroll
+                for (int b = 1; b < MK_ATT_MACC; ++b) a += accs[b * MK_ATT_PAIRS * MK_HD + e];
+                AttNode node{Mj, Mj == -MK_INF ? 0.0f : att_block_den(wm, wl, j, Mj), a};
                 bool placed = false;
 #pragma unroll
                 for (int lv = 0; lv < LV; ++lv) {

@@ -64,9 +64,9 @@ class Tuning:
     # many levels plus one); the plan picks a split per step from the context and the grid (plan.att_split). Never
     # changes results: a split is a subtree of one fixed tree over the chunks.
     att_split_log: int = 5
-    # Keys a warp takes per step of the attention loop (its positions w, w + warps, ...), all loaded one step
-    # ahead: the loads in flight per warp. Changes results (the order a chunk's keys are summed in), the same way
-    # for every launch of a build.
+    # Consecutive positions a warp takes per step of the attention loop (4 or 8): 32 / att_group lanes share a key's
+    # score, so it sets the butterfly depth, the redundancy of the softmax exps and the loads in flight per warp.
+    # Changes results (the order a chunk's keys are summed in), the same way for every launch of a build.
     att_group: int = 4
     # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
     # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
@@ -109,8 +109,8 @@ class Tuning:
             )
         if not 0 <= self.att_split_log <= 10:
             raise ValueError(f"att_split_log must be 0..10, got {self.att_split_log}")
-        if self.att_group not in (1, 2, 4, 8):
-            raise ValueError(f"att_group must be 1, 2, 4 or 8, got {self.att_group}")
+        if self.att_group not in (4, 8):
+            raise ValueError(f"att_group must be 4 or 8, got {self.att_group}")
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if self.qunits < 1:
