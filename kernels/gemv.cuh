@@ -560,7 +560,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
 __device__ void gemv_prefetch_share(const GemvDesc& d, int b, int skip_bytes, int max_bytes) {
     if (max_bytes <= 0 || d.nrows <= 0) return;
 #if MK_QFMTS
-    if (gemv_desc_quant(d)) {  // no ring head was issued: from the share's first row
+    if (gemv_desc_quant(d)) {  // from the share's first row (the quantized ring's head is not skipped)
         gemv_prefetch_share_quant(d, b, max_bytes);
         return;
     }
