@@ -529,6 +529,24 @@ __device__ __forceinline__ float q_rows_sum(const float (&a)[MK_QROWS], int lane
     return v;
 }
 
+// An item's row sums into the partials (part[t * MK_PART_ROWS + row * nk + chunk]; rows past the round are not
+// stored), and its accumulators cleared for the next item.
+__device__ __forceinline__ void q_store_item(const QPlan& p, float (&acc)[MK_QROWS][MK_NT], int rg, int chunk, int nr,
+                                             int lane, float* part) {
+    const int h = lane / (32 / MK_QROWS), i = rg * MK_QROWS + h;
+#pragma unroll
+    for (int t = 0; t < MK_NT; ++t) {
+        float a[MK_QROWS];
+#pragma unroll
+        for (int j = 0; j < MK_QROWS; ++j) {
+            a[j] = acc[j][t];
+            acc[j][t] = 0.0f;
+        }
+        const float v = q_rows_sum(a, lane);
+        if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + chunk] = v;
+    }
+}
+
 // The staged window's sums over each 16 inputs, per token (xsum[t * MK_XSW + h] for inputs k0 + 16 h ..), for
 // q_unit_dot. Every thread; ends with a block barrier.
 __device__ __forceinline__ void q_stage_sums(const bf16_t* xs_in, float* xsum, int k0, int k1) {
@@ -865,18 +883,7 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
                 q_read_unit<F>(slot + (j * MK_QROWS + h) * MK_QVECS * MK_THREADS, (chunk * p.u + j) * 32 + lane,
                                it.u[j][h]);
         q_consume_item_f<F>(p, it, chunk, lane, xs, xsum, k0, acc);
-        const int h = lane / (32 / MK_QROWS), i = cur.rg * MK_QROWS + h;
-#pragma unroll
-        for (int t = 0; t < MK_NT; ++t) {
-            float a[MK_QROWS];
-#pragma unroll
-            for (int j = 0; j < MK_QROWS; ++j) {
-                a[j] = acc[j][t];
-                acc[j][t] = 0.0f;
-            }
-            const float v = q_rows_sum(a, lane);
-            if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + chunk] = v;
-        }
+        q_store_item(p, acc, cur.rg, chunk, nr, lane, part);
         cur.next();
     }
     cp_async_wait<0>();  // only empty groups can be pending: the slots are free for the next pass
@@ -949,18 +956,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             auto consume = [&](int k, const QItem& it) {
                 const GemvUnit u = gemv_unit(warp, k, c0, nkq);
                 q_consume_item(fmt, p, it, u.chunk, lane, xs, xsum, k0, acc);
-                const int h = lane / (32 / MK_QROWS), i = u.rg * MK_QROWS + h;
-#pragma unroll
-                for (int t = 0; t < MK_NT; ++t) {
-                    float a[MK_QROWS];
-#pragma unroll
-                    for (int j = 0; j < MK_QROWS; ++j) {
-                        a[j] = acc[j][t];
-                        acc[j][t] = 0.0f;
-                    }
-                    const float v = q_rows_sum(a, lane);
-                    if (lane % (32 / MK_QROWS) == 0 && i < nr) part[t * MK_PART_ROWS + i * p.nk + u.chunk] = v;
-                }
+                q_store_item(p, acc, u.rg, u.chunk, nr, lane, part);
             };
             int k = 0;
             if (count > 0) load(0, ia);
