@@ -17,11 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 REPO=$PWD
 
-# Ray is not installed there: unpack the slim bundle.
-mkdir -p /tmp/site && tar -xJf .devpkgs/ray-slim.tar.xz -C /tmp/site &&
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .devpkgs/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-. tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
+. tools/gpu/ray_env.sh  # Ray from .devpkgs, then env.sh; leaves us in the link tree
 
 echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool.log"
 SERVE_ARGS=()
