@@ -305,6 +305,19 @@ def test_the_runner_keeps_one_copy_of_the_weights():
     torch.cuda.empty_cache()
 
 
+def assert_same_steps(model, a_runner, b_runner, *, seed: int, prompt_tokens: int, steps: int = 3) -> None:
+    """Two builds step from the same reference-prefilled state, token for token: their logits are equal bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), device="cuda", generator=g)
+    state = model.new_state(64)
+    model.forward_step(prompt, state, logits="last")
+    other = state.clone()
+    for token in torch.randint(0, model.config.vocab_size, (steps,), device="cuda", generator=g):
+        a = a_runner.step(token.view(1), state).logits[0]
+        b = b_runner.step(token.view(1), other).logits[0]
+        assert torch.equal(a, b), float((a - b).abs().max())
+
+
 @torch.no_grad()
 def test_rows_per_item_do_not_change_results(mixed):
     """Items of 4 rows (the default at T = 1) and of 1 row give every format's logits bit for bit: a row's sums
@@ -313,15 +326,7 @@ def test_rows_per_item_do_not_change_results(mixed):
     assert runner.plan.quant_rows == 4
     single = DiagnosticRunner(model, tuning=Tuning(qrows=1))
     assert single.plan.quant_rows == 1
-    g = torch.Generator(device="cuda").manual_seed(12)
-    prompt = torch.randint(0, model.config.vocab_size, (8,), device="cuda", generator=g)
-    state = model.new_state(64)
-    model.forward_step(prompt, state, logits="last")
-    other = state.clone()
-    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
-        a = runner.step(token.view(1), state).logits[0]
-        b = single.step(token.view(1), other).logits[0]
-        assert torch.equal(a, b), float((a - b).abs().max())
+    assert_same_steps(model, runner, single, seed=12, prompt_tokens=8)
     del single
     torch.cuda.empty_cache()
 
@@ -336,15 +341,7 @@ def test_the_weight_ring_does_not_change_results(which, request):
     runner = DiagnosticRunner(model, tuning=Tuning(stages=2))
     registers = DiagnosticRunner(model, tuning=Tuning(stages=0))
     assert runner.plan.stages == 2 and registers.plan.stages == 0
-    g = torch.Generator(device="cuda").manual_seed(13)
-    prompt = torch.randint(0, model.config.vocab_size, (6,), device="cuda", generator=g)
-    state = model.new_state(64)
-    model.forward_step(prompt, state, logits="last")
-    other = state.clone()
-    for token in torch.randint(0, model.config.vocab_size, (3,), device="cuda", generator=g):
-        a = runner.step(token.view(1), state).logits[0]
-        b = registers.step(token.view(1), other).logits[0]
-        assert torch.equal(a, b), float((a - b).abs().max())
+    assert_same_steps(model, runner, registers, seed=13, prompt_tokens=6)
     del runner, registers
     torch.cuda.empty_cache()
 
