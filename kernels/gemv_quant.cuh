@@ -185,9 +185,28 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 #define MK_QVECS 2  // ring vectors per unit (plan.py: KernelPlan.quant_ring_vecs)
 #endif
 static_assert(MK_QVECS >= (QF_ON(QF_Q8_0) || QF_ON(QF_Q5_K) ? 3 : 2), "Q8_0 and Q5_K units take 3 ring vectors");
-#define QRING_PLANES (MK_QUMAX * MK_QROWS * MK_QVECS)  // ring planes of one quantized item
-static_assert(QRING_PLANES <= MK_RING_PLANES, "a ring slot holds a quantized item");
+static_assert(MK_QUMAX * MK_QROWS * MK_QVECS <= MK_RING_PLANES, "a ring slot holds a quantized item");
 #define QRING_PLANE_BYTES (MK_THREADS * 16)
+#ifndef MK_QDEPTH
+#define MK_QDEPTH 3  // quantized items per warp in the ring at most (plan.py: Tuning.qdepth)
+#endif
+
+// A format's ring slot. A unit takes QSlot::vecs vectors of its lane's planes. Q4_K's super-block scales (16 bytes,
+// the same for the 8 lanes of a super-block) are not copied per lane: one lane in 8 copies them into the slot's
+// scale planes after the payload, (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the warp's, so that an
+// item takes 5 planes instead of 8 and the ring holds one more of them. `depth`: the items a warp keeps in the ring
+// (depth - 1 in flight ahead of the one multiplied), as many as the plan's ring holds, up to MK_QDEPTH.
+template <int F>
+struct QSlot {
+    static constexpr bool shared_scales = F == QF_Q4_K;
+    static constexpr int units = MK_QUMAX * MK_QROWS;
+    static constexpr int vecs = shared_scales ? 1 : F == QF_Q8_0 || F == QF_Q5_K ? 3 : 2;
+    static constexpr int scale_planes = shared_scales ? (units * 4 + 31) / 32 : 0;
+    static constexpr int planes = units * vecs + scale_planes;
+    static constexpr int fit = MK_STAGES * MK_RING_PLANES / planes;
+    static constexpr int depth = fit < MK_QDEPTH ? fit : MK_QDEPTH;
+    static_assert(vecs <= MK_QVECS && depth >= 2, "the ring holds two items of every format");
+};
 
 // The aligned word holding the 2-byte field `i` of a plane of 2-byte fields.
 __device__ __forceinline__ const unsigned char* q_word_of_half(const unsigned char* plane, int i) {
@@ -195,9 +214,11 @@ __device__ __forceinline__ const unsigned char* q_word_of_half(const unsigned ch
 }
 __device__ __forceinline__ u32 q_half_of_word(u32 w, int i) { return i & 1 ? w >> 16 : w & 0xFFFFu; }
 
-// Start copying unit v of a row whose planes start at p[0..3] to the ring at shared address `dst` (plane 0).
+// Start copying unit v of a row whose planes start at p[0..3] to the ring at shared address `dst` (plane 0), and
+// its super-block's scales to `sdst` where they are shared (QSlot::shared_scales: by lanes v % 8 == 0).
 template <int F>
-__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, u32 dst, u64 policy) {
+__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, u32 dst, u32 sdst,
+                                             u64 policy) {
     constexpr u32 PB = QRING_PLANE_BYTES;
     if (F == QF_Q8_0) {
         cp_async16(dst, p[0] + v * 32, policy);
@@ -207,7 +228,7 @@ __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4],
     }
     cp_async16(dst, p[0] + v * 16, policy);
     if (F == QF_Q4_K) {
-        cp_async16(dst + PB, p[1] + (v >> 3) * 16, policy);
+        if ((v & 7) == 0) cp_async16(sdst, p[1] + (v >> 3) * 16, policy);
     } else if (F == QF_Q5_K) {
         cp_async16(dst + PB, p[2] + (v >> 3) * 16, policy);
         cp_async_small<4>(dst + 2 * PB, p[1] + v * 4, policy);
@@ -226,9 +247,10 @@ __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4],
     }
 }
 
-// Unit v as q_load_unit gives it, from its ring planes at `src` (plane 0; plane i at + i * MK_THREADS).
+// Unit v as q_load_unit gives it, from its ring planes at `src` (plane 0; plane i at + i * MK_THREADS) and its
+// shared scales at `ssrc` (QSlot::shared_scales).
 template <int F>
-__device__ __forceinline__ void q_read_unit(const vec16* src, int v, QUnit& q) {
+__device__ __forceinline__ void q_read_unit(const vec16* src, const vec16* ssrc, int v, QUnit& q) {
     const vec16 n = ld_shared16(src);
     q.w[0] = n.x, q.w[1] = n.y, q.w[2] = n.z, q.w[3] = n.w;
     if (F == QF_Q8_0) {
@@ -236,7 +258,7 @@ __device__ __forceinline__ void q_read_unit(const vec16* src, int v, QUnit& q) {
         q.w[4] = b.x, q.w[5] = b.y, q.w[6] = b.z, q.w[7] = b.w;
         q.s[0] = q_half_of_word(ld_shared4(src + 2 * MK_THREADS), v);
     } else if (F == QF_Q4_K || F == QF_Q5_K) {
-        const vec16 h = ld_shared16(src + MK_THREADS);
+        const vec16 h = ld_shared16(F == QF_Q4_K ? ssrc : src + MK_THREADS);
         q.s[0] = h.x, q.s[1] = h.y, q.s[2] = h.z, q.s[3] = h.w;
         if (F == QF_Q5_K) q.w[4] = ld_shared4(src + 2 * MK_THREADS);
     } else if (F == QF_Q6_K) {
@@ -703,8 +725,13 @@ __device__ __forceinline__ const unsigned char* q_row_at(const QRows& q, int r0,
     }
     return (const unsigned char*)(q.base[h] + (q.interleave ? (r0 >> 1) : r0) * q.stride);
 }
+// The shared address of vector `c` of a slot's shared-scale planes (QSlot), `slot` this lane's plane 0 of the slot.
+template <int F>
+__device__ __forceinline__ u32 q_scale_vec(u32 slot, int lane, int c) {
+    return slot + (QSlot<F>::units * QSlot<F>::vecs + c / 32) * QRING_PLANE_BYTES + (c % 32 - lane) * 16;
+}
 // Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
-// lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * MK_QVECS) on.
+// lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * QSlot::vecs) on.
 template <int F>
 __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, int rs, int nr, int rg, int chunk,
                                                int lane, u32 slot, u64 policy) {
@@ -719,8 +746,10 @@ __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, i
 #pragma unroll
         for (int j = 0; j < MK_QUMAX; ++j) {
             const int v = (chunk * p.u + j) * 32 + lane;
+            const int c = (j * MK_QROWS + h) * QSlot<F>::vecs;
             if (j < p.u && v < p.nunits)
-                q_issue_unit<F>(rowp, v, slot + (j * MK_QROWS + h) * MK_QVECS * QRING_PLANE_BYTES, policy);
+                q_issue_unit<F>(rowp, v, slot + c * QRING_PLANE_BYTES,
+                                q_scale_vec<F>(slot, lane, 4 * (j * MK_QROWS + h) + lane / 8), policy);
         }
     }
 }
@@ -791,26 +820,32 @@ __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QI
 }
 
 #if MK_STAGES > 0
-__device__ __forceinline__ void q_issue_item(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
-                                             int nr, int rg, int chunk, int lane, u32 slot, u64 policy) {
-#define QF_ISSUE(F)                                                                                   \
-    q_issue_item_f<(QF_ON(F) ? F : QF_Q4_K)>(q_rows_of<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start), p, rs, nr, rg, \
-                                             chunk, lane, slot, policy)
-    QF_DISPATCH(fmt, QF_ISSUE)
-#undef QF_ISSUE
+// The shared address of ring slot `k % depth` of format F (`ring0`: this lane's plane 0 of slot 0).
+template <int F>
+__device__ __forceinline__ u32 q_slot_addr(u32 ring0, int k) {
+    return ring0 + (k % QSlot<F>::depth) * QSlot<F>::planes * QRING_PLANE_BYTES;
 }
-// Start copying this warp's unit k of the pass over chunks [c0, c0 + nkq) of rows [rs, rs + nr) (`count` units in
-// all) into ring slot k % MK_STAGES (`ring0`: this lane's plane 0 of slot 0), as one commit group (empty past the
-// end, so that the group count stays uniform).
-__device__ __forceinline__ void q_ring_issue(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
-                                             int nr, int c0, int nkq, int count, int k, int lane, u32 ring0,
-                                             u64 policy) {
-    if (k < count) {
-        const GemvUnit u = gemv_unit(tid_x() >> 5, k, c0, nkq);
-        q_issue_item(fmt, d, s, start, p, rs, nr, u.rg, u.chunk, lane,
-                     ring0 + (k % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
+// The ring's head: this warp's first QSlot::depth - 1 units of the pass over chunks [c0, c0 + nkq) of rows
+// [rs, rs + nr) (`count` units in all), one commit group each (empty past the end, so that the group count stays
+// uniform).
+template <int F>
+__device__ __forceinline__ void q_ring_head_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
+                                              int c0, int nkq, int count, int lane, u32 ring0, u64 policy) {
+    const QRows rows = q_rows_of<F>(d, s, start);
+#pragma unroll
+    for (int k = 0; k < QSlot<F>::depth - 1; ++k) {
+        if (k < count) {
+            const GemvUnit u = gemv_unit(tid_x() >> 5, k, c0, nkq);
+            q_issue_item_f<F>(rows, p, rs, nr, u.rg, u.chunk, lane, q_slot_addr<F>(ring0, k), policy);
+        }
+        cp_async_commit();
     }
-    cp_async_commit();
+}
+__device__ __forceinline__ void q_ring_head(int fmt, const GemvDesc& d, int s, int start, const QPlan& p, int rs,
+                                            int nr, int c0, int nkq, int count, int lane, u32 ring0, u64 policy) {
+#define QF_HEAD(F) q_ring_head_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, c0, nkq, count, lane, ring0, policy)
+    QF_DISPATCH(fmt, QF_HEAD)
+#undef QF_HEAD
 }
 #endif
 
@@ -862,26 +897,33 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
 #pragma unroll
         for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
     const QRows rows = q_rows_of<F>(d, s, start);
-    QUnitWalk cur(warp, 0, nkq), ahead(warp, MK_STAGES - 1, nkq);
+    constexpr int depth = QSlot<F>::depth;
+    QUnitWalk cur(warp, 0, nkq), ahead(warp, depth - 1, nkq);
     for (int k = 0; k < count; ++k) {
-        const int kn = k + MK_STAGES - 1;
+        const int kn = k + depth - 1;
+        // Shared scales: another lane copies them, so every lane's reads of the slot about to be refilled come first,
+        // and that lane's completed copy is seen only after the warp's barrier below.
+        if (QSlot<F>::shared_scales) __syncwarp();
         if (kn < count)
-            q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane,
-                              ring0 + (kn % MK_STAGES) * QRING_PLANES * QRING_PLANE_BYTES, policy);
+            q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane, q_slot_addr<F>(ring0, kn), policy);
         ahead.next();
         cp_async_commit();
-        cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
+        cp_async_wait<depth - 1>();  // unit k's group is complete
+        if (QSlot<F>::shared_scales) __syncwarp();
         const int chunk = c0 + cur.chunk;
         // Every unit of the slot is read back: those past the round's rows or the row's units hold stale bytes,
         // which rows past the round multiply without storing and units past the row are skipped by.
         QItem it;
-        const vec16* slot = mine + (k % MK_STAGES) * QRING_PLANES * MK_THREADS;
+        const vec16* slot = mine + (k % depth) * QSlot<F>::planes * MK_THREADS;
+        const vec16* scales = slot - lane + QSlot<F>::units * QSlot<F>::vecs * MK_THREADS;  // vector 0 of the warp's
 #pragma unroll
         for (int h = 0; h < MK_QROWS; ++h)
 #pragma unroll
-            for (int j = 0; j < MK_QUMAX; ++j)
-                q_read_unit<F>(slot + (j * MK_QROWS + h) * MK_QVECS * MK_THREADS, (chunk * p.u + j) * 32 + lane,
-                               it.u[j][h]);
+            for (int j = 0; j < MK_QUMAX; ++j) {
+                const int c = 4 * (j * MK_QROWS + h) + lane / 8;
+                q_read_unit<F>(slot + (j * MK_QROWS + h) * QSlot<F>::vecs * MK_THREADS,
+                               scales + (c / 32) * MK_THREADS + c % 32, (chunk * p.u + j) * 32 + lane, it.u[j][h]);
+            }
         q_consume_item_f<F>(p, it, chunk, lane, xs, xsum, k0, acc);
         q_store_item(p, acc, cur.rg, chunk, nr, lane, part);
         cur.next();
@@ -921,14 +963,11 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             // MK_QROWS rg ..).
             const int count = gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq);
 #if MK_STAGES > 0
-            // Unit k lives in ring slot k % MK_STAGES; one commit group per unit (empty past the end, so that the
+            // Unit k lives in ring slot k % QSlot::depth; one commit group per unit (empty past the end, so that the
             // count stays uniform). The head does not depend on the input: in flight while the window is staged.
             const u64 policy = evict_first_policy();
-            auto issue = [&](int k) { q_ring_issue(fmt, d, s, start, p, rs, nr, c0, nkq, count, k, lane, ring0, policy); };
-            if (!head) {  // else issued before the phase (gemv_issue_first_head_quant)
-#pragma unroll
-                for (int k = 0; k < MK_STAGES - 1; ++k) issue(k);
-            }
+            if (!head) q_ring_head(fmt, d, s, start, p, rs, nr, c0, nkq, count, lane, ring0, policy);  // else issued
+            // before the phase (gemv_issue_first_head_quant)
             head = false;
 #endif
             if (q > 0 || !staged) {
@@ -1016,7 +1055,7 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
 }
 
 #if MK_STAGES > 0
-// gemv_issue_first_head for a quantized GEMV: this warp's first MK_STAGES - 1 units of the block's first segment,
+// gemv_issue_first_head for a quantized GEMV: this warp's first QSlot::depth - 1 units of the block's first segment,
 // round and pass, one commit group each, before the phase's input exists.
 __device__ void gemv_issue_first_head_quant(const GemvDesc& d, vec16* ring) {
     const QPlan p = qplan(d.K);
@@ -1031,8 +1070,7 @@ __device__ void gemv_issue_first_head_quant(const GemvDesc& d, vec16* ring) {
     const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
     const u32 ring0 = smem_addr(ring + warp * 32 + lane);
     const u64 policy = evict_first_policy();
-#pragma unroll
-    for (int k = 0; k < MK_STAGES - 1; ++k) q_ring_issue(fmt, d, s, start, p, r0, nr, 0, nkq, count, k, lane, ring0, policy);
+    q_ring_head(fmt, d, s, start, p, r0, nr, 0, nkq, count, lane, ring0, policy);
 }
 #endif
 
