@@ -177,35 +177,32 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 // ---- the shared-memory ring ----------------------------------------------------------------------------
 // With MK_STAGES > 0 the lane copies its units' bytes into the weight ring (cp.async) instead of its registers,
 // MK_STAGES - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
-// flight no longer cost registers. A unit takes MK_QVECS 16-byte vectors of its lane's ring planes (plane i of a
-// unit at + i * MK_THREADS vectors): the payload, then the scales and high bits. Two-byte fields travel in the
-// aligned 4-byte word that holds them (cp.async copies 4, 8 or 16 bytes; the neighbour's half is the same DRAM
-// sector); q_read_unit picks the half, so a unit read back equals what q_load_unit loads.
-#ifndef MK_QVECS
-#define MK_QVECS 2  // ring vectors per unit (plan.py: KernelPlan.quant_ring_vecs)
-#endif
-static_assert(MK_QVECS >= (QF_ON(QF_Q8_0) || QF_ON(QF_Q5_K) ? 3 : 2), "Q8_0 and Q5_K units take 3 ring vectors");
-static_assert(MK_QUMAX * MK_QROWS * MK_QVECS <= MK_RING_PLANES, "a ring slot holds a quantized item");
+// flight no longer cost registers. A unit's vectors are its lane's ring planes (plane i of a unit at + i * MK_THREADS
+// vectors; QSlot below). Two-byte fields travel in the aligned 4-byte word or 16-byte vector that holds them
+// (cp.async copies 4, 8 or 16 bytes; the neighbours' halves are the same DRAM sector); q_read_unit picks the half,
+// so a unit read back equals what q_load_unit loads.
 #define QRING_PLANE_BYTES (MK_THREADS * 16)
 #ifndef MK_QDEPTH
 #define MK_QDEPTH 3  // quantized items per warp in the ring at most (plan.py: Tuning.qdepth)
 #endif
 
-// A format's ring slot. A unit takes QSlot::vecs vectors of its lane's planes. Q4_K's super-block scales (16 bytes,
-// the same for the 8 lanes of a super-block) are not copied per lane: one lane in 8 copies them into the slot's
-// scale planes after the payload, (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the warp's, so that an
-// item takes 5 planes instead of 8 and the ring holds one more of them. `depth`: the items a warp keeps in the ring
-// (depth - 1 in flight ahead of the one multiplied), as many as the plan's ring holds, up to MK_QDEPTH.
+// A format's ring slot. A unit takes QSlot::vecs 16-byte vectors of its lane's planes: the payload, then the high
+// bits, scales and offsets it alone has. Scales that 8 consecutive units share or hold in one aligned 16-byte
+// vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once, by lane v % 8 == 0,
+// into the slot's scale planes after the units: (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the
+// warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12. `depth`: the items a
+// warp keeps in the ring (depth - 1 in flight ahead of the one multiplied), as many as the plan's ring holds, up
+// to MK_QDEPTH. plan.py quant_slot_planes mirrors `planes`.
 template <int F>
 struct QSlot {
-    static constexpr bool shared_scales = F == QF_Q4_K;
+    static constexpr bool shared_scales = F == QF_Q4_K || F == QF_Q5_K || F == QF_Q8_0 || F == QF_Q4_0;
     static constexpr int units = MK_QUMAX * MK_QROWS;
-    static constexpr int vecs = shared_scales ? 1 : F == QF_Q8_0 || F == QF_Q5_K ? 3 : 2;
+    static constexpr int vecs = F == QF_Q4_K || F == QF_Q4_0 ? 1 : 2;
     static constexpr int scale_planes = shared_scales ? (units * 4 + 31) / 32 : 0;
     static constexpr int planes = units * vecs + scale_planes;
     static constexpr int fit = MK_STAGES * MK_RING_PLANES / planes;
     static constexpr int depth = fit < MK_QDEPTH ? fit : MK_QDEPTH;
-    static_assert(vecs <= MK_QVECS && depth >= 2, "the ring holds two items of every format");
+    static_assert(planes <= MK_RING_PLANES && depth >= 2, "the ring holds two items of every format");
 };
 
 // The aligned word holding the 2-byte field `i` of a plane of 2-byte fields.
@@ -220,24 +217,25 @@ template <int F>
 __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, u32 dst, u32 sdst,
                                              u64 policy) {
     constexpr u32 PB = QRING_PLANE_BYTES;
+    const bool first = (v & 7) == 0;  // the lane that copies the shared scales of units v .. v + 7
     if (F == QF_Q8_0) {
         cp_async16(dst, p[0] + v * 32, policy);
         cp_async16(dst + PB, p[0] + v * 32 + 16, policy);
-        cp_async_small<4>(dst + 2 * PB, q_word_of_half(p[1], v), policy);
+        if (first) cp_async16(sdst, p[1] + v * 2, policy);
         return;
     }
     cp_async16(dst, p[0] + v * 16, policy);
     if (F == QF_Q4_K) {
-        if ((v & 7) == 0) cp_async16(sdst, p[1] + (v >> 3) * 16, policy);
+        if (first) cp_async16(sdst, p[1] + (v >> 3) * 16, policy);
     } else if (F == QF_Q5_K) {
-        cp_async16(dst + PB, p[2] + (v >> 3) * 16, policy);
-        cp_async_small<4>(dst + 2 * PB, p[1] + v * 4, policy);
+        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
+        if (first) cp_async16(sdst, p[2] + (v >> 3) * 16, policy);
     } else if (F == QF_Q6_K) {
         cp_async_small<8>(dst + PB, p[1] + v * 8, policy);
         cp_async_small<4>(dst + PB + 8, q_word_of_half(p[2], v), policy);
         cp_async_small<4>(dst + PB + 12, q_word_of_half(p[3], v >> 3), policy);
     } else if (F == QF_Q4_0) {
-        cp_async_small<4>(dst + PB, q_word_of_half(p[1], v), policy);
+        if (first) cp_async16(sdst, p[1] + v * 2, policy);
     } else if (F == QF_Q5_0) {
         cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
         cp_async_small<4>(dst + PB + 4, q_word_of_half(p[2], v), policy);
@@ -251,23 +249,25 @@ __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4],
 // shared scales at `ssrc` (QSlot::shared_scales).
 template <int F>
 __device__ __forceinline__ void q_read_unit(const vec16* src, const vec16* ssrc, int v, QUnit& q) {
+    // Unit v's 2-byte d in a shared vector of 8 (Q8_0, Q4_0): the aligned word that holds it.
+    auto shared_half = [&]() { return q_half_of_word(ld_shared4((const unsigned char*)ssrc + (v & 6) * 2), v); };
     const vec16 n = ld_shared16(src);
     q.w[0] = n.x, q.w[1] = n.y, q.w[2] = n.z, q.w[3] = n.w;
     if (F == QF_Q8_0) {
         const vec16 b = ld_shared16(src + MK_THREADS);
         q.w[4] = b.x, q.w[5] = b.y, q.w[6] = b.z, q.w[7] = b.w;
-        q.s[0] = q_half_of_word(ld_shared4(src + 2 * MK_THREADS), v);
+        q.s[0] = shared_half();
     } else if (F == QF_Q4_K || F == QF_Q5_K) {
-        const vec16 h = ld_shared16(F == QF_Q4_K ? ssrc : src + MK_THREADS);
+        const vec16 h = ld_shared16(ssrc);
         q.s[0] = h.x, q.s[1] = h.y, q.s[2] = h.z, q.s[3] = h.w;
-        if (F == QF_Q5_K) q.w[4] = ld_shared4(src + 2 * MK_THREADS);
+        if (F == QF_Q5_K) q.w[4] = ld_shared4(src + MK_THREADS);
     } else if (F == QF_Q6_K) {
         const vec16 h = ld_shared16(src + MK_THREADS);
         q.w[4] = h.x, q.w[5] = h.y;
         q.s[0] = q_half_of_word(h.z, v);
         q.s[1] = q_half_of_word(h.w, v >> 3);
     } else if (F == QF_Q4_0) {
-        q.s[0] = q_half_of_word(ld_shared4(src + MK_THREADS), v);
+        q.s[0] = shared_half();
     } else {  // QF_Q5_0, QF_Q5_1
         u32 a, b;
         ld_shared8(src + MK_THREADS, a, b);

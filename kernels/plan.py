@@ -266,11 +266,11 @@ class KernelPlan:
         return 4 if nt <= 2 else 2 if nt <= 4 else 1
 
     @property
-    def quant_ring_vecs(self) -> int:
-        """16-byte ring vectors per lane, row and unit of a quantized item (MK_QVECS): 2 hold a unit of every format
-        but Q8_0 and Q5_K (32-byte payload, or 16-byte scales and high bits), which take 3."""
-        wide = {WEIGHT_FORMAT_CODES[WeightFormat.Q8_0], WEIGHT_FORMAT_CODES[WeightFormat.Q5_K]}
-        return 3 if any(self.quant_union >> code & 1 for code in wide) else 2
+    def quant_slot_planes(self) -> int:
+        """Ring planes of the largest quantized item of the build (quant_slot_planes over its formats)."""
+        units = self.tuning.qunits * self.quant_rows
+        codes = [code for code in WEIGHT_FORMAT_CODES.values() if code and self.quant_union >> code & 1]
+        return max((quant_slot_planes(code, units) for code in codes), default=0)
 
     @property
     def quant_union(self) -> int:
@@ -285,12 +285,10 @@ class KernelPlan:
     @property
     def ring_planes(self) -> int:
         """16-byte vectors per thread in one slot of the weight ring (MK_RING_PLANES): the bf16 GEMV's item of
-        umax loads, or the quantized GEMV's of qunits x quant_rows units of quant_ring_vecs vectors, whichever the
-        build streams is larger."""
-        t = self.tuning
-        bf16 = t.umax if self.streams_bf16 else 0
-        quant = t.qunits * self.quant_rows * self.quant_ring_vecs if self.quant_union else 0
-        return max(bf16, quant)
+        umax loads, or the quantized GEMV's largest item (quant_slot_planes), whichever the build streams is
+        larger."""
+        bf16 = self.tuning.umax if self.streams_bf16 else 0
+        return max(bf16, self.quant_slot_planes)
 
     @property
     def stages(self) -> int:
@@ -317,9 +315,10 @@ class KernelPlan:
         Tuning.smem_prefer counts SMEM_OVER_BREAKS more breaks."""
         top = self.tuning.part_rows
         options = (self.tuning.stages,) if self.tuning.stages is not None else STAGE_FALLBACKS
-        if self.tuning.stages is None and not self.streams_bf16 and self.quant_ring_vecs > 2:
-            # Q8_0 and Q5_K items take 3 ring vectors per unit: a ring that size crowds out the window and L1, and
-            # a Q8_0 model measured slower with it than with the register double buffer (docs/benchmarks.md).
+        units = self.tuning.qunits * self.quant_rows
+        if self.tuning.stages is None and not self.streams_bf16 and self.quant_slot_planes > 2 * units:
+            # Q8_0 and Q5_K items take more than 2 ring vectors per unit: a ring that size crowds out the window and
+            # L1, and a Q8_0 model measured slower with it than with the register double buffer (docs/benchmarks.md).
             options = (0,)
         windows = self._windows()
         least = self._least_part_rows()
@@ -519,7 +518,6 @@ class KernelPlan:
             shapes["MK_QFMTS"] = union
             shapes["MK_QUMAX"] = t.qunits
             shapes["MK_QROWS"] = self.quant_rows
-            shapes["MK_QVECS"] = self.quant_ring_vecs
             shapes["MK_QDEPTH"] = t.qdepth
             shapes["MK_SMEM_XSUM"] = carve.xsum
             shapes["MK_XSW"] = quant_sum_width(self.window, t.qint8)
@@ -651,6 +649,21 @@ def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
     loads = -(-(k // 8) // lanes)
     per_lane = -(-loads // (gemv_chunks(k, tuning) * sub))
     return per_lane * lanes * sub * 8
+
+
+# Formats whose 8 consecutive units share one 16-byte vector of scales in the ring (gemv_quant.cuh QSlot), and
+# those whose unit takes one vector (its payload) besides.
+_SHARED_SCALES = {WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q8_0, WeightFormat.Q4_0}
+_ONE_VECTOR = {WeightFormat.Q4_K, WeightFormat.Q4_0}
+
+
+def quant_slot_planes(code: int, units: int) -> int:
+    """Ring planes (16-byte vectors per thread) of a quantized item of `units` units per lane in the format of this
+    code (MK_QFMTS codes): the units' vectors, then the shared scales, 4 vectors per unit and warp. Mirrors
+    gemv_quant.cuh QSlot::planes, which checks that the ring holds two."""
+    fmt = next(f for f, c in WEIGHT_FORMAT_CODES.items() if c == code)
+    shared = -(-units * 4 // 32) if fmt in _SHARED_SCALES else 0
+    return units * (1 if fmt in _ONE_VECTOR else 2) + shared
 
 
 def quant_chunk_width(k: int, units: int) -> int:

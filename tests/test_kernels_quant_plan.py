@@ -14,6 +14,7 @@ from onestream.kernels.plan import (
     KernelPlan,
     WeightFormat,
     quant_chunk_width,
+    quant_slot_planes,
     weight_formats_of,
 )
 from onestream.kernels.quant_layout import FORMAT_CODES
@@ -62,24 +63,35 @@ def test_a_quantized_plan_names_its_formats_per_kind() -> None:
     q4, q6 = 1 << FORMAT_CODES[QuantType.Q4_K], 1 << FORMAT_CODES[QuantType.Q6_K]
     assert d["MK_WFMT_MLP_DOWN"] == q4 | q6 and d["MK_WFMT_MLP_IN"] == q4 and d["MK_WFMT_LM_HEAD"] == q4 | q6
     assert d["MK_QFMTS"] == q4 | q6
-    # No kind holds bf16: the bf16 GEMV is left out; a ring slot holds a quantized item (4 rows of 2 vectors per
-    # lane: Q4_K and Q6_K units), and the window holds every input.
+    # No kind holds bf16: the bf16 GEMV is left out; a ring slot holds the largest quantized item (4 rows of 2
+    # vectors per lane: Q6_K units), and the window holds every input.
     assert d["MK_GEMV_BF16"] == 0 and plan.window == config_27b().intermediate_size
-    assert plan.stages == 2 and d["MK_QVECS"] == 2 and d["MK_RING_PLANES"] == plan.quant_rows * 2 == 8
+    assert plan.stages == 2 and d["MK_RING_PLANES"] == plan.quant_rows * 2 == 8
+    assert d["MK_QDEPTH"] == plan.tuning.qdepth == 3
     src = assemble_source(plan)
     assert "#define MK_QFMTS " in src and "gemv_run_quant" in src
 
 
-def test_the_weight_ring_holds_quantized_items_of_two_vectors_per_unit() -> None:
-    """A Q4_K_M model streams its items through the ring (2 vectors per unit); a Q8_0 model keeps the register
-    double buffer unless the tuning names a ring, whose slots then hold 3 vectors per unit."""
+def test_quantized_items_take_their_formats_ring_planes() -> None:
+    """An item's ring planes per format (gemv_quant.cuh QSlot): a vector per unit of Q4_K and Q4_0, two of the
+    others, and one vector of shared scales per 8 units of Q4_K, Q5_K, Q8_0 and Q4_0 (4 per unit and warp)."""
+    code = {f: WEIGHT_FORMAT_CODES[f] for f in W if f is not W.BF16}
+    planes = {f.name: quant_slot_planes(c, 4) for f, c in code.items()}
+    assert planes == {"Q4_K": 5, "Q5_K": 9, "Q6_K": 8, "Q8_0": 9, "Q4_0": 5, "Q5_0": 8, "Q5_1": 8}
+    assert quant_slot_planes(code[W.Q4_K], 1) == 2 and quant_slot_planes(code[W.Q4_K], 8) == 9
+    assert quant_slot_planes(code[W.Q4_K], 16) == 16 + 2
+
+
+def test_the_weight_ring_holds_quantized_items() -> None:
+    """A Q4_K_M model streams its items through the ring; a Q8_0 model keeps the register double buffer unless
+    the tuning names a ring, whose slots then hold its 9-plane items."""
     q8 = weight_formats_of({k: {W.Q8_0} for k in WEIGHT_KINDS})
     plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8)
-    assert plan.quant_ring_vecs == 3 and plan.stages == 0 and plan.carve.xs == 0
+    assert plan.quant_slot_planes == 9 and plan.stages == 0 and plan.carve.xs == 0
     ring = KernelPlan(
         config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q8, tuning=Tuning(stages=2)
     )
-    assert ring.stages == 2 and ring.ring_planes == 4 * 3
+    assert ring.stages == 2 and ring.ring_planes == 9
     assert ring.carve.xs == 2 * ring.ring_planes * ring.tuning.threads * 16
 
 
