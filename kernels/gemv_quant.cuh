@@ -13,8 +13,9 @@
 // extracts a unit's levels once for all MK_NT tokens, reads and converts each token's staged inputs once for all
 // the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
 // sums do not depend on the other rows of its item, nor a token's on the other tokens. Items stream through the
-// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, MK_STAGES - 1 items ahead, the first
-// issued before the phase), else they are double-buffered in registers; either way the lane multiplies the same
+// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, as many items ahead as the ring holds
+// of the format, QSlot, the first issued before the phase), else they are double-buffered in registers; either way
+// the lane multiplies the same
 // bytes, so the results are the same. Partials, rounds, passes over K
 // windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
 // computes a row.
@@ -176,7 +177,7 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 #if MK_STAGES > 0
 // ---- the shared-memory ring ----------------------------------------------------------------------------
 // With MK_STAGES > 0 the lane copies its units' bytes into the weight ring (cp.async) instead of its registers,
-// MK_STAGES - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
+// QSlot::depth - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
 // flight no longer cost registers. A unit's vectors are its lane's ring planes (plane i of a unit at + i * MK_THREADS
 // vectors; QSlot below). Two-byte fields travel in the aligned 4-byte word or 16-byte vector that holds them
 // (cp.async copies 4, 8 or 16 bytes; the neighbours' halves are the same DRAM sector); q_read_unit picks the half,
