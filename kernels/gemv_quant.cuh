@@ -14,7 +14,7 @@
 // the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
 // sums do not depend on the other rows of its item, nor a token's on the other tokens. Items stream through the
 // shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, as many items ahead as the ring holds
-// of the format, QSlot, the first issued before the phase), else they are double-buffered in registers; either way
+// (QSlot), the first issued before the phase), else they are double-buffered in registers; either way
 // the lane multiplies the same
 // bytes, so the results are the same. Partials, rounds, passes over K
 // windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
@@ -183,17 +183,14 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 // (cp.async copies 4, 8 or 16 bytes; the neighbours' halves are the same DRAM sector); q_read_unit picks the half,
 // so a unit read back equals what q_load_unit loads.
 #define QRING_PLANE_BYTES (MK_THREADS * 16)
-#ifndef MK_QDEPTH
-#define MK_QDEPTH 3  // quantized items per warp in the ring at most (plan.py: Tuning.qdepth)
-#endif
 
 // A format's ring slot. A unit takes QSlot::vecs 16-byte vectors of its lane's planes: the payload, then the high
 // bits, scales and offsets it alone has. Scales that 8 consecutive units share or hold in one aligned 16-byte
 // vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once, by lane v % 8 == 0,
 // into the slot's scale planes after the units: (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the
 // warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12. `depth`: the items a
-// warp keeps in the ring (depth - 1 in flight ahead of the one multiplied), as many as the plan's ring holds, up
-// to MK_QDEPTH. plan.py quant_slot_planes mirrors `planes`.
+// warp keeps in the ring (depth - 1 in flight ahead of the one multiplied; a third Q4_K item, which its slots
+// would hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes mirrors `planes`.
 template <int F>
 struct QSlot {
     static constexpr bool shared_scales = F == QF_Q4_K || F == QF_Q5_K || F == QF_Q8_0 || F == QF_Q4_0;
@@ -201,9 +198,8 @@ struct QSlot {
     static constexpr int vecs = F == QF_Q4_K || F == QF_Q4_0 ? 1 : 2;
     static constexpr int scale_planes = shared_scales ? (units * 4 + 31) / 32 : 0;
     static constexpr int planes = units * vecs + scale_planes;
-    static constexpr int fit = MK_STAGES * MK_RING_PLANES / planes;
-    static constexpr int depth = fit < MK_QDEPTH ? fit : MK_QDEPTH;
-    static_assert(planes <= MK_RING_PLANES && depth >= 2, "the ring holds two items of every format");
+    static constexpr int depth = MK_STAGES;
+    static_assert(planes <= MK_RING_PLANES, "a ring slot holds an item of every format");
 };
 
 // The aligned word holding the 2-byte field `i` of a plane of 2-byte fields.

@@ -518,7 +518,6 @@ class KernelPlan:
             shapes["MK_QFMTS"] = union
             shapes["MK_QUMAX"] = t.qunits
             shapes["MK_QROWS"] = self.quant_rows
-            shapes["MK_QDEPTH"] = t.qdepth
             shapes["MK_SMEM_XSUM"] = carve.xsum
             shapes["MK_XSW"] = quant_sum_width(self.window, t.qint8)
             if t.qint8:

@@ -92,10 +92,6 @@ class Tuning:
     # staged input once for all of them; never changes results; None: KernelPlan.quant_rows by tokens per launch).
     qunits: int = 1
     qrows: int | None = None
-    # Quantized items a warp keeps in the weight ring at most (depth - 1 in flight ahead of the one multiplied): a
-    # format whose items are smaller than the ring's slot (Q4_K's, with their shared scales) takes as many as the
-    # ring holds, up to this. Never changes results.
-    qdepth: int = 3
     # Quantized GEMV arithmetic (changes results, the same way for every tokens-per-launch build): True quantizes
     # each staged input unit to two int8 planes (x = d (256 q1 + q2): 15 bits of the unit's largest input) and
     # multiplies the levels with dp4a in exact integers; False multiplies them in fp32 FMAs.
@@ -119,7 +115,5 @@ class Tuning:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if self.qunits < 1:
             raise ValueError(f"qunits must be at least 1, got {self.qunits}")
-        if self.qdepth < 2:
-            raise ValueError(f"qdepth must be at least 2, got {self.qdepth}")
         if self.qrows not in (None, 1, 2, 4):
             raise ValueError(f"qrows must be 1, 2 or 4 (or None), got {self.qrows}")
