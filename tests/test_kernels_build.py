@@ -335,7 +335,9 @@ def test_attention_splits_fill_the_grid_at_long_context() -> None:
     """Short contexts keep one chunk per item (and the fewest pairs that fit); long ones cut the chunks into
     aligned splits of 2^k whose busiest block attends over the fewest chunks, within the fold's limit."""
     config = config_27b()
-    plan = KernelPlan(config, num_sms=132, tokens_per_launch=1)
+    plan = KernelPlan(
+        config, num_sms=132, tokens_per_launch=1, tuning=Tuning(att_chunk=128)
+    )  # the rule's figures
     short = plan.att_split(513)
     assert short.log == 0 and short.splits == 5 and short.pairs == 1 and short.items == 4 * 5 * 6
     for context in (8192, 32768, 131072):
@@ -349,8 +351,11 @@ def test_attention_splits_fill_the_grid_at_long_context() -> None:
     assert plan.att_split(131073).log == 5 and plan.att_split(131073).splits == 33
     assert plan.att_split(32769).splits * (1 << plan.att_split(32769).log) >= 257
     with pytest.raises(ContextLengthError, match="attention chunks"):
-        KernelPlan(config, num_sms=132, tuning=Tuning(att_split_log=0)).att_split(128 * 257)
-    assert KernelPlan(config, 132, tuning=Tuning(att_split_log=0)).att_split(128 * 256).splits == 256
+        KernelPlan(config, num_sms=132, tuning=Tuning(att_chunk=128, att_split_log=0)).att_split(128 * 257)
+    assert (
+        KernelPlan(config, 132, tuning=Tuning(att_chunk=128, att_split_log=0)).att_split(128 * 256).splits
+        == 256
+    )
     d = plan.defines()
     assert d["MK_ATT_SPLIT_LOG"] == plan.tuning.att_split_log and d["MK_ATT_FOLD_LEVELS"] == ATT_FOLD_LEVELS
     assert d["MK_ATT_MERGE_CHUNKS"] == 1 << (plan.tuning.att_split_log + ATT_FOLD_LEVELS)
