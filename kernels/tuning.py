@@ -59,7 +59,7 @@ class Tuning:
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.
-    att_chunk: int = 256
+    att_chunk: int = 512
     # Splits of the attention keys over blocks hold at most 2^att_split_log chunks (each block's tree stack has that
     # many levels plus one); the plan picks a split per step from the context and the grid (plan.att_split). Never
     # changes results: a split is a subtree of one fixed tree over the chunks.
