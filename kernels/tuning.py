@@ -74,7 +74,8 @@ class Tuning:
     pf_idle_bytes: int = 192 * 1024
     # GEMV weights through a shared-memory ring of this many items per warp (cp.async; sm_80+), 0 = the register
     # double buffer; None = AUTO_STAGES (2) where the GPU's shared memory holds the ring (sm_90), else 0, and 0 for
-    # models whose quantized units take 3 ring vectors (Q8_0, Q5_K: plan.py KernelPlan._fitted).
+    # models whose quantized units take more than 2 ring vectors with their shared scales (Q8_0, Q5_K: plan.py
+    # KernelPlan._fitted).
     stages: int | None = None
     phase_timing: bool = False  # compile in per-block globaltimer stamps per phase (debug builds only)
     # Numerics (changes results): True keeps the residual stream and the logits in fp32 and rounds the other
