@@ -13,10 +13,9 @@
 // extracts a unit's levels once for all MK_NT tokens, reads and converts each token's staged inputs once for all
 // the item's rows, and multiplies (q_unit_dot: the scales are applied per unit, with the inputs' sums); a row's
 // sums do not depend on the other rows of its item, nor a token's on the other tokens. Items stream through the
-// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, as many items ahead as the ring holds
-// (QSlot), the first issued before the phase), else they are double-buffered in registers; either way
-// the lane multiplies the same
-// bytes, so the results are the same. Partials, rounds, passes over K
+// shared-memory weight ring where the build has one (MK_STAGES > 0: cp.async, MK_STAGES - 1 items ahead, slots
+// sized per format by QSlot, the first issued before the phase), else they are double-buffered in registers;
+// either way the lane multiplies the same bytes, so the results are the same. Partials, rounds, passes over K
 // windows and the row sums are those of gemv_run, so results do not depend on MK_XW, MK_QROWS or on which block
 // computes a row.
 //
@@ -177,7 +176,7 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 #if MK_STAGES > 0
 // ---- the shared-memory ring ----------------------------------------------------------------------------
 // With MK_STAGES > 0 the lane copies its units' bytes into the weight ring (cp.async) instead of its registers,
-// QSlot::depth - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
+// MK_STAGES - 1 items ahead of the one it multiplies, and reads each back just before multiplying it: the bytes in
 // flight no longer cost registers. A unit's vectors are its lane's ring planes (plane i of a unit at + i * MK_THREADS
 // vectors; QSlot below). Two-byte fields travel in the aligned 4-byte word or 16-byte vector that holds them
 // (cp.async copies 4, 8 or 16 bytes; the neighbours' halves are the same DRAM sector); q_read_unit picks the half,
@@ -188,9 +187,9 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
 // bits, scales and offsets it alone has. Scales that 8 consecutive units share or hold in one aligned 16-byte
 // vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once, by lane v % 8 == 0,
 // into the slot's scale planes after the units: (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the
-// warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12. `depth`: the items a
-// warp keeps in the ring (depth - 1 in flight ahead of the one multiplied; a third Q4_K item, which its slots
-// would hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes mirrors `planes`.
+// warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12 (a third Q4_K item in
+// flight, which the ring would then hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes
+// mirrors `planes`.
 template <int F>
 struct QSlot {
     static constexpr bool shared_scales = F == QF_Q4_K || F == QF_Q5_K || F == QF_Q8_0 || F == QF_Q4_0;
@@ -198,7 +197,6 @@ struct QSlot {
     static constexpr int vecs = F == QF_Q4_K || F == QF_Q4_0 ? 1 : 2;
     static constexpr int scale_planes = shared_scales ? (units * 4 + 31) / 32 : 0;
     static constexpr int planes = units * vecs + scale_planes;
-    static constexpr int depth = MK_STAGES;
     static_assert(planes <= MK_RING_PLANES, "a ring slot holds an item of every format");
 };
 
@@ -817,12 +815,12 @@ __device__ __forceinline__ void q_consume_item(int fmt, const QPlan& p, const QI
 }
 
 #if MK_STAGES > 0
-// The shared address of ring slot `k % depth` of format F (`ring0`: this lane's plane 0 of slot 0).
+// The shared address of ring slot `k % MK_STAGES` of format F (`ring0`: this lane's plane 0 of slot 0).
 template <int F>
 __device__ __forceinline__ u32 q_slot_addr(u32 ring0, int k) {
-    return ring0 + (k % QSlot<F>::depth) * QSlot<F>::planes * QRING_PLANE_BYTES;
+    return ring0 + (k % MK_STAGES) * QSlot<F>::planes * QRING_PLANE_BYTES;
 }
-// The ring's head: this warp's first QSlot::depth - 1 units of the pass over chunks [c0, c0 + nkq) of rows
+// The ring's head: this warp's first MK_STAGES - 1 units of the pass over chunks [c0, c0 + nkq) of rows
 // [rs, rs + nr) (`count` units in all), one commit group each (empty past the end, so that the group count stays
 // uniform).
 template <int F>
@@ -830,7 +828,7 @@ __device__ __forceinline__ void q_ring_head_f(const GemvDesc& d, int s, int star
                                               int c0, int nkq, int count, int lane, u32 ring0, u64 policy) {
     const QRows rows = q_rows_of<F>(d, s, start);
 #pragma unroll
-    for (int k = 0; k < QSlot<F>::depth - 1; ++k) {
+    for (int k = 0; k < MK_STAGES - 1; ++k) {
         if (k < count) {
             const GemvUnit u = gemv_unit(tid_x() >> 5, k, c0, nkq);
             q_issue_item_f<F>(rows, p, rs, nr, u.rg, u.chunk, lane, q_slot_addr<F>(ring0, k), policy);
@@ -894,10 +892,9 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
 #pragma unroll
         for (int t = 0; t < MK_NT; ++t) acc[h][t] = 0.0f;
     const QRows rows = q_rows_of<F>(d, s, start);
-    constexpr int depth = QSlot<F>::depth;
-    QUnitWalk cur(warp, 0, nkq), ahead(warp, depth - 1, nkq);
+    QUnitWalk cur(warp, 0, nkq), ahead(warp, MK_STAGES - 1, nkq);
     for (int k = 0; k < count; ++k) {
-        const int kn = k + depth - 1;
+        const int kn = k + MK_STAGES - 1;
         // Shared scales: another lane copies them, so every lane's reads of the slot about to be refilled come first,
         // and that lane's completed copy is seen only after the warp's barrier below.
         if (QSlot<F>::shared_scales) __syncwarp();
@@ -905,13 +902,13 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
             q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane, q_slot_addr<F>(ring0, kn), policy);
         ahead.next();
         cp_async_commit();
-        cp_async_wait<depth - 1>();  // unit k's group is complete
+        cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
         if (QSlot<F>::shared_scales) __syncwarp();
         const int chunk = c0 + cur.chunk;
         // Every unit of the slot is read back: those past the round's rows or the row's units hold stale bytes,
         // which rows past the round multiply without storing and units past the row are skipped by.
         QItem it;
-        const vec16* slot = mine + (k % depth) * QSlot<F>::planes * MK_THREADS;
+        const vec16* slot = mine + (k % MK_STAGES) * QSlot<F>::planes * MK_THREADS;
         const vec16* scales = slot - lane + QSlot<F>::units * QSlot<F>::vecs * MK_THREADS;  // vector 0 of the warp's
 #pragma unroll
         for (int h = 0; h < MK_QROWS; ++h)
@@ -960,11 +957,11 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             // MK_QROWS rg ..).
             const int count = gemv_units(warp, (nr + MK_QROWS - 1) / MK_QROWS * nkq);
 #if MK_STAGES > 0
-            // Unit k lives in ring slot k % QSlot::depth; one commit group per unit (empty past the end, so that the
-            // count stays uniform). The head does not depend on the input: in flight while the window is staged.
+            // Unit k lives in ring slot k % MK_STAGES; one commit group per unit (empty past the end, so that the
+            // count stays uniform). The head does not depend on the input: in flight while the window is staged
+            // (or issued before the phase: gemv_issue_first_head_quant).
             const u64 policy = evict_first_policy();
-            if (!head) q_ring_head(fmt, d, s, start, p, rs, nr, c0, nkq, count, lane, ring0, policy);  // else issued
-            // before the phase (gemv_issue_first_head_quant)
+            if (!head) q_ring_head(fmt, d, s, start, p, rs, nr, c0, nkq, count, lane, ring0, policy);
             head = false;
 #endif
             if (q > 0 || !staged) {
@@ -1052,7 +1049,7 @@ __device__ __forceinline__ void gemv_run_quant(const GemvDesc& d, const bf16_t* 
 }
 
 #if MK_STAGES > 0
-// gemv_issue_first_head for a quantized GEMV: this warp's first QSlot::depth - 1 units of the block's first segment,
+// gemv_issue_first_head for a quantized GEMV: this warp's first MK_STAGES - 1 units of the block's first segment,
 // round and pass, one commit group each, before the phase's input exists.
 __device__ void gemv_issue_first_head_quant(const GemvDesc& d, vec16* ring) {
     const QPlan p = qplan(d.K);

@@ -659,7 +659,7 @@ _ONE_VECTOR = {WeightFormat.Q4_K, WeightFormat.Q4_0}
 def quant_slot_planes(code: int, units: int) -> int:
     """Ring planes (16-byte vectors per thread) of a quantized item of `units` units per lane in the format of this
     code (MK_QFMTS codes): the units' vectors, then the shared scales, 4 vectors per unit and warp. Mirrors
-    gemv_quant.cuh QSlot::planes, which checks that the ring holds two."""
+    gemv_quant.cuh QSlot::planes, which checks that a ring slot holds the item."""
     fmt = next(f for f, c in WEIGHT_FORMAT_CODES.items() if c == code)
     shared = -(-units * 4 // 32) if fmt in _SHARED_SCALES else 0
     return units * (1 if fmt in _ONE_VECTOR else 2) + shared
