@@ -33,7 +33,7 @@ class TokenHistory:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.seen[self._ids([t for t in prompt_ids if 0 <= t < vocab_size])] = True
+        self.seen.index_fill_(0, self._ids([t for t in prompt_ids if 0 <= t < vocab_size]), True)
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
 
     def _ids(self, token_ids: TokenIds) -> torch.Tensor:
@@ -42,10 +42,11 @@ class TokenHistory:
         return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
 
     def append(self, token_ids: TokenIds) -> None:
-        """Record generated tokens."""
+        """Record generated tokens. `index_fill_`, not `seen[ids] = True`: indexed assignment waits for the
+        device on CUDA, and a decode run ahead of the host records every token before it is read."""
         ids = self._ids(token_ids)
         self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-        self.seen[ids] = True
+        self.seen.index_fill_(0, ids, True)
 
     def rows(
         self, n_rows: int, before: TokenIds = (), per_row: TokenIds = ()
@@ -194,6 +195,13 @@ class RequestSampler:
         """Greedy with nothing applied to the logits (no penalties, no bias): the token is the logits' plain
         argmax, which a back end can take on the device (the megakernel writes it with the logits)."""
         return self.params.greedy and self.history is None and not self.params.logit_bias
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of one row of logits ([1, V] -> [1] on the device), recorded as emitted: what a
+        decode run ahead of the host queues behind each step (nothing here synchronises)."""
+        token = self.next_tokens(logits)
+        self.commit(token)
+        return token
 
     def commit(self, token_ids: TokenIds) -> None:
         """Tokens that were emitted: from now on the penalties count them."""
