@@ -53,7 +53,7 @@ class MegakernelBackend(ReferenceBackend):
         """One greedy step queued on the kernel, fed by the previous step's argmax on the device when
         `input_ids` is None (no host round trip between steps; the runner's `decode_ahead`)."""
         slot = self.runner.decode_ahead(None if input_ids is None else input_ids.reshape(-1), state)
-        return AheadStep(self.runner.buf["hidden_out"][:1], slot)
+        return AheadStep(self.runner.buf["hidden_out"][:1], slot, self.runner.buf["logits"][:1])
 
     def ahead_token(self, step: AheadStep) -> int:
         return self.runner.ahead_token(step.token)

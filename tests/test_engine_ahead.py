@@ -1,6 +1,7 @@
-"""Plain greedy decoding one step ahead of the host (`Sequence.decode_greedy`): the same tokens as a decode that
-synchronises every step, stops and cancellation honoured, and the session's state consistent afterwards (the
-step run ahead consumed the last emitted token, which the state then holds)."""
+"""Plain decoding one step ahead of the host (`Sequence.decode_run`): greedy, penalised and sampled requests give
+the same tokens as a decode that synchronises every step, stops and cancellation are honoured, and the session's
+state is consistent afterwards (the step run ahead consumed the last emitted token, which the state then
+holds)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,64 @@ def test_biased_greedy_requests_do_not_take_the_device_argmax(model_dir: Path, m
     # Speculative cycles apply the bias too (their greedy acceptance on the device takes the plain argmax).
     spec = Engine(model_dir, backend=ReferenceBackend(model), spec_k=2, max_context=512)
     assert ids_and_end(spec, GenerateRequest(prompt, biased, max_tokens=8, ignore_eos=True))[0] == got
+
+
+class CountingBackend(ReferenceBackend):
+    """Counts the steps queued ahead of the host: the run-ahead path serves the request when they move."""
+
+    queued = 0
+
+    def decode_ahead(self, input_ids, state):  # type: ignore[no-untyped-def]
+        self.queued += 1
+        return super().decode_ahead(input_ids, state)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, presence_penalty=0.8, frequency_penalty=0.4),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=5),
+        SamplingParams(temperature=1.2, repetition_penalty=1.1, seed=9),
+    ],
+    ids=["repetition", "presence-frequency", "truncated-sample", "penalised-sample"],
+)
+def test_penalised_and_sampled_requests_run_ahead_with_the_synced_tokens(
+    model_dir: Path,
+    model,
+    sampling: SamplingParams,  # type: ignore[no-untyped-def]
+) -> None:
+    backend = CountingBackend(model)
+    ahead, synced = plain_engine(model_dir, backend), plain_engine(model_dir, SyncedBackend(model))
+    for seed in range(2):
+        request = GenerateRequest(prompt_of(50 + seed), sampling, max_tokens=20, ignore_eos=True)
+        before = backend.queued
+        got, end = ids_and_end(ahead, request)
+        assert got == ids_and_end(synced, request)[0]
+        assert end.finish_reason == "length" and len(got) == 20
+        assert backend.queued - before == 19  # every token after the first came from a queued step
+    # The penalty changes what greedy picks here, so the run ahead applies it rather than the plain argmax.
+    penalised = GenerateRequest(prompt_of(50), sampling, max_tokens=20, ignore_eos=True)
+    if sampling.greedy:
+        assert ids_and_end(ahead, penalised)[0] != reference_greedy(model, prompt_of(50), 20)
+
+
+def test_a_stop_in_a_sampled_run_keeps_the_session_consistent(model_dir: Path, model) -> None:  # type: ignore[no-untyped-def]
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    engine = plain_engine(model_dir, ReferenceBackend(model))
+    prompt = prompt_of(61)
+    free, _ = ids_and_end(engine, GenerateRequest(prompt, sampled, max_tokens=24, ignore_eos=True))
+    stop = free[7]
+    request = GenerateRequest(
+        prompt, sampled, max_tokens=24, stop_token_ids=[stop], session_id="p", ignore_eos=True
+    )
+    got, end = ids_and_end(engine, request)
+    assert end.finish_reason == "stop" and got == free[: free.index(stop) + 1]
+    seq = session_sequence(engine, "p")
+    assert seq.tokens == prompt + got and seq.state.length == len(seq.tokens)
+    follow = [*prompt, *got, *prompt_of(62, 4)]
+    again, _ = ids_and_end(
+        engine, GenerateRequest(follow, GREEDY, max_tokens=10, session_id="p", ignore_eos=True)
+    )
+    assert engine.last_reuse.tokens == len(prompt) + len(got)
+    assert again == reference_greedy(model, follow, 10)

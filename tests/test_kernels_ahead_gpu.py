@@ -1,6 +1,6 @@
-"""Plain greedy decoding one launch ahead of the host on the megakernel (GPU only): each step fed by the token
-the previous one wrote on the device, the same tokens as a decode that synchronises every step, and a state
-that stays consistent when a stop ends the run with a step already queued."""
+"""Plain decoding one launch ahead of the host on the megakernel (GPU only): each step fed by the token the
+previous one wrote on the device (or the sampler chose behind it), the same tokens as a decode that synchronises
+every step, and a state that stays consistent when a stop ends the run with a step already queued."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ if HAS_GPU:
 
     class SyncedMegakernel(MegakernelBackend):
         decode_ahead = None  # the engine then synchronises every step (the path before the run-ahead)
+
+    class CountingMegakernel(MegakernelBackend):
+        """Counts the steps queued ahead of the host."""
+
+        queued = 0
+
+        def decode_ahead(self, input_ids, state):
+            self.queued += 1
+            return super().decode_ahead(input_ids, state)
 
 
 GREEDY = SamplingParams(temperature=0.0) if HAS_GPU else None
@@ -79,6 +88,29 @@ def test_a_stop_leaves_the_queued_step_in_the_state(model):
     )
     fresh = Engine(default_model_dir(), backend=MegakernelBackend(model), spec_k=0)
     assert again == ids_and_end(fresh, GenerateRequest(follow, GREEDY, max_tokens=12, ignore_eos=True))[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0, "repetition_penalty": 1.15},
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 11},
+        {"temperature": 1.0, "presence_penalty": 0.5, "seed": 12},
+    ],
+    ids=["repetition", "truncated-sample", "penalised-sample"],
+)
+def test_penalised_and_sampled_runs_ahead_equal_synced_steps(model, params):
+    backend = CountingMegakernel(model)
+    ahead = Engine(default_model_dir(), backend=backend, spec_k=0)
+    synced = Engine(default_model_dir(), backend=SyncedMegakernel(model), spec_k=0)
+    sampling = SamplingParams(**params)
+    for prompt in prompts(ahead, 3):
+        request = GenerateRequest(prompt, sampling, max_tokens=24, ignore_eos=True)
+        before = backend.queued
+        got, _ = ids_and_end(ahead, request)
+        assert got == ids_and_end(synced, request)[0]
+        assert backend.queued - before == 23  # every token after the first came from a queued step
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ class NullBackend:
 
     def decode_ahead(self, input_ids: torch.Tensor | None, state: NullState) -> AheadStep:
         state.length += 1
-        return AheadStep(self.hidden[:1], WINNER)
+        return AheadStep(self.hidden[:1], WINNER, self.logits[:1])
 
     def ahead_token(self, step: AheadStep) -> int:
         return int(step.token)

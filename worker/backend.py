@@ -131,7 +131,7 @@ class Backend(Protocol):
     def nbytes(self, state_or_snapshot: Any) -> int: ...
 
 
-class _HostCopy:
+class HostCopy:
     """A one-element device tensor on its way to the host: a non-blocking copy into pinned memory and an
     event, so reading it waits for the work before it, not for what was queued since."""
 
@@ -153,11 +153,12 @@ class _HostCopy:
 
 @dataclass
 class AheadStep:
-    """One queued `decode_ahead` step: its post-norm hidden ([1, H]; a back end's buffer, valid until its
-    next launch) and what `ahead_token` reads the token from."""
+    """One queued `decode_ahead` step: its post-norm hidden ([1, H]) and logits ([1, V]; both a back end's
+    buffers, valid until its next launch), and what `ahead_token` reads the step's argmax from."""
 
     hidden: torch.Tensor
     token: Any
+    logits: torch.Tensor
 
 
 class ReferenceBackend:
@@ -204,8 +205,8 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def decode_ahead(self, input_ids: torch.Tensor | None, state: Any) -> AheadStep:
-        """Queue one greedy decode step without synchronising: `input_ids` ([1] on the device) starts a run,
-        None feeds the previous step's argmax (still on the device). `ahead_token` reads the step's token."""
+        """Queue one decode step without synchronising: `input_ids` ([1] on the device) feeds it, None feeds
+        the previous step's argmax (still on the device). `ahead_token` reads the step's argmax."""
         if input_ids is None:
             if self._ahead is None or self._ahead[0] is not state:
                 raise StateError("decode_ahead(None) continues a run of the same state only")
@@ -213,7 +214,7 @@ class ReferenceBackend:
         out = self.decode(input_ids.reshape(-1), state)
         token = out.logits[-1:].argmax(dim=-1)
         self._ahead = (state, token)
-        return AheadStep(out.hidden[-1:], _HostCopy(token))
+        return AheadStep(out.hidden[-1:], HostCopy(token), out.logits[-1:])
 
     def ahead_token(self, step: AheadStep) -> int:
         return step.token.value()

@@ -421,12 +421,18 @@ class Engine:
             timings.time_to_first_token_s = t_last - t_start
             yield TokenChunk(new_tokens, text)
 
-            plain_greedy = speculative is None and constraint is None and sampler.plain_argmax
-            if plain_greedy and not seq.track_mtp and not checker.finished and not self._cancel.is_set():
-                # Plain greedy: the back end runs one step ahead of the host (`Sequence.decode_greedy`), and
-                # stops are checked as each token is read back. The stream yields at most the tokens max_tokens
+            plain = speculative is None and constraint is None and not seq.track_mtp
+            if plain and not checker.finished and not self._cancel.is_set():
+                # Plain decoding: the back end runs one step ahead of the host (`Sequence.decode_run`), each
+                # token chosen on the device (the kernel's argmax, or the sampler behind the step), and stops
+                # are checked as each token is read back. The stream yields at most the tokens max_tokens
                 # leaves, so it ends with the checker finished.
-                stream = seq.decode_greedy(pending, pending_ids, checker.max_tokens - checker.generated)
+                stream = seq.decode_run(
+                    pending,
+                    pending_ids,
+                    checker.max_tokens - checker.generated,
+                    None if sampler.plain_argmax else sampler.choose,
+                )
                 consistent = False
                 try:
                     for token in stream:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .backend import Backend, StepOutput
+from .backend import Backend, HostCopy, StepOutput
 
 # Tokens per forward call when running a prompt or an MTP backlog: bounds the T x T attention scores and
 # the other per-chunk activations (prefill and draft calls return the last row's logits only).
@@ -125,36 +125,57 @@ class Sequence:
         assert out is not None
         return out
 
-    def decode_greedy(self, pending: int, pending_ids: torch.Tensor | None, limit: int) -> Iterator[int]:
-        """Plain greedy decoding of up to `limit` tokens after `pending` (emitted, not yet run), yielding each
-        token as the host reads it back. One step runs ahead: step N + 1 is queued, fed by the token step N left
-        on the device, before the host reads token N, so the device never waits for the host in between.
+    def decode_run(
+        self,
+        pending: int,
+        pending_ids: torch.Tensor | None,
+        limit: int,
+        choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Iterator[int]:
+        """Plain decoding of up to `limit` tokens after `pending` (emitted, not yet run), yielding each token as
+        the host reads it back. One step runs ahead: step N + 1 is queued, fed by token N on the device, before
+        the host reads token N, so the device never waits for the host in between.
+
+        `choose` picks each next token on the device from a step's logits ([1, V] -> [1], queued behind the
+        step without synchronising: a sampler with its penalties, temperature and truncation); None takes
+        the back end's own argmax (plain greedy).
 
         When the caller stops taking tokens (a stop, a cancellation: it closes the generator), the step queued
         ahead has already consumed the last token yielded; it completes and stays, so the state has run every
         emitted token (a valid state: a later turn continues after it). Only for a sequence that does not
         track MTP pairs (plain decoding owes none)."""
         if self.track_mtp:
-            raise RuntimeError("decode_greedy is plain decoding: this sequence tracks MTP pairs")
+            raise RuntimeError("decode_run is plain decoding: this sequence tracks MTP pairs")
         if limit < 1:
             return
         backend = self.backend
         ahead = getattr(backend, "decode_ahead", None)
         if ahead is None:  # a back end without the queued step: one synchronising step at a time
-            yield from self._decode_greedy_synced(pending, pending_ids, limit)
+            yield from self._decode_synced(pending, pending_ids, limit, choose)
             return
+
+        def queue(ids: torch.Tensor | None) -> tuple[Any, torch.Tensor | None, HostCopy | None]:
+            """One step queued, and the token after it chosen behind it (None: the step's argmax feeds on)."""
+            step = ahead(ids, self.state)
+            if choose is None:
+                return step, None, None
+            chosen = choose(step.logits).reshape(-1)
+            return step, chosen, HostCopy(chosen)
+
         ids = self.ids([pending]) if pending_ids is None else pending_ids.reshape(-1)
-        step, last = ahead(ids, self.state), None
+        (step, chosen, copy), last = queue(ids), None
         self.tokens.append(pending)
         produced = 0
         try:
             while step is not None:
                 produced += 1
                 # Queued before reading this step's token: it takes that token from the device.
-                following = ahead(None, self.state) if produced < limit else None
-                token = backend.ahead_token(step)
+                following = queue(chosen) if produced < limit else (None, None, None)
+                token = backend.ahead_token(step)  # waits for the step (and raises what it raised)
+                if copy is not None:
+                    token = copy.value()
                 self.on_step()
-                last, step = step, following
+                last, (step, chosen, copy) = step, following
                 if step is not None:
                     self.tokens.append(token)
                 yield token
@@ -169,12 +190,17 @@ class Sequence:
                 # The hidden of the last step run (H[len(tokens) - 1]), copied before anything overwrites it.
                 self.last_hidden = last.hidden[-1].clone()
 
-    def _decode_greedy_synced(
-        self, pending: int, pending_ids: torch.Tensor | None, limit: int
+    def _decode_synced(
+        self,
+        pending: int,
+        pending_ids: torch.Tensor | None,
+        limit: int,
+        choose: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> Iterator[int]:
         for _ in range(limit):
             out = self.feed([pending], ids=pending_ids)
-            pending_ids = out.logits[-1:].argmax(dim=-1)
+            logits = out.logits[-1:]
+            pending_ids = logits.argmax(dim=-1) if choose is None else choose(logits).reshape(-1)
             pending = int(pending_ids.item())
             yield pending
 
