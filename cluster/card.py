@@ -223,11 +223,14 @@ class CardActor:
 
         self._stops.add(stop)
         self._engine_thread.submit(self._run_generation, request, put, stop)
+        held: object | None = None  # an item taken while coalescing, sent next
         try:
             while True:
-                item = await items.get()
+                item, held = (held, None) if held is not None else (await items.get(), None)
                 if item is _END:
                     return
+                if isinstance(item, TokenChunk):
+                    item, held = _coalesce(item, items)
                 yield item  # type: ignore[misc]
         finally:
             stop.set()  # the caller cancelled or went away: end at the next token boundary
@@ -305,6 +308,19 @@ class CardActor:
         self._sessions = [replace(r, owner=self._owners.get(r.session_id)) for r in records]
         self._metrics.set_sessions(len(self._sessions), sum(s.cached_bytes for s in self._sessions))
         self._metrics.set_prefix_checkpoints(*self._engine.shared_prefixes())
+
+
+def _coalesce(chunk: TokenChunk, items: asyncio.Queue[object]) -> tuple[TokenChunk, object | None]:
+    """`chunk` merged with the chunks queued behind it, and the first other item taken (or None). An engine
+    faster than the Ray stream then costs one stream item per wake-up of this loop, not one per token; when
+    the stream keeps up nothing is queued and every chunk goes alone, as soon as it is made."""
+    ids, text = chunk.token_ids, chunk.text
+    while not items.empty():
+        item = items.get_nowait()
+        if not isinstance(item, TokenChunk):
+            return (TokenChunk(ids, text) if ids is not chunk.token_ids else chunk), item
+        ids, text = [*ids, *item.token_ids], text + item.text
+    return (TokenChunk(ids, text) if ids is not chunk.token_ids else chunk), None
 
 
 def _load_reporter(board: Any, key: str) -> Callable[[Any], None] | None:
