@@ -30,6 +30,7 @@ Prints a table and writes pool_overhead.json under --out (default $OUT, else the
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import os
@@ -58,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed requests per side (after one warm-up)")
     p.add_argument(
         "--mtp", type=int, default=0, metavar="K", help="also time MTP drafts of K (0: plain only)"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="greedy with each penalty on both sides, one row each (1: plain greedy, the kernel's own argmax)",
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -102,6 +110,37 @@ def prompts(args: argparse.Namespace, vocab: int, count: int) -> list[list[int]]
     return [[rng.randrange(16, vocab) for _ in range(args.prompt_tokens)] for _ in range(count)]
 
 
+def samplings(args: argparse.Namespace) -> list[tuple[str, dict[str, float]]]:
+    """(label suffix, sampling) of each row of an engine configuration: what both sides sample with, every
+    penalty set, since a pool request leaves unset fields to the model's generation_config.json (the
+    embedded model's sets repetition_penalty 1.15, which the in-process side would not apply)."""
+    return [
+        (
+            "" if penalty == 1 else f" rp={penalty:g}",
+            {
+                "temperature": 0.0,
+                "repetition_penalty": penalty,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+            },
+        )
+        for penalty in args.repetition_penalty
+    ]
+
+
+def labelled_prompts(
+    args: argparse.Namespace, vocab: int
+) -> list[tuple[str, dict[str, float], list[list[int]]]]:
+    """Each row's sampling and prompts (a warm-up, then the timed ones), every row with prompts of its own:
+    a prompt served before would be reused from the cache."""
+    count = args.repeats + 1
+    every = prompts(args, vocab, count * len(args.repetition_penalty))
+    return [
+        (suffix, params, every[i * count : (i + 1) * count])
+        for i, (suffix, params) in enumerate(samplings(args))
+    ]
+
+
 def dtype(args: argparse.Namespace) -> str | None:
     return "fp32" if args.device == "cpu" else None  # the CPU reference runs fp32 faster; the GPU bf16
 
@@ -138,20 +177,21 @@ def engine_phase(args: argparse.Namespace) -> dict[str, Any]:
         engine = source.build(device=args.device, dtype=dtype(args), options=options)
         engine.warm_up()  # the card compiles before it says it is ready
         built_s = time.perf_counter() - t0
-        runs = []
-        for i, prompt in enumerate(prompts(args, engine.config.vocab_size, args.repeats + 1)):
-            request = GenerateRequest(
-                prompt, SamplingParams(temperature=0.0), max_tokens=args.tokens, ignore_eos=True
-            )
-            stamps: list[tuple[float, int]] = []
-            with torch.inference_mode():  # the card's engine thread serves under it
-                start = time.perf_counter()
-                for item in engine.generate(request):
-                    if isinstance(item, TokenChunk):
-                        stamps.append((time.perf_counter(), len(item.token_ids)))
-            if i:  # the first request warms up
-                runs.append(summarise(start, stamps))
-        out[label] = {"runs": runs, "build_s": built_s, "backend": engine.backend.name}
+        for suffix, params, row_prompts in labelled_prompts(args, engine.config.vocab_size):
+            runs = []
+            for i, prompt in enumerate(row_prompts):
+                request = GenerateRequest(
+                    prompt, SamplingParams(**params), max_tokens=args.tokens, ignore_eos=True
+                )
+                stamps: list[tuple[float, int]] = []
+                with torch.inference_mode():  # the card's engine thread serves under it
+                    start = time.perf_counter()
+                    for item in engine.generate(request):
+                        if isinstance(item, TokenChunk):
+                            stamps.append((time.perf_counter(), len(item.token_ids)))
+                if i:  # the first request warms up
+                    runs.append(summarise(start, stamps))
+            out[label + suffix] = {"runs": runs, "build_s": built_s, "backend": engine.backend.name}
         del engine
         _free(args)
     return out
@@ -243,36 +283,39 @@ def pool_phase(args: argparse.Namespace) -> dict[str, Any]:
             pool = PoolThread(config).start(wait_for_cards=1, ready_timeout_s=args.start_timeout)
             built_s = time.perf_counter() - t0
             print(f"  {label}: the pool serves ({built_s:.0f} s)", flush=True)
-            runs = []
+            rows: dict[str, list[dict[str, Any]]] = {}
             try:
                 with PoolClient(pool.grpc_address, timeout_s=60.0) as client:
-                    for i, prompt in enumerate(prompts(args, vocab, args.repeats + 1)):
-                        request_id = f"overhead-{uuid.uuid4().hex[:8]}"
-                        request = make_request(
-                            prompt,
-                            max_tokens=args.tokens,
-                            ignore_eos=True,
-                            temperature=0.0,
-                            request_id=request_id,
-                        )
-                        router_stamps.take()
-                        stamps: list[tuple[float, int]] = []
-                        start = time.perf_counter()
-                        for event in client.generate(request, timeout_s=args.start_timeout):
-                            if event.WhichOneof("event") == "chunk":
-                                stamps.append((time.perf_counter(), len(event.chunk.token_ids)))
-                        routed = router_stamps.take()
-                        engine = _read_stamps(stamps_dir / f"{request_id}.json")
-                        if i:
-                            runs.append(
-                                summarise(start, stamps) | {"hops": hops(start, engine, routed, stamps)}
+                    for suffix, params, row_prompts in labelled_prompts(args, vocab):
+                        runs = rows.setdefault(label + suffix, [])
+                        for i, prompt in enumerate(row_prompts):
+                            request_id = f"overhead-{uuid.uuid4().hex[:8]}"
+                            request = make_request(
+                                prompt,
+                                max_tokens=args.tokens,
+                                ignore_eos=True,
+                                request_id=request_id,
+                                **params,
                             )
+                            router_stamps.take()
+                            stamps: list[tuple[float, int]] = []
+                            start = time.perf_counter()
+                            for event in client.generate(request, timeout_s=args.start_timeout):
+                                if event.WhichOneof("event") == "chunk":
+                                    stamps.append((time.perf_counter(), len(event.chunk.token_ids)))
+                            routed = router_stamps.take()
+                            engine = _read_stamps(stamps_dir / f"{request_id}.json")
+                            if i:
+                                runs.append(
+                                    summarise(start, stamps) | {"hops": hops(start, engine, routed, stamps)}
+                                )
                 card_backend = str(served_backend(pool))
             finally:
                 cards = [r.actor for r in pool.call(pool.pool.registry.records)]
                 pool.stop()
                 _kill_cards(ray, cards)
-            out[label] = {"runs": runs, "build_s": built_s, "backend": card_backend}
+            for row, runs in rows.items():
+                out[row] = {"runs": runs, "build_s": built_s, "backend": card_backend}
     finally:
         if cluster is not None:
             stop_cluster(cluster)
@@ -307,13 +350,20 @@ def _read_stamps(path: Path) -> dict[str, Any]:
 def hops(
     start: float, engine: dict[str, Any], routed: list[tuple[float, int]], client: list[tuple[float, int]]
 ) -> dict[str, Any]:
-    """Where one pooled request's time went, from the three stamps of every chunk."""
+    """Where one pooled request's time went, from the three stamps of every chunk. The card merges chunks
+    that queue up behind its Ray stream, so a routed chunk is timed from the engine chunk that completed it."""
     produced = [(t, n) for t, kind, n in engine["items"] if kind == "chunk"]
-    if not (len(produced) == len(routed) == len(client)):
+    if len(routed) != len(client) or sum(n for _, n in produced) != sum(n for _, n in routed):
         return {
-            "error": f"chunk counts differ: engine {len(produced)}, router {len(routed)}, client {len(client)}"
+            "error": f"chunks differ: engine {len(produced)} of {sum(n for _, n in produced)} tokens, "
+            f"router {len(routed)} of {sum(n for _, n in routed)}, client {len(client)}"
         }
-    to_router = [1e3 * (r - e) for (e, _), (r, _) in zip(produced, routed, strict=True)]
+    made = list(itertools.accumulate(n for _, n in produced))
+    completed = [
+        produced[min(bisect.bisect_left(made, total), len(made) - 1)][0]
+        for total in itertools.accumulate(n for _, n in routed)
+    ]
+    to_router = [1e3 * (r - e) for e, (r, _) in zip(completed, routed, strict=True)]
     to_client = [1e3 * (c - r) for (r, _), (c, _) in zip(routed, client, strict=True)]
     inside = summarise(engine["start"], produced)  # the engine's own TTFT and decode, inside the card
     return {
@@ -371,7 +421,8 @@ def median_of(runs: list[dict[str, Any]], key: str, sub: str | None = None) -> f
 
 def report(args: argparse.Namespace, engine: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
     rows = []
-    for label, _ in configs(args):
+    labels = [label + suffix for label, _ in configs(args) for suffix, _ in samplings(args)]
+    for label in labels:
         e, p = engine[label]["runs"], pool[label]["runs"]
         hop_runs = [r["hops"] for r in p if "error" not in r["hops"]]
         e_ttft, p_ttft = median_of(e, "ttft_ms"), median_of(p, "ttft_ms")
@@ -404,12 +455,12 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"pool overhead: random {shape} shapes, {a['layers']} layers, {a['weights']}, {a['device']}; "
         f"prompt {a['prompt_tokens']} tokens, {a['tokens']} generated, median of {a['repeats']} requests",
-        f"{'config':10s} {'backend':10s} {'TTFT engine':>11s} {'pool':>8s} {'added':>8s} {'bar':>5s}   "
+        f"{'config':14s} {'backend':10s} {'TTFT engine':>11s} {'pool':>8s} {'added':>8s} {'bar':>5s}   "
         f"{'tok/s engine':>12s} {'pool':>8s} {'added':>7s} {'bar':>5s}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['config']:10s} {r['backend']:10s} {f(r['engine_ttft_ms']):>11s} {f(r['pool_ttft_ms']):>8s} "
+            f"{r['config']:14s} {r['backend']:10s} {f(r['engine_ttft_ms']):>11s} {f(r['pool_ttft_ms']):>8s} "
             f"{f(r['ttft_added_ms']):>8s} {'ok' if r['ttft_ok'] else 'MISS':>5s}   "
             f"{f(r['engine_decode_tok_s'], '.1f'):>12s} {f(r['pool_decode_tok_s'], '.1f'):>8s} "
             f"{f(100 * r['decode_added'] if r['decode_added'] is not None else None, '.2f') + '%':>7s} "
