@@ -226,7 +226,10 @@ class CardActor:
         held: object | None = None  # an item taken while coalescing, sent next
         try:
             while True:
-                item, held = (held, None) if held is not None else (await items.get(), None)
+                if held is None:
+                    item = await items.get()
+                else:
+                    item, held = held, None
                 if item is _END:
                     return
                 if isinstance(item, TokenChunk):
@@ -314,13 +317,18 @@ def _coalesce(chunk: TokenChunk, items: asyncio.Queue[object]) -> tuple[TokenChu
     """`chunk` merged with the chunks queued behind it, and the first other item taken (or None). An engine
     faster than the Ray stream then costs one stream item per wake-up of this loop, not one per token; when
     the stream keeps up nothing is queued and every chunk goes alone, as soon as it is made."""
-    ids, text = chunk.token_ids, chunk.text
-    while not items.empty():
+    queued: list[TokenChunk] = []
+    held: object | None = None
+    while held is None and not items.empty():
         item = items.get_nowait()
-        if not isinstance(item, TokenChunk):
-            return (TokenChunk(ids, text) if ids is not chunk.token_ids else chunk), item
-        ids, text = [*ids, *item.token_ids], text + item.text
-    return (TokenChunk(ids, text) if ids is not chunk.token_ids else chunk), None
+        if isinstance(item, TokenChunk):
+            queued.append(item)
+        else:
+            held = item
+    if not queued:
+        return chunk, held
+    parts = [chunk, *queued]
+    return TokenChunk([t for c in parts for t in c.token_ids], "".join(c.text for c in parts)), held
 
 
 def _load_reporter(board: Any, key: str) -> Callable[[Any], None] | None:
