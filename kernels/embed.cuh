@@ -12,29 +12,6 @@
 #if MK_EFMT
 static_assert(QF_ON(MK_EFMT), "the plan compiles the embedding's format into MK_QFMTS");
 
-// The weights of slot G of unit v (its elements in order), bf16-packed as a bf16 row's 16 bytes would hold them.
-template <int F, int G>
-__device__ __forceinline__ vec16 embed_slot8(const QUnit& q, int v) {
-    float a, b;
-    q_scales<F>(q, v, a, b);
-    // The level's offset c (Q6_K: w = d sc_h (q - 32)), as q_unit_dot applies it.
-    constexpr float c = F == QF_Q8_0 ? 128.0f : F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : F == QF_Q6_K ? 32.0f : 0.0f;
-    if (F == QF_Q6_K) a = __fmul_rn(a, (float)(int)(signed char)((q.s[0] >> (8 * (G >> 1))) & 0xFFu));
-    float w[8];
-#define EMBED_W(I)                                                                                  \
-    {                                                                                               \
-        const float l = __fsub_rn(q_level_f<F, G, I>(q), QMagic<F>::m + c); /* q - c, exact */     \
-        w[I] = F == QF_Q4_K || F == QF_Q5_K ? __fsub_rn(__fmul_rn(a, l), b)                         \
-               : F == QF_Q5_1               ? __fadd_rn(__fmul_rn(a, l), b)                         \
-                                            : __fmul_rn(a, l);                                      \
-    }
-    EMBED_W(0) EMBED_W(1) EMBED_W(2) EMBED_W(3) EMBED_W(4) EMBED_W(5) EMBED_W(6) EMBED_W(7)
-#undef EMBED_W
-    vec16 out;
-    out.x = pack_bf2(w[0], w[1]), out.y = pack_bf2(w[2], w[3]), out.z = pack_bf2(w[4], w[5]), out.w = pack_bf2(w[6], w[7]);
-    return out;
-}
-
 // Values 8 vi .. 8 vi + 7 of the embedding row at `row` (model.cuh embed_row), as bf16: what ld_cg16 reads of a
 // bf16 table's row. Not inlined: the norm prologues and the residual epilogue call it for layer 0 only.
 __device__ __noinline__ vec16 embed_load8(const void* row, int vi) {
@@ -51,10 +28,10 @@ __device__ __noinline__ vec16 embed_load8(const void* row, int vi) {
     for (int i = 0; i < 4; ++i) q.s[i] = 0u;
     q_load_unit<F>(rowp, v, q);
     switch ((vi & 3) ^ q_slot_xor(v)) {  // the slot holding the unit's group vi % 4
-        case 0: return embed_slot8<F, 0>(q, v);
-        case 1: return embed_slot8<F, 1>(q, v);
-        case 2: return embed_slot8<F, 2>(q, v);
-        default: return embed_slot8<F, 3>(q, v);
+        case 0: return q_slot_bf16<F, 0>(q, v);
+        case 1: return q_slot_bf16<F, 1>(q, v);
+        case 2: return q_slot_bf16<F, 2>(q, v);
+        default: return q_slot_bf16<F, 3>(q, v);
     }
 }
 // Value r of the embedding row at `row`, as bf16 rounds it.

@@ -339,6 +339,32 @@ __device__ __forceinline__ float q_level_f(const QUnit& q) {
 // Slot G of unit v holds the unit's group G ^ q_slot_xor(v) in every per-element plane (quant_layout.py
 // group_slot_xor): the lanes of a shared-memory wavefront then read their inputs from distinct banks.
 __device__ __forceinline__ int q_slot_xor(int v) { return (v >> 1) & 3; }
+
+// The weights of slot G of unit v (its elements in order) as bf16, packed as a bf16 row's 16 bytes hold them: the
+// weight in fp32 by worker/quant's float operations (quant_layout.read_repacked's, without fused multiply-adds),
+// rounded to nearest even. The quantized embedding rows (embed.cuh) and the prefill's dequantizer (dequant.cuh)
+// read weights as values; the GEMV multiplies levels instead (q_unit_dot).
+template <int F, int G>
+__device__ __forceinline__ vec16 q_slot_bf16(const QUnit& q, int v) {
+    float a, b;
+    q_scales<F>(q, v, a, b);
+    // The level's offset c (Q6_K: w = d sc_h (q - 32)), as q_unit_dot applies it.
+    constexpr float c = F == QF_Q8_0 ? 128.0f : F == QF_Q4_0 ? 8.0f : F == QF_Q5_0 ? 16.0f : F == QF_Q6_K ? 32.0f : 0.0f;
+    if (F == QF_Q6_K) a = __fmul_rn(a, (float)(int)(signed char)((q.s[0] >> (8 * (G >> 1))) & 0xFFu));
+    float w[8];
+#define Q_SLOT_W(I)                                                                                 \
+    {                                                                                               \
+        const float l = __fsub_rn(q_level_f<F, G, I>(q), QMagic<F>::m + c); /* q - c, exact */     \
+        w[I] = F == QF_Q4_K || F == QF_Q5_K ? __fsub_rn(__fmul_rn(a, l), b)                         \
+               : F == QF_Q5_1               ? __fadd_rn(__fmul_rn(a, l), b)                         \
+                                            : __fmul_rn(a, l);                                      \
+    }
+    Q_SLOT_W(0) Q_SLOT_W(1) Q_SLOT_W(2) Q_SLOT_W(3) Q_SLOT_W(4) Q_SLOT_W(5) Q_SLOT_W(6) Q_SLOT_W(7)
+#undef Q_SLOT_W
+    vec16 out;
+    out.x = pack_bf2(w[0], w[1]), out.y = pack_bf2(w[2], w[3]), out.z = pack_bf2(w[4], w[5]), out.w = pack_bf2(w[6], w[7]);
+    return out;
+}
 // The float2 at a shared-memory address (a plain load of a generic pointer compiles to a generic LD).
 __device__ __forceinline__ float2 ld_shared_f2(const float* p) {
     float2 r;

@@ -18,11 +18,13 @@
 // intermediate to bf16 once, where it is stored, instead of at every step the bf16 reference rounds (0: the
 // bf16 numerics). MK_PHASE_TIMING records per-block globaltimer stamps per phase (kernels/phase_timing.py).
 //
-// Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test.
+// Kernels: mk_decode (the step), mk_phase (one phase, for the per-phase tests), mk_barrier_test, and in quantized
+// builds mk_dequant (dequant.cuh: the prefill reads the repacked weights back).
 #include "common.cuh"
 #include "gemv.cuh"
 #include "model.cuh"
 #include "phases.cuh"
+#include "dequant.cuh"
 
 #ifndef MK_PF_IDLE_BYTES
 #define MK_PF_IDLE_BYTES 131072  // next-phase weights each idle block pulls into L2 around a DeltaNet / attention phase

@@ -4,7 +4,9 @@ repacked once into kernels/quant_layout.py's device layout, and the table pointe
 A quantized model (worker/quant's `install_quantized_weights`) keeps GGUF bytes in its QuantizedLinear /
 QuantizedEmbedding modules. The runner repacks each into the kernel's layout and the module hands its bytes over
 (`hand_over`): the reference back end (prefill, long steps) then dequantizes from the repacked copy, bit for bit
-the same values, so the device holds one copy of every weight. A weight slot of the kernel's tables holds the
+the same values, so the device holds one copy of every weight. Once the runner has its first build, that build's
+mk_dequant (dequant.cuh) reads a matrix back to bf16 in one launch (`DeviceReader`); read_repacked's torch ops
+(some thirty launches per piece of a matrix) remain the reader for other dtypes and devices. A weight slot of the kernel's tables holds the
 device pointer with the format code (quant_layout.FORMAT_CODES) in its top byte, 0 for bf16 (gemv_quant.cuh).
 
 A GGUF's ssm_out (fewer key than value heads) keeps llama.cpp's tiled value-head columns, since its K-quant blocks
@@ -16,17 +18,71 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.layers.quantized import PermutedInputLinear
 from onestream.worker.quant import QuantType
 from onestream.worker.quant.weight import QuantizedEmbedding, QuantizedLinear
 
+from .build import BuiltModule
 from .plan import WeightFormat, weight_formats_of
 from .quant_layout import FORMAT_CODES, RepackedWeight, read_repacked, repack
 
 TAG_SHIFT = 56  # gemv_quant.cuh QF_TAG_SHIFT
 READ_CHUNK_ELEMENTS = 1 << 24  # weights read at a time: the reader's int32 / fp32 temporaries stay ~0.3 GB
+
+
+DEQUANT_THREADS = 256
+# Blocks per SM of the dequantizer's grid: a full SM of 256-thread blocks (the module's launches are cooperative,
+# so CuPy caps a grid at what is resident); a grid-stride loop does the rest.
+DEQUANT_BLOCKS_PER_SM = 8
+
+
+class DeviceReader:
+    """A quantized build's mk_dequant (dequant.cuh): rows of a repacked weight back to bf16 in one launch, values
+    bit for bit read_repacked's rounded to bf16. Holds the compiled module only, not the runner."""
+
+    def __init__(self, built: BuiltModule, device: torch.device) -> None:
+        self.kernel = built.kernel("mk_dequant")
+        self.formats = built.plan.quant_union  # the format codes the build compiles
+        self.device = device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.grid_limit = sms * DEQUANT_BLOCKS_PER_SM
+        self._streams: dict[int, Any] = {}
+
+    def reads(self, qtype: QuantType, data: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (
+            dtype == torch.bfloat16
+            and data.device == self.device
+            and data.is_contiguous()
+            and bool(self.formats >> FORMAT_CODES[qtype] & 1)
+        )
+
+    def read(self, qtype: QuantType, data: torch.Tensor, k: int) -> torch.Tensor:
+        """`[rows, k]` bf16 values of repacked rows `data` (`[rows, row stride]` uint8, contiguous)."""
+        import cupy
+
+        rows = data.shape[0]
+        out = torch.empty((rows, k), dtype=torch.bfloat16, device=data.device)
+        units = rows * (k // 32)
+        if units == 0:
+            return out
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device.index or 0)
+        grid = min(self.grid_limit, -(-units // DEQUANT_THREADS))
+        args = (
+            np.uint64(data.data_ptr()),
+            np.int32(FORMAT_CODES[qtype]),
+            np.int64(rows),
+            np.int32(k),
+            np.uint64(out.data_ptr()),
+        )
+        with stream:
+            self.kernel((grid,), (DEQUANT_THREADS,), args)
+        return out
 
 
 class RepackedSource:
@@ -35,6 +91,7 @@ class RepackedSource:
 
     def __init__(self, packed: RepackedWeight) -> None:
         self.packed = packed
+        self.reader: DeviceReader | None = None  # set once a build that compiles mk_dequant exists
 
     @property
     def nbytes(self) -> int:
@@ -42,6 +99,8 @@ class RepackedSource:
 
     def _read(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, k = data.shape[0], self.packed.shape[1]
+        if self.reader is not None and self.reader.reads(self.packed.qtype, data, dtype):
+            return self.reader.read(self.packed.qtype, data, k)
         out = torch.empty((rows, k), dtype=dtype, device=data.device)
         step = max(1, READ_CHUNK_ELEMENTS // k)
         for r0 in range(0, rows, step):
@@ -54,7 +113,9 @@ class RepackedSource:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.packed.data, dtype)
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def rows(self, index: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(index, slice):  # a range of rows: read in place, no gather
+            return self._read(self.packed.data[index], dtype)
         picked = self.packed.data[index.reshape(-1).to(self.packed.data.device)]
         return self._read(picked, dtype).reshape(*index.shape, self.packed.shape[1])
 
@@ -128,6 +189,7 @@ class DeviceWeights:
         self.dn_out_tiled = _dn_out_tiled(model.config, self.kinds["dn_out"])
         formats: dict[str, set[WeightFormat]] = {}
         self._repacked: dict[int, RepackedWeight] = {}
+        self._modules: dict[int, Any] = {}  # the quantized modules, by the same keys
         self.gemv_bytes = 0  # bytes the GEMVs read of every weight (the MTP head's included)
         for kind, groups in self.kinds.items():
             for group in groups:
@@ -166,6 +228,7 @@ class DeviceWeights:
                 # One copy on the device: the reference dequantizes from this one from now on.
                 module.hand_over(RepackedSource(packed))
             self._repacked[id(module)] = packed
+            self._modules[id(module)] = module
         return self._repacked[id(module)].streamed_bytes
 
     def pointer(self, module: Any) -> int:
@@ -193,6 +256,14 @@ class DeviceWeights:
                 f"megakernel: the embedding table must be contiguous bf16 or block-quantized, got {weight.dtype}"
             )
         return weight
+
+    def attach_reader(self, reader: DeviceReader) -> None:
+        """Let the repacked copies be read back on the device by `reader` (kept where one is attached: a copy
+        shared with another runner of the model keeps that runner's reader, of the same formats)."""
+        for module in self._modules.values():
+            source = module.source
+            if isinstance(source, RepackedSource) and source.reader is None:
+                source.reader = reader
 
     @property
     def repacked_bytes(self) -> int:

@@ -37,7 +37,7 @@ from .layout import (
     ctrl_slots,
 )
 from .plan import KernelPlan, att_partial_floats, scratch_shapes
-from .quant_weights import DeviceWeights
+from .quant_weights import DeviceReader, DeviceWeights
 from .tuning import Tuning
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -114,6 +114,9 @@ class MegakernelRunner:
         # The default build now: shape and resource errors surface here.
         first = self._build(tokens_per_launch)
         self.plan, self.built, self.sync = first.plan, first.built, first.sync
+        # The reference's prefill reads the repacked weights back with this build's kernel.
+        if self.weights.quantized:
+            self.weights.attach_reader(DeviceReader(self.built, self.device))
         self.threads = self.plan.tuning.threads
         self.smem = self.plan.smem_bytes
         self.grid = self.props.multi_processor_count  # one block per SM: the kernel's work split assumes it

@@ -394,3 +394,37 @@ def test_a_quantized_embedding_steps_as_its_bf16_rows_do(fmt):
         assert torch.equal(x.logits[0], y.logits[0]), float((x.logits[0] - y.logits[0]).abs().max())
     del quant, rows, model, twin
     torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_device_reader_gives_the_dequantized_weights(mixed, fmt):
+    """mk_dequant, the prefill's reader of the repacked weights, gives worker/quant's dequantization of the GGUF
+    bytes rounded to bf16 (read_repacked's values), bit for bit: fresh random blocks, whole and gathered rows."""
+    from onestream.kernels.quant_layout import read_repacked, repack
+    from onestream.kernels.quant_weights import RepackedSource
+    from onestream.kernels.random_quant import random_blocks
+    from onestream.worker.quant import QuantizedWeight
+
+    model, _, _ = mixed
+    handed = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    assert handed and all(m.source.reader is not None for m in handed)
+    reader = handed[0].source.reader
+    qtype = QuantType[fmt]
+    g = torch.Generator(device="cuda").manual_seed(31)
+    for shape in ((37, 512), (3, 2816)):  # 2816 = 11 super-blocks: rows whose padding differs per format
+        raw = random_blocks(qtype, shape, generator=g, device="cuda")
+        source = RepackedSource(repack(qtype, raw, shape))
+        source.reader = reader
+        assert reader.reads(qtype, source.packed.data, torch.bfloat16)
+        want = QuantizedWeight(qtype, shape, raw).dequantize(torch.float32).to(torch.bfloat16)
+        assert torch.equal(read_repacked(source.packed).to(torch.bfloat16), want)
+        got = source.dequantize(torch.bfloat16)
+        assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+        index = torch.tensor([[shape[0] - 1, 0], [1, 2]], device="cuda")
+        assert torch.equal(source.rows(index, torch.bfloat16), want[index])
+    # The model's own handed-over weights of this format read back as the torch reader reads them.
+    for m in handed:
+        if m.qtype == qtype:
+            want = read_repacked(m.source.packed).to(torch.bfloat16)
+            assert torch.equal(m.dequantize(torch.bfloat16), want)

@@ -205,6 +205,8 @@ def test_the_q4_k_m_build_compiles_and_its_gemv_loop_does_not_spill(arch: str, s
     assert report["mk_decode"]["registers"] * plan.tuning.threads <= 65536, report["mk_decode"]
     probe = report["mk_gemv_quant_probe"]
     assert probe["spill_stores"] == 0 and probe["spill_loads"] == 0, probe
+    dequant = report["mk_dequant"]  # the prefill's reader of the repacked weights
+    assert dequant["spill_stores"] == 0 and dequant["spill_loads"] == 0, dequant
     print(f"\nq4_k_m {arch}: mk_decode {report['mk_decode']}, GEMV loop {probe}")
 
 
