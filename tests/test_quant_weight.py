@@ -165,9 +165,32 @@ def test_a_quantized_head_multiplies_a_slab_of_rows_at_a_time(
     widest = []
     read = head.read_rows
     monkeypatch.setattr(
-        head, "read_rows", lambda index, dtype: widest.append(index.numel()) or read(index, dtype)
+        head, "read_rows", lambda index, dtype: widest.append(index.stop - index.start) or read(index, dtype)
     )
     out = weight_module.linear_in_slabs(head, x)
     assert widest == [128, 128, 44]
     torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
     assert weight_module.linear_in_slabs(nn.Linear(64, 8, bias=False), x) is None
+
+
+def test_a_range_of_rows_reads_as_the_same_rows_by_index(seed: int) -> None:
+    """A slice of rows (the head's slabs: no gather) gives what the same rows by index give, from the GGUF bytes,
+    from a kept dequantized copy and from a repacked copy the module handed its bytes to."""
+    from onestream.kernels.quant_layout import repack
+    from onestream.kernels.quant_weights import RepackedSource
+
+    torch.manual_seed(seed)
+    weight = QuantizedWeight.from_float(QuantType.Q4_K, torch.randn(40, 256))
+    index = torch.arange(7, 31)
+    for module in (
+        QuantizedLinear(weight, torch.float32),
+        QuantizedLinear(weight, torch.float32, dequantize_once=True),
+    ):
+        assert torch.equal(
+            module.read_rows(slice(7, 31), torch.float32), module.read_rows(index, torch.float32)
+        )
+    handed = QuantizedLinear(weight, torch.float32)
+    handed.hand_over(RepackedSource(repack(weight.qtype, weight.raw, weight.shape)))
+    want = weight.dequantize(torch.float32)[7:31]
+    assert torch.equal(handed.read_rows(slice(7, 31), torch.float32), want)
+    assert torch.equal(handed.read_rows(index, torch.float32), want)

@@ -1,8 +1,9 @@
-"""Where a short prompt's prefill spends its time, per weights format: one engine on a random model of the 27B
-shapes, `Sequence.feed` of a `--tokens`-token prompt timed over `--repeats` fresh sessions, then a
-`torch.profiler` table of one more (host and device time per op, most device time first, then most host time).
+"""Prefill through the engine per weights format: one engine per format on a random model of the 27B shapes,
+`Sequence.feed` of each `--tokens` prompt length timed over `--repeats` fresh sessions (after one warm-up), the
+quantized formats' times stated against bf16's at the same length, then a `torch.profiler` table (host and
+device time per op, most device time first, then most host time) of one more prefill of the shortest length.
 
-    PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/prefill_profile.py --layers 16 --weights q4_k_m --tokens 32
+    PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/prefill_profile.py --layers 16 --weights bf16,q4_k_m --tokens 32 8192
 
 Writes prefill_profile.json under --out (default $OUT, else the working directory).
 """
@@ -15,58 +16,93 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--weights", default="q4_k_m", help="bf16, or a preset's random GGUF blocks")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument(
+        "--weights", default="bf16,q4_k_m", help="comma-separated: bf16, or presets' random GGUF blocks"
+    )
+    p.add_argument("--tokens", type=int, nargs="+", default=[32])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", type=int, default=30, help="rows of each profile table")
+    p.add_argument("--rows", type=int, default=20, help="rows of each profile table")
+    p.add_argument("--no-profile", action="store_true", help="time only")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
+
+
+def profile_one(engine: Any, tokens: int, rows: int) -> dict[str, str]:
+    import torch
+    from onestream.worker.sequence import Sequence
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(16, engine.config.vocab_size, (tokens,)).tolist()
+    seq = Sequence(engine.backend, tokens + 64, track_mtp=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.inference_mode():
+        seq.feed(prompt).logits[-1:].argmax(dim=-1).item()
+    averages = prof.key_averages()
+    launches = sum(
+        e.count for e in averages if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"
+    )
+    return {
+        "device": averages.table(sort_by="self_cuda_time_total", row_limit=rows),
+        "host": averages.table(sort_by="self_cpu_time_total", row_limit=rows),
+        "device_kernels": str(launches),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     import torch
     from onestream.cluster.engine_source import RandomModelSource
     from onestream.worker.sequence import Sequence
-    from torch.profiler import ProfilerActivity, profile
 
     args = parse_args(argv)
-    source = RandomModelSource("27b", layers=args.layers, weights=args.weights)
-    engine = source.build(device="cuda", options={"spec_k": 0, "max_context": args.tokens + 64})
-    engine.warm_up()
+    lengths = sorted(args.tokens)
     gen = torch.Generator().manual_seed(3)
-
-    def prefill() -> float:
-        seq = Sequence(engine.backend, args.tokens + 64, track_mtp=False)
-        prompt = torch.randint(16, engine.config.vocab_size, (args.tokens,), generator=gen).tolist()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = seq.feed(prompt)
-            out.logits[-1:].argmax(dim=-1).item()
-        return time.perf_counter() - t0
-
-    times = [prefill() for _ in range(args.repeats + 1)][1:]
-    ms = 1e3 * statistics.median(times)
-    print(
-        f"prefill of {args.tokens} tokens, random 27B shapes, {args.layers} layers, {args.weights}, "
-        f"{engine.backend.name}: {ms:.1f} ms median of {args.repeats} ({[round(1e3 * t, 1) for t in times]})"
-    )
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        prefill()
-    device = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows)
-    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
-    print(device)
-    print(host)
+    results: dict[str, Any] = {"args": vars(args), "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_profile.json").write_text(
-        json.dumps({"args": vars(args), "ms": ms, "times_s": times, "device": device, "host": host}, indent=1)
-    )
+    base: dict[int, float] = {}
+    for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
+        source = RandomModelSource("27b", layers=args.layers, weights=weights)
+        engine = source.build(device="cuda", options={"spec_k": 0, "max_context": lengths[-1] + 64})
+        engine.warm_up()
+
+        def prefill(tokens: int, engine: Any = engine) -> float:
+            seq = Sequence(engine.backend, tokens + 64, track_mtp=False)
+            prompt = torch.randint(16, engine.config.vocab_size, (tokens,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                seq.feed(prompt).logits[-1:].argmax(dim=-1).item()
+            return time.perf_counter() - t0
+
+        for tokens in lengths:
+            times = [prefill(tokens) for _ in range(args.repeats + 1)][1:]
+            ms = 1e3 * statistics.median(times)
+            if weights == "bf16":
+                base[tokens] = ms
+            against = (
+                f", {ms / base[tokens]:.3f}x bf16's time" if tokens in base and weights != "bf16" else ""
+            )
+            print(
+                f"prefill of {tokens} tokens, random 27B shapes, {args.layers} layers, {weights}, "
+                f"{engine.backend.name}: {ms:.1f} ms median of {args.repeats} = {1e3 * tokens / ms:,.0f} tok/s"
+                f"{against} ({[round(1e3 * t, 1) for t in times]})",
+                flush=True,
+            )
+            results["runs"].append({"weights": weights, "tokens": tokens, "ms": ms, "times_s": times})
+        if not args.no_profile:
+            tables = profile_one(engine, lengths[0], args.rows)
+            print(f"{weights}, {lengths[0]} tokens: {tables['device_kernels']} device kernels")
+            print(tables["device"])
+            print(tables["host"])
+            results.setdefault("profiles", []).append({"weights": weights, "tokens": lengths[0], **tables})
+        (out / "prefill_profile.json").write_text(json.dumps(results, indent=1))
+        del engine, source
+        torch.cuda.empty_cache()
     return 0
 
 

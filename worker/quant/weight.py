@@ -64,9 +64,13 @@ class QuantizedWeight:
         raw = self.raw if device is None else self.raw.to(device)
         return dequantize(self.qtype, raw, self.shape, dtype)
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `index` (any shape of ids into the first dimension) of a 2-D weight -> `[*index.shape, cols]`."""
+    def rows(self, index: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` (any shape of ids into the first dimension) of a 2-D weight -> `[*index.shape, cols]`; a
+        slice reads a range of rows without a gather -> `[rows, cols]`."""
         table = self.raw.reshape(self.shape[0], -1)
+        if isinstance(index, slice):
+            picked = table[index]
+            return dequantize(self.qtype, picked, (picked.shape[0], self.shape[-1]), dtype)
         picked = table[index.reshape(-1).to(table.device)]
         return dequantize(self.qtype, picked, (picked.shape[0], self.shape[-1]), dtype).reshape(
             *index.shape, self.shape[-1]
@@ -84,8 +88,8 @@ class WeightSource(Protocol):
         """The whole weight in `dtype`, bit for bit what the GGUF bytes dequantize to."""
         ...
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `index` of a 2-D weight in `dtype` -> `[*index.shape, cols]`."""
+    def rows(self, index: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a 2-D weight in `dtype` -> `[*index.shape, cols]` (a slice: `[rows, cols]`)."""
         ...
 
 
@@ -126,9 +130,11 @@ class _QuantizedModule(nn.Module):
         self.source = source
         self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
 
-    def read_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `index` of a 2-D weight in `dtype` (only those rows dequantized)."""
+    def read_rows(self, index: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` (ids, or a slice: a range) of a 2-D weight in `dtype` (only those rows dequantized)."""
         if self.dequantized is not None:
+            if isinstance(index, slice):
+                return self.dequantized[index].to(dtype)
             return self.dequantized[index.to(self.dequantized.device)].to(dtype)
         if self.source is not None:
             return self.source.rows(index, dtype)
@@ -243,8 +249,8 @@ def linear_in_slabs(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return F.linear(x, module.weight)
     out = torch.empty((*x.shape[:-1], rows), dtype=x.dtype, device=x.device)
     for r0 in range(0, rows, step):
-        index = torch.arange(r0, min(r0 + step, rows), device=x.device)
-        out[..., r0 : r0 + index.numel()] = F.linear(x, module.read_rows(index, module.compute_dtype))
+        r1 = min(r0 + step, rows)
+        out[..., r0:r1] = F.linear(x, module.read_rows(slice(r0, r1), module.compute_dtype))
     return out
 
 
