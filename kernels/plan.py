@@ -11,7 +11,7 @@ the `-D` constants the CUDA sources take; their static_asserts check the values 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
@@ -256,14 +256,21 @@ class KernelPlan:
         holds that one, and the state before the first token, the pending one, is never rolled back to)."""
         return self.tokens_per_launch - 1
 
-    @property
+    @cached_property
     def quant_rows(self) -> int:
-        """Rows per item of the quantized GEMV (MK_QROWS): the tuning's, else 4 up to 2 tokens per launch, 2 up to
-        4 and 1 beyond (the per-row sums of every token stay in registers)."""
+        """Rows per item of the quantized GEMV (MK_QROWS): the tuning's, else 4 up to 2 tokens per launch; up to 4
+        tokens, 4 where such items stream through the weight ring and 2 where they would be held in registers (the
+        register path's loop spills with 4 rows of 4 tokens' sums: the sm_86 build); 1 beyond (the per-row sums of
+        every token stay in registers)."""
         if self.tuning.qrows is not None:
             return self.tuning.qrows
         nt = self.tokens_per_launch
-        return 4 if nt <= 2 else 2 if nt <= 4 else 1
+        if nt <= 2:
+            return 4
+        if nt <= 4:
+            four = replace(self, tuning=replace(self.tuning, qrows=4))
+            return 4 if four.stages > 0 else 2
+        return 1
 
     @property
     def quant_slot_planes(self) -> int:

@@ -125,18 +125,26 @@ def test_the_window_holds_a_quantized_chunk() -> None:
     )
 
 
-def test_rows_per_quantized_item_follow_the_tokens_per_launch() -> None:
-    def rows(tokens: int, **fields: object) -> int:
-        plan = KernelPlan(
+def test_rows_per_quantized_item_follow_the_tokens_per_launch_and_the_ring() -> None:
+    """4 rows per item up to 4 tokens where such items stream through the weight ring (the H200's shared memory),
+    2 at 3-4 tokens where they would be held in registers (the RTX 3090's), 1 beyond."""
+
+    def plan(tokens: int, smem: int, **fields: object) -> KernelPlan:
+        return KernelPlan(
             config_27b(),
             num_sms=132,
             tokens_per_launch=tokens,
             tuning=Tuning(**fields),
+            smem_limit=smem,
             weight_formats=q4_k_m_formats(),
         )
-        return plan.defines()["MK_QROWS"]
 
-    assert [rows(t) for t in (1, 2, 4, 8)] == [4, 4, 2, 1]
+    def rows(tokens: int, smem: int = 227 * 1024, **fields: object) -> int:
+        return plan(tokens, smem, **fields).defines()["MK_QROWS"]
+
+    assert [rows(t) for t in (1, 2, 4, 8)] == [4, 4, 4, 1]
+    assert [rows(t, 99 * 1024) for t in (1, 2, 4, 8)] == [4, 4, 2, 1]
+    assert plan(4, 227 * 1024).stages > 0 and plan(4, 99 * 1024, qrows=4).stages == 0
     assert rows(8, qrows=2) == 2
     with pytest.raises(ValueError, match="qrows"):
         Tuning(qrows=3)
@@ -196,18 +204,32 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_gemv_quant_probe(
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize(("arch", "sms", "smem"), [("sm_90", 132, 227 * 1024), ("sm_86", 82, 99 * 1024)])
-def test_the_q4_k_m_build_compiles_and_its_gemv_loop_does_not_spill(arch: str, sms: int, smem: int) -> None:
-    """The 27B Q4_K_M build compiles for the H200 and the RTX 3090, and the quantized GEMV loop alone spills
-    nothing (the loop that streams every weight: a spill there would be paid per item)."""
-    plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, weight_formats=q4_k_m_formats())
+@pytest.mark.parametrize(
+    ("arch", "sms", "smem", "tokens"),
+    [
+        ("sm_90", 132, 227 * 1024, 1),
+        ("sm_86", 82, 99 * 1024, 1),
+        ("sm_90", 132, 227 * 1024, 4),
+        ("sm_86", 82, 99 * 1024, 4),
+    ],
+)
+def test_the_q4_k_m_build_compiles_and_its_gemv_loop_does_not_spill(
+    arch: str, sms: int, smem: int, tokens: int
+) -> None:
+    """The 27B Q4_K_M build compiles for the H200 and the RTX 3090, decode and a T = 4 verify, and the quantized
+    GEMV loop alone spills nothing (the loop that streams every weight: a spill there would be paid per item)."""
+    plan = KernelPlan(
+        config_27b(), num_sms=sms, tokens_per_launch=tokens, smem_limit=smem, weight_formats=q4_k_m_formats()
+    )
     report = ptxas_report(nvcc_compile(plan, arch, extra_source=GEMV_PROBE))
     assert report["mk_decode"]["registers"] * plan.tuning.threads <= 65536, report["mk_decode"]
     probe = report["mk_gemv_quant_probe"]
     assert probe["spill_stores"] == 0 and probe["spill_loads"] == 0, probe
     dequant = report["mk_dequant"]  # the prefill's reader of the repacked weights
     assert dequant["spill_stores"] == 0 and dequant["spill_loads"] == 0, dequant
-    print(f"\nq4_k_m {arch}: mk_decode {report['mk_decode']}, GEMV loop {probe}")
+    print(
+        f"\nq4_k_m {arch} T = {tokens}, {plan.quant_rows} rows: mk_decode {report['mk_decode']}, GEMV loop {probe}"
+    )
 
 
 @torch.no_grad()
