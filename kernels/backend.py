@@ -3,9 +3,11 @@
 On the kernel: decode and verify steps of 1..8 tokens (a verify records the DeltaNet states after each token
 but the last, so that rolling back to any of them is a copy), greedy verification with the acceptance decided
 on the device (`verify_greedy`: the host reads back the control block only), and MTP draft steps of 1..8
-pairs. Prefill (by default its fast path, worker/prefill/), longer steps and the state operations are the
-reference back end's (the base class). All of them work on the same `SequenceState`, whose tensors the
-kernel reads and writes in place, so switching between them costs nothing.
+pairs. Short prompts run as the kernel's launches of up to 8 tokens, where the fast path's fixed cost (a few
+thousand small launches, and the quantized weights read back to bf16) exceeds theirs. Longer prompts (by
+default the fast path, worker/prefill/), longer steps and the state operations are the reference back end's
+(the base class). All of them work on the same `SequenceState`, whose tensors the kernel reads and writes in
+place, so switching between them costs nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from .layout import MAX_TOKENS_PER_LAUNCH
 from .runtime import DEFAULT_TIMEOUT_S, MegakernelRunner
 from .tuning import Tuning
 
+# Prompts of at most this many tokens prefill as the kernel's launches: below it, launches of 8 tokens take less
+# time than the fast prefill path on the 27B shapes (docs/benchmarks.md, "short prompts as launches").
+LAUNCH_PREFILL_TOKENS = 64
+
+
+def launch_pieces(n: int, width: int = MAX_TOKENS_PER_LAUNCH) -> list[int]:
+    """The launch sizes a prompt of `n` tokens runs as: full launches of `width`, then the remainder."""
+    return [width] * (n // width) + ([n % width] if n % width else [])
+
 
 class MegakernelBackend(ReferenceBackend):
     name = "megakernel"
@@ -32,13 +43,30 @@ class MegakernelBackend(ReferenceBackend):
         tuning: Tuning | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         prefill: str = "auto",
+        launch_prefill_tokens: int = LAUNCH_PREFILL_TOKENS,
     ) -> None:
         super().__init__(model, prefill=prefill)  # auto: the fast prefill path (worker/prefill/)
         self.runner = MegakernelRunner(model, tuning=tuning, timeout_s=timeout_s)
+        self.launch_prefill_tokens = launch_prefill_tokens
         if (
             self.fast_prefill is not None
         ):  # the runner took the quantized weights: resize the prefill's scratch
             self.fast_prefill.weights_moved()
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
+        """A short prompt as back-to-back launches (read back once, after the last), where every launch size it
+        needs is built already: a compile would cost seconds on the request's path. Else the base class's."""
+        n = input_ids.numel()
+        pieces = launch_pieces(n)
+        if n > self.launch_prefill_tokens or not all(self.runner.is_built(t) for t in pieces):
+            return super().prefill(input_ids, state)
+        ids, hidden, start = input_ids.reshape(-1), [], 0
+        for i, t in enumerate(pieces):
+            out = self.runner.step(ids[start : start + t], state, check=i == len(pieces) - 1)
+            hidden.append(out.hidden.clone())  # every row: the sequence's MTP backlog pairs them
+            start += t
+        return StepOutput(out.logits[-1:].clone(), torch.cat(hidden))
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, state: Any, *, keep_states: bool = False) -> StepOutput:
@@ -78,11 +106,12 @@ class MegakernelBackend(ReferenceBackend):
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
     def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
-        """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now: a verify of k
-        drafts takes k + 1 and a first draft step up to k + 1 pairs, and a build costs seconds to compile.
-        `on_step(done, total)` hears each build done (worker/progress.py's step_reporter)."""
-        total = min(max_tokens, MAX_TOKENS_PER_LAUNCH)
-        for n in range(1, total + 1):
+        """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now, and the widest
+        one that short prompts run as: a verify of k drafts takes k + 1 and a first draft step up to k + 1 pairs,
+        and a build costs seconds to compile. `on_step(done, total)` hears each build done (worker/progress.py's
+        step_reporter)."""
+        widths = sorted(set(range(1, min(max_tokens, MAX_TOKENS_PER_LAUNCH) + 1)) | {MAX_TOKENS_PER_LAUNCH})
+        for done, n in enumerate(widths, 1):
             self.runner.prepare(n)
             if on_step is not None:
-                on_step(n, total)
+                on_step(done, len(widths))

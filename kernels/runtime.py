@@ -190,6 +190,10 @@ class MegakernelRunner:
         """Build the kernels for `n_tokens` tokens per launch now rather than at their first launch."""
         self._build(n_tokens)
 
+    def is_built(self, n_tokens: int) -> bool:
+        """Whether a launch of `n_tokens` tokens runs without compiling first."""
+        return n_tokens in self._builds
+
     def _check_resident(self, built: BuiltModule, plan: KernelPlan) -> None:
         import cupy
 

@@ -221,7 +221,39 @@ def test_backend_prepares_every_build_a_cycle_uses(setup):
     _, model, _ = setup
     backend = MegakernelBackend(model)
     backend.prepare(3)
-    assert set(backend.runner._builds) == {1, 2, 3}
+    assert set(backend.runner._builds) == {1, 2, 3, 8}  # 8: the launches short prompts run as
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", [5, 8, 13, 17])
+def test_a_short_prompt_runs_as_launches_equal_to_single_steps(setup, n):
+    """A short prompt prefills as back-to-back launches of up to 8 tokens: the state it leaves, its last logits
+    and every hidden row (the MTP backlog's) bit for bit those of n single decode steps; a prompt past the bound,
+    or one needing a launch size not built yet, takes the fast prefill path and compiles nothing."""
+    from onestream.kernels.backend import MegakernelBackend, launch_pieces
+
+    _, model, _ = setup
+    backend = MegakernelBackend(model, launch_prefill_tokens=32)
+    backend.prepare(1)  # launches of 1 and 8 tokens
+    backend.runner.prepare(5)
+    assert launch_pieces(n) in ([5], [8], [8, 5], [8, 8, 1])
+    ids = torch.randint(0, model.config.vocab_size, (n,), device="cuda")
+    state = backend.new_state(128)
+    out = backend.prefill(ids, state)
+    steps = backend.new_state(128)
+    rows = [backend.decode(ids[i : i + 1], steps) for i in range(n)]
+    assert state.length == steps.length == n
+    assert torch.equal(out.logits[-1], rows[-1].logits[-1])
+    assert torch.equal(out.hidden, torch.cat([r.hidden for r in rows]))
+    after = torch.randint(0, model.config.vocab_size, (1,), device="cuda")
+    assert torch.equal(backend.decode(after, state).logits, backend.decode(after, steps).logits)
+
+    built = set(backend.runner._builds)
+    for length in (33, 30):  # past the bound; 30 = 3 x 8 + 6, and no launch of 6 is built
+        fast = backend.new_state(128)
+        prompt = torch.randint(0, model.config.vocab_size, (length,), device="cuda")
+        assert backend.prefill(prompt, fast).hidden.shape[0] == length and fast.length == length
+    assert set(backend.runner._builds) == built
 
 
 @torch.no_grad()

@@ -2,6 +2,8 @@
 `Sequence.feed` of each `--tokens` prompt length timed over `--repeats` fresh sessions (after one warm-up), the
 quantized formats' times stated against bf16's at the same length, then a `torch.profiler` table (host and
 device time per op, most device time first, then most host time) of one more prefill of the shortest length.
+`--paths fast,launches` times each length on both of the megakernel back end's prefill paths (the fast prefill,
+and a short prompt's launches of 8 tokens, up to `--launches-max` tokens) instead of the engine's choice.
 
     PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/prefill_profile.py --layers 16 --weights bf16,q4_k_m --tokens 32 8192
 
@@ -29,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", type=int, default=20, help="rows of each profile table")
     p.add_argument("--no-profile", action="store_true", help="time only")
+    p.add_argument(
+        "--paths", default="engine", help="engine (the back end's choice), or comma-separated: fast, launches"
+    )
+    p.add_argument("--launches-max", type=int, default=512, help="longest prompt timed as launches")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -64,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args), "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base: dict[int, float] = {}
+    base: dict[tuple[str, int], float] = {}  # bf16's ms by (path, tokens)
+    fast: dict[tuple[int, str], float] = {}  # the fast path's ms by (tokens, weights)
     for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
         source = RandomModelSource("27b", layers=args.layers, weights=weights)
         engine = source.build(device="cuda", options={"spec_k": 0, "max_context": lengths[-1] + 64})
         engine.warm_up()
+        backend = engine.backend
+        if args.paths != "engine":
+            backend.prepare(8)  # every launch size a prompt's remainder can take
 
         def prefill(tokens: int, engine: Any = engine) -> float:
             seq = Sequence(engine.backend, tokens + 64, track_mtp=False)
@@ -79,21 +89,35 @@ def main(argv: list[str] | None = None) -> int:
                 seq.feed(prompt).logits[-1:].argmax(dim=-1).item()
             return time.perf_counter() - t0
 
-        for tokens in lengths:
-            times = [prefill(tokens) for _ in range(args.repeats + 1)][1:]
-            ms = 1e3 * statistics.median(times)
-            if weights == "bf16":
-                base[tokens] = ms
-            against = (
-                f", {ms / base[tokens]:.3f}x bf16's time" if tokens in base and weights != "bf16" else ""
-            )
-            print(
-                f"prefill of {tokens} tokens, random 27B shapes, {args.layers} layers, {weights}, "
-                f"{engine.backend.name}: {ms:.1f} ms median of {args.repeats} = {1e3 * tokens / ms:,.0f} tok/s"
-                f"{against} ({[round(1e3 * t, 1) for t in times]})",
-                flush=True,
-            )
-            results["runs"].append({"weights": weights, "tokens": tokens, "ms": ms, "times_s": times})
+        for path in args.paths.split(","):
+            for tokens in lengths:
+                if path == "launches" and tokens > args.launches_max:
+                    continue
+                if path != "engine":
+                    backend.launch_prefill_tokens = tokens if path == "launches" else 0
+                times = [prefill(tokens) for _ in range(args.repeats + 1)][1:]
+                ms = 1e3 * statistics.median(times)
+                key = (path, tokens)
+                if weights == "bf16":
+                    base[key] = ms
+                against = f", {ms / base[key]:.3f}x bf16's time" if key in base and weights != "bf16" else ""
+                if path == "launches" and (tokens, weights) in fast:
+                    against += f", {ms / fast[tokens, weights]:.3f}x the fast path's"
+                if path == "fast":
+                    fast[tokens, weights] = ms
+                print(
+                    f"prefill of {tokens} tokens, random 27B shapes, {args.layers} layers, {weights}, "
+                    f"{backend.name}, {path} path: {ms:.1f} ms median of {args.repeats} = "
+                    f"{1e3 * tokens / ms:,.0f} tok/s{against} ({[round(1e3 * t, 1) for t in times]})",
+                    flush=True,
+                )
+                results["runs"].append(
+                    {"weights": weights, "path": path, "tokens": tokens, "ms": ms, "times_s": times}
+                )
+        if hasattr(backend, "launch_prefill_tokens"):
+            from onestream.kernels.backend import LAUNCH_PREFILL_TOKENS
+
+            backend.launch_prefill_tokens = LAUNCH_PREFILL_TOKENS
         if not args.no_profile:
             tables = profile_one(engine, lengths[0], args.rows)
             print(f"{weights}, {lengths[0]} tokens: {tables['device_kernels']} device kernels")
