@@ -25,7 +25,7 @@ from .tuning import Tuning
 
 # Prompts of at most this many tokens prefill as the kernel's launches: below it, launches of 8 tokens take less
 # time than the fast prefill path on the 27B shapes (docs/benchmarks.md, "short prompts as launches").
-LAUNCH_PREFILL_TOKENS = 64
+LAUNCH_PREFILL_TOKENS = 24
 
 
 def launch_pieces(n: int, width: int = MAX_TOKENS_PER_LAUNCH) -> list[int]:
