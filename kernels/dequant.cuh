@@ -10,15 +10,7 @@
 #if MK_QFMTS
 template <int F>
 __device__ __forceinline__ void dequant_unit(const unsigned char* row, int K, int v, vec16* out_row) {
-    const unsigned char* p[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = row + q_plane_offset<F>(k, K);
-    QUnit q;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q.w[i] = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q.s[i] = 0u;
-    q_load_unit<F>(p, v, q);
+    const QUnit q = q_row_unit<F>(row, K, v);
     const int r = q_slot_xor(v);  // slot G holds the unit's group G ^ r
     vec16* dst = out_row + 4 * v;
     dst[0 ^ r] = q_slot_bf16<F, 0>(q, v);

@@ -16,17 +16,8 @@ static_assert(QF_ON(MK_EFMT), "the plan compiles the embedding's format into MK_
 // bf16 table's row. Not inlined: the norm prologues and the residual epilogue call it for layer 0 only.
 __device__ __noinline__ vec16 embed_load8(const void* row, int vi) {
     constexpr int F = MK_EFMT;
-    const unsigned char* base = (const unsigned char*)row;
-    const unsigned char* rowp[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) rowp[k] = base + q_plane_offset<F>(k, MK_H);
     const int v = vi >> 2;
-    QUnit q;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q.w[i] = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q.s[i] = 0u;
-    q_load_unit<F>(rowp, v, q);
+    const QUnit q = q_row_unit<F>((const unsigned char*)row, MK_H, v);
     switch ((vi & 3) ^ q_slot_xor(v)) {  // the slot holding the unit's group vi % 4
         case 0: return q_slot_bf16<F, 0>(q, v);
         case 1: return q_slot_bf16<F, 1>(q, v);

@@ -173,6 +173,22 @@ __device__ __forceinline__ void q_load_unit(const unsigned char* const (&p)[4], 
     }
 }
 
+// Unit v of the row at `row` (K weights, planes one after another): the embedding rows and the prefill's
+// dequantizer read single units this way; the GEMV keeps its plane pointers per segment.
+template <int F>
+__device__ __forceinline__ QUnit q_row_unit(const unsigned char* row, int K, int v) {
+    const unsigned char* p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = row + q_plane_offset<F>(k, K);
+    QUnit q;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q.w[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q.s[i] = 0u;
+    q_load_unit<F>(p, v, q);
+    return q;
+}
+
 #if MK_STAGES > 0
 // ---- the shared-memory ring ----------------------------------------------------------------------------
 // With MK_STAGES > 0 the lane copies its units' bytes into the weight ring (cp.async) instead of its registers,
