@@ -188,6 +188,20 @@ def test_logit_bias_is_added_before_the_penalties() -> None:
     assert probabilities(logits, greedy).argmax(-1).tolist() == [9, 9, 9]
 
 
+def test_a_samplers_bias_is_made_once_and_a_repeated_id_keeps_its_last_value() -> None:
+    logits = fresh_logits(2)
+    params = SamplingParams(temperature=0.0, logit_bias=((6, 3.0), (2, -1.5), (6, 40.0)))
+    sampler = RequestSampler(params, [1], V, "cpu")
+    assert sampler.bias is not None and sampler.bias.ids.tolist() == [6, 2]
+    expected = logits.clone()
+    expected[:, 6] += 40.0
+    expected[:, 2] -= 1.5
+    torch.testing.assert_close(apply_penalties(logits, params, None, bias=sampler.bias), expected)
+    torch.testing.assert_close(apply_penalties(logits, params, None), expected)
+    assert sampler.next_tokens(logits).tolist() == [6, 6]
+    assert RequestSampler(SamplingParams(), [1], V, "cpu").bias is None
+
+
 def test_sample_follows_the_distribution() -> None:
     probs = torch.softmax(fresh_logits(seed=3)[:, :6], dim=-1)
     n = 40_000

@@ -24,8 +24,10 @@ VOCAB = 248_320  # the 27B vocabulary: the sizes the run-ahead works on
         SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3),
         SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=1),
         SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.1, seed=2),
+        SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (17, -3.0))),
+        SamplingParams(temperature=0.8, logit_bias=((5, 2.0),), repetition_penalty=1.1, seed=3),
     ],
-    ids=["repetition", "presence-frequency", "top-k-top-p", "min-p-penalised"],
+    ids=["repetition", "presence-frequency", "top-k-top-p", "min-p-penalised", "logit-bias", "biased-sample"],
 )
 def test_choosing_a_token_never_synchronises(params: SamplingParams) -> None:
     prompt = torch.randint(0, VOCAB, (64,)).tolist()

@@ -13,6 +13,7 @@ Penalties follow vLLM / Hugging Face:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -68,18 +69,41 @@ class TokenHistory:
         return self.seen.unsqueeze(0) | (counts > 0), counts
 
 
+class LogitBias(NamedTuple):
+    """A request's logit bias on its device, uploaded once: adding it to a step's logits then queues behind the
+    step without a host round trip (an upload or an index list per token would wait for the device)."""
+
+    ids: torch.Tensor  # [n] token ids, distinct
+    values: torch.Tensor  # [n] fp32 biases
+
+    @classmethod
+    def of(cls, params: SamplingParams, device: torch.device | str) -> LogitBias | None:
+        if not params.logit_bias:
+            return None
+        table = dict(params.logit_bias)  # a repeated id keeps its last bias
+        ids = torch.tensor(list(table), dtype=torch.long, device=device)
+        return cls(ids, torch.tensor(list(table.values()), dtype=torch.float32, device=device))
+
+    def added_to(self, logits: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of `logits` [T, V] with the bias added to every row."""
+        out = logits.float().clone()
+        return out.index_add_(1, self.ids, self.values.expand(out.shape[0], -1))
+
+
 def apply_penalties(
     logits: torch.Tensor,
     params: SamplingParams,
     history: TokenHistory | None,
     before: TokenIds = (),
     per_row: TokenIds = (),
+    bias: LogitBias | None = None,
 ) -> torch.Tensor:
-    """Biased and penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`)."""
-    if params.logit_bias:
-        ids, bias = zip(*params.logit_bias, strict=True)
-        logits = logits.float().clone()
-        logits[:, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    """Biased and penalised copy of `logits` [T, V] (see `TokenHistory.rows` for `before` and `per_row`).
+    `bias`: `params.logit_bias` already on the device (`LogitBias.of`); made here when None."""
+    if bias is None:
+        bias = LogitBias.of(params, logits.device)
+    if bias is not None:
+        logits = bias.added_to(logits)
     if history is None or not params.has_penalties:
         return logits
     seen, counts = history.rows(logits.shape[0], before, per_row)
@@ -121,12 +145,13 @@ def probabilities(
     history: TokenHistory | None = None,
     before: TokenIds = (),
     per_row: TokenIds = (),
+    bias: LogitBias | None = None,
 ) -> torch.Tensor:
     """The distribution a request samples from, per row of `logits` [T, V] (fp32 [T, V]).
 
     Greedy requests get a one-hot on the penalised argmax, so that one code path serves both.
     """
-    logits = apply_penalties(logits.float(), params, history, before, per_row)
+    logits = apply_penalties(logits.float(), params, history, before, per_row, bias)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -141,9 +166,10 @@ def greedy_tokens(
     history: TokenHistory | None = None,
     before: TokenIds = (),
     per_row: TokenIds = (),
+    bias: LogitBias | None = None,
 ) -> torch.Tensor:
     """Argmax of the penalised logits, per row [T]."""
-    return apply_penalties(logits.float(), params, history, before, per_row).argmax(dim=-1)
+    return apply_penalties(logits.float(), params, history, before, per_row, bias).argmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -169,20 +195,21 @@ class RequestSampler:
         self.params = params
         self.generator = _generator(params.seed, device)
         self.history = TokenHistory(prompt_ids, vocab_size, device) if params.has_penalties else None
+        self.bias = LogitBias.of(params, device)
 
     def probabilities(
         self, logits: torch.Tensor, *, before: TokenIds = (), per_row: TokenIds = ()
     ) -> torch.Tensor:
         """The processed distribution of each row of `logits` [T, V]: every row counts `before` as
         generated, row j also `per_row[:j]`."""
-        return probabilities(logits, self.params, self.history, before, per_row)
+        return probabilities(logits, self.params, self.history, before, per_row, self.bias)
 
     def next_tokens(
         self, logits: torch.Tensor, *, before: TokenIds = (), per_row: TokenIds = ()
     ) -> torch.Tensor:
         """Sample (or, greedy, take the argmax of) each row, with the history of `probabilities`."""
         if self.params.greedy:
-            return greedy_tokens(logits, self.params, self.history, before, per_row)
+            return greedy_tokens(logits, self.params, self.history, before, per_row, self.bias)
         return sample(self.probabilities(logits, before=before, per_row=per_row), self.generator)
 
     @property
