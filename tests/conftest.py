@@ -9,10 +9,19 @@ monkeypatch.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+# `python -m pytest` puts the checkout's root first on sys.path, where its kernels/ folder (installed as
+# onestream.kernels) would shadow the `kernels` package that transformers imports. The tests import the project
+# as onestream.*; the root stays reachable, last, for the scripts under tools/.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_AT_ROOT = [p for p in sys.path if os.path.abspath(p or os.curdir) == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _AT_ROOT] + _AT_ROOT
 
 if TYPE_CHECKING:  # imported where used: most test modules never start a pool
     from onestream.cluster.client import PoolClient
