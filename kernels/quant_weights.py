@@ -6,8 +6,9 @@ QuantizedEmbedding modules. The runner repacks each into the kernel's layout and
 (`hand_over`): the reference back end (prefill, long steps) then dequantizes from the repacked copy, bit for bit
 the same values, so the device holds one copy of every weight. Once the runner has its first build, that build's
 mk_dequant (dequant.cuh) reads a matrix back to bf16 in one launch (`DeviceReader`); read_repacked's torch ops
-(some thirty launches per piece of a matrix) remain the reader for other dtypes and devices. A weight slot of the kernel's tables holds the
-device pointer with the format code (quant_layout.FORMAT_CODES) in its top byte, 0 for bf16 (gemv_quant.cuh).
+(some thirty launches per piece of a matrix) remain the reader for other dtypes and devices. A weight slot of the
+kernel's tables holds the device pointer with the format code (quant_layout.FORMAT_CODES) in its top byte, 0 for
+bf16 (gemv_quant.cuh).
 
 A GGUF's ssm_out (fewer key than value heads) keeps llama.cpp's tiled value-head columns, since its K-quant blocks
 span heads (worker/layers/quantized.py's PermutedInputLinear permutes the input instead); the kernel stages that
