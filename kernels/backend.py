@@ -24,7 +24,7 @@ from .runtime import DEFAULT_TIMEOUT_S, MegakernelRunner
 from .tuning import Tuning
 
 # Prompts of at most this many tokens prefill as the kernel's launches: below it, launches of 8 tokens take less
-# time than the fast prefill path on the 27B shapes (docs/benchmarks.md, "short prompts as launches").
+# time than the fast prefill path on the 27B shapes (crossover 28-32 tokens: docs/benchmarks.md, session 20).
 LAUNCH_PREFILL_TOKENS = 24
 
 

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = source.build(device="cuda", options={"spec_k": 0, "max_context": lengths[-1] + 64})
         engine.warm_up()
         backend = engine.backend
+        chosen = getattr(backend, "launch_prefill_tokens", None)  # the engine's own bound, restored below
         if args.paths != "engine":
             backend.prepare(8)  # every launch size a prompt's remainder can take
 
@@ -114,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append(
                     {"weights": weights, "path": path, "tokens": tokens, "ms": ms, "times_s": times}
                 )
-        if hasattr(backend, "launch_prefill_tokens"):
-            from onestream.kernels.backend import LAUNCH_PREFILL_TOKENS
-
-            backend.launch_prefill_tokens = LAUNCH_PREFILL_TOKENS
+        if chosen is not None:
+            backend.launch_prefill_tokens = chosen
         if not args.no_profile:
             tables = profile_one(engine, lengths[0], args.rows)
             print(f"{weights}, {lengths[0]} tokens: {tables['device_kernels']} device kernels")
