@@ -2,8 +2,9 @@
 
 The actor is asynchronous: engine work runs on one dedicated thread (so the engine is never entered
 twice at once), while the actor's event loop keeps answering pings, listings and cancellations during a
-generation. `generate` is a Ray streaming generator; `ray.cancel` on its ObjectRefGenerator cancels the
-asyncio task, which stops the engine at the next token boundary.
+generation. Generations do not travel through Ray: the router streams them over the card's link
+(cluster/card_link.py), served from the same event loop; a cancelled call stops the engine at the next
+token boundary.
 
 Each card serves its own Prometheus /metrics on its node (a free port), labelled with its identity.
 The router (`cards.py`) creates these actors with `ray.remote(CardActor).options(...)`.
@@ -25,6 +26,7 @@ from typing import Any
 from onestream.worker.api import Finished, GenerateRequest, TokenChunk
 from onestream.worker.errors import OnestreamError
 
+from .card_link import LinkServer, new_token
 from .engine_source import EngineSource, source_for
 from .http_server import MetricsHTTPServer
 from .metrics import CardMetrics
@@ -73,6 +75,8 @@ class CardIdentity:
     metrics_endpoint: str
     incarnation: str
     pid: int
+    link_endpoint: str = ""  # where the card streams generations (host:port); set once it answers `ready`
+    link_token: str = field(default="", repr=False)  # what the link asks of its caller (Ray carries it)
 
     @property
     def node_short(self) -> str:
@@ -170,10 +174,20 @@ class CardActor:
         self._owners: dict[str, str] = {}
         self._prefix_reporter = PointReporter()
         self._busy = False
+        self._link: LinkServer | None = None  # started by the first `ready`, in the actor's event loop
+        self._link_started: asyncio.Future[None] | None = None
         self._refresh_sessions()
 
     # ---- queries (answered at once, even while generating) -------------------------------------------
     async def ready(self) -> CardIdentity:
+        """The card's identity, with the endpoint of its link (started by the first call)."""
+        if self._link_started is None:
+            self._link = LinkServer(self.identity.node_ip, new_token(), self._items)
+            self.identity = replace(
+                self.identity, link_endpoint=self._link.endpoint, link_token=self._link.token
+            )
+            self._link_started = asyncio.ensure_future(self._link.start())
+        await asyncio.shield(self._link_started)
         return self.identity
 
     async def ping(self) -> CardLiveness:
@@ -212,8 +226,8 @@ class CardActor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._engine_thread, self._close_session, session_id)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Finished | CardError]:
-        """Stream the engine's chunks and final `Finished` (or one `CardError`) for `request`."""
+    async def _items(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Finished | CardError]:
+        """The engine's chunks and final `Finished` (or one `CardError`) for `request`: what the link sends."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[object] = asyncio.Queue()
         stop = threading.Event()
@@ -315,7 +329,7 @@ class CardActor:
 
 def _coalesce(chunk: TokenChunk, items: asyncio.Queue[object]) -> tuple[TokenChunk, object | None]:
     """`chunk` merged with the chunks queued behind it, and the first other item taken (or None). An engine
-    faster than the Ray stream then costs one stream item per wake-up of this loop, not one per token; when
+    faster than the link then costs one stream item per wake-up of this loop, not one per token; when
     the stream keeps up nothing is queued and every chunk goes alone, as soon as it is made."""
     queued: list[TokenChunk] = []
     held: object | None = None

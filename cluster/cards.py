@@ -15,7 +15,8 @@
   router that starts where cards already run adopts them, with the sessions they cache and their
   owners, when they run its settings (otherwise it replaces them); stopping a router leaves its cards
   running.
-- Every call to an actor has a timeout.
+- Every call to an actor has a timeout. Generations do not go through Ray: each card that comes up gets a
+  `CardLink` (cluster/card_link.py) to its incarnation, closed when the card goes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .card import (
     CardSettings,
     SessionRecord,
 )
+from .card_link import CardLink
 from .config import PoolConfig
 from .policy import Scheduler
 
@@ -79,6 +81,7 @@ class CardRecord:
     progress: int = -1  # the engine's progress counter at the last ping
     progress_at: float = 0.0  # monotonic time the counter last moved (or the card was last idle)
     adopted: bool = False  # found running (a previous router's): this router takes it over
+    link: CardLink | None = field(default=None, repr=False)  # to the incarnation in `identity`
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -120,6 +123,7 @@ class CardRegistry:
         self._sd_snapshot: list[dict[str, Any]] = []
         self._load_board: Any = None  # ray ActorHandle of a LoadBoard
         self._started_at: float | None = None  # monotonic, once the first look at the cluster is done
+        self._closing: set[asyncio.Future[None]] = set()  # links being closed
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,7 +161,7 @@ class CardRegistry:
             task.cancel()
         for record in list(self._records.values()):
             self._drop(record, kill=False)
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await asyncio.gather(*self._loops, *self._closing, return_exceptions=True)
         self._loops = []
         if self._load_board is not None:
             with contextlib.suppress(Exception):
@@ -321,6 +325,8 @@ class CardRegistry:
             self._by_card.pop(record.identity.card_id, None)
             self.scheduler.remove_card(record.identity.card_id)
         record.identity = identity
+        self._close_link(record)
+        record.link = CardLink(identity.link_endpoint, identity.link_token)
         record.state = UP
         record.failure = None
         record.progress, record.progress_at = -1, time.monotonic()
@@ -360,10 +366,20 @@ class CardRegistry:
             self.scheduler.remove_card(record.identity.card_id)
         if record.task is not None and record.task is not asyncio.current_task():
             record.task.cancel()
+        self._close_link(record)
         if kill:
             with contextlib.suppress(Exception):
                 ray.kill(record.actor, no_restart=True)
         self._changed()
+
+    def _close_link(self, record: CardRecord) -> None:
+        """Close the record's link (ending any call still on it) in the background."""
+        if record.link is None:
+            return
+        closing = asyncio.ensure_future(record.link.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        record.link = None
 
     # ---- failures -------------------------------------------------------------------------------
     def report_failure(
@@ -435,6 +451,12 @@ class CardRegistry:
         if record is None:
             raise KeyError(card_id)
         return record.actor
+
+    def link(self, card_id: str) -> CardLink:
+        record = self._by_card.get(card_id)
+        if record is None or record.link is None:
+            raise KeyError(card_id)
+        return record.link
 
     def identity(self, card_id: str) -> CardIdentity | None:
         record = self._by_card.get(card_id)

@@ -23,11 +23,13 @@ from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.api import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 
+from .wire import MAX_MESSAGE_BYTES
+
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
 

@@ -1,7 +1,7 @@
 """The gRPC service (onestream.v1.OneStream): admission, queueing, streaming from cards, errors.
 
 Each Generate call: validate -> wait for a card (cluster/policy.py; queue positions streamed) -> stream
-the card actor's Ray generator -> release the card and bind the session to it. Every failure ends the
+from the card over its link (cluster/card_link.py) -> release the card and bind the session to it. Every failure ends the
 call with one status code and a message naming the problem (see the .proto's header).
 """
 
@@ -18,7 +18,6 @@ from datetime import timezone
 from typing import Any, TypeVar
 
 import grpc
-import ray
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.api import Finished, GenerateRequest, TokenChunk
@@ -30,6 +29,7 @@ from ray.exceptions import RayError, RayTaskError
 from . import convert, limits
 from .auth import RETRY_AFTER, Authenticator, AuthError, Caller, SessionOwners
 from .card import CardError, SessionRecord
+from .card_link import LinkCall, LinkFailed, LinkLost
 from .cards import CardRecord, CardRegistry
 from .config import PoolConfig
 from .errors import (
@@ -357,10 +357,11 @@ class Router(pb_grpc.OneStreamServicer):
         card_id = assignment.card_id
         session_id = request.session_id
         bind = False
-        generator = None
+        call: LinkCall | None = None
         sent_tokens = 0
         try:
             actor = self.registry.actor(card_id)
+            link = self.registry.link(card_id)
         except KeyError:
             self.scheduler.release(card_id, None)
             raise CardFailure(card_id, "left the pool") from None
@@ -368,16 +369,16 @@ class Router(pb_grpc.OneStreamServicer):
             self.registry.identity(card_id), card_id=card_id, state=pb.CARD_STATE_BUSY
         )
         try:
+            call = link.generate(request)  # the card starts while the client hears where it runs
             await context.write(
                 pb.GenerateResponse(
                     request_id=request.request_id,
                     assigned=pb.Assigned(card=card, affinity_hit=assignment.affinity == "hit"),
                 )
             )
-            generator = actor.generate.options(num_returns="streaming").remote(request)
             first_token_at: float | None = None
             while True:
-                item = await self._next_item(generator, card_id, sent_tokens, deadline)
+                item = await self._next_item(call, card_id, sent_tokens, deadline)
                 _raise_if_stopped(entry, context)
                 if isinstance(item, PrefixReport):
                     self.scheduler.prefixes.update(card_id, item.points)
@@ -421,9 +422,8 @@ class Router(pb_grpc.OneStreamServicer):
                 ) from failure
             raise
         finally:
-            if generator is not None:
-                with contextlib.suppress(Exception):
-                    ray.cancel(generator)  # no-op when it already ended
+            if call is not None:
+                call.cancel()  # no-op when it already ended
             previous_home = self.scheduler.home_of(session_id) if session_id else None
             self.scheduler.release(card_id, session_id, bind=bind and not entry.session_closed)
             if bind and entry.session_closed:  # closed during this turn: drop what the turn cached
@@ -431,7 +431,7 @@ class Router(pb_grpc.OneStreamServicer):
             elif previous_home not in (None, card_id) and self.scheduler.home_of(session_id) == card_id:
                 self._close_copy(previous_home, session_id)  # it moved: the old home's copy is stale
 
-    async def _next_item(self, generator: Any, card_id: str, sent_tokens: int, deadline: float) -> object:
+    async def _next_item(self, call: LinkCall, card_id: str, sent_tokens: int, deadline: float) -> object:
         """The next stream item, or CardFailure (dead, down, silent too long) / PoolError (deadline).
 
         While it waits it watches the card's liveness (cluster/cards.py): a stream on a card that went
@@ -441,7 +441,7 @@ class Router(pb_grpc.OneStreamServicer):
         identity = self.registry.identity(card_id)
         remaining = deadline - time.monotonic()
         give_up = time.monotonic() + min(limit, max(remaining, 0.0))
-        pending = asyncio.ensure_future(_next_object(generator))
+        pending = asyncio.ensure_future(_next_object(call))
         try:
             while not pending.done():
                 failure = self.registry.failure(card_id)
@@ -466,11 +466,14 @@ class Router(pb_grpc.OneStreamServicer):
             raise PoolError(
                 grpc.StatusCode.INTERNAL, f"card {card_id} ended the stream without a final message"
             ) from None
-        except RayTaskError as e:  # an exception escaped the actor method: a bug on the card
+        except LinkFailed as e:  # the card's end of the link failed: a bug on the card
             raise PoolError(grpc.StatusCode.INTERNAL, f"card {card_id} failed: {_first_line(e)}") from e
-        except RayError as e:  # the actor died, or its node; its objects are lost
+        except LinkLost as e:  # the card's process died, or its node
+            known = self.registry.failure(card_id)  # the registry took it down (and killed it) first
+            if known is not None:
+                raise CardFailure(card_id, known) from e
             self.registry.report_failure(card_id, "died mid-stream", hung=False, seen=identity)
-            raise CardFailure(card_id, f"died mid-stream ({type(e).__name__})") from e
+            raise CardFailure(card_id, f"died mid-stream ({e})") from e
         finally:
             if not pending.done():
                 pending.cancel()
@@ -715,9 +718,8 @@ def _raise_if_stopped(entry: _InFlight, context: grpc.aio.ServicerContext) -> No
         raise asyncio.CancelledError
 
 
-async def _next_object(generator: Any) -> object:
-    ref = await generator.__anext__()
-    return await ref
+async def _next_object(call: LinkCall) -> object:
+    return await call.next()
 
 
 async def _none() -> None:

@@ -44,8 +44,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
 ]
 
 

@@ -22,6 +22,9 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 log = logging.getLogger(__name__)
+# The largest message any of the pool's gRPC servers and channels sends or accepts: requests are bounded by
+# field (cluster/limits.py) well below it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

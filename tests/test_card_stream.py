@@ -1,4 +1,4 @@
-"""The card's stream merges chunks that queued up behind the Ray stream (cluster/card.py `_coalesce`): nothing
+"""The card's stream merges chunks that queued up behind the card's link (cluster/card.py `_coalesce`): nothing
 lost or reordered, the item after the merged chunks kept for the next send, a lone chunk sent as it is."""
 
 from __future__ import annotations

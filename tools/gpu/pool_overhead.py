@@ -15,10 +15,10 @@ copy of the model at a time): the in-process engine first, then the pool.
 - pool: TTFT from `PoolClient.generate` to the client's first chunk event; decode as above on the client's
   receive times. Three host stamps per chunk (`time.perf_counter`, CLOCK_MONOTONIC: one clock for every
   process of the machine): as it leaves the engine inside the card (`StampedSource`), as the router takes it
-  from the Ray stream (the tool wraps `cluster.router._next_object`, the one place the router awaits an item),
-  and as the client receives it. So: TTFT = client -> engine start (gRPC, admission, scheduling, the Ray actor
-  call, the card's thread hop) + the engine's own first token + engine -> router (the card's loop, the Ray
-  stream) + router -> client (gRPC); the decode gap splits into the engine's own gap inside the card (against
+  from the card's link (the tool wraps `cluster.router._next_object`, the one place the router awaits an item),
+  and as the client receives it. So: TTFT = client -> engine start (gRPC, admission, scheduling, the call on
+  the card's link, the card's thread hop) + the engine's own first token + engine -> router (the card's loop,
+  the link) + router -> client (gRPC); the decode gap splits into the engine's own gap inside the card (against
   the in-process gap: what sharing the card's process with Ray costs the engine) and the hops' jitter.
 
     PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/pool_overhead.py --layers 64 [--weights q4_k_m] [--mtp 2]
@@ -209,7 +209,7 @@ def _free(args: argparse.Namespace) -> None:
 
 # ---- through the pool -------------------------------------------------------------------------------------
 class RouterStamps:
-    """Wraps the router's `_next_object` (the one await that takes an item from a card's Ray stream) to stamp
+    """Wraps the router's `_next_object` (the one await that takes an item from a card's link) to stamp
     each item as the router gets it; the router runs in this process (PoolThread)."""
 
     def __init__(self) -> None:
@@ -351,7 +351,7 @@ def hops(
     start: float, engine: dict[str, Any], routed: list[tuple[float, int]], client: list[tuple[float, int]]
 ) -> dict[str, Any]:
     """Where one pooled request's time went, from the three stamps of every chunk. The card merges chunks
-    that queue up behind its Ray stream, so a routed chunk is timed from the engine chunk that completed it."""
+    that queue up behind its link, so a routed chunk is timed from the engine chunk that completed it."""
     produced = [(t, n) for t, kind, n in engine["items"] if kind == "chunk"]
     if len(routed) != len(client) or sum(n for _, n in produced) != sum(n for _, n in routed):
         return {
@@ -473,9 +473,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines += [
             f"where the pool's time goes ({r['config']}, ms, medians; host stamps per chunk):",
             f"  TTFT: client -> engine start {f(h.get('client_to_engine_ms'), '.3f')} "
-            f"(gRPC, admission, the Ray actor call, the card's thread hop)"
+            f"(gRPC, admission, the call on the card's link, the card's thread hop)"
             f" + engine's own first token {f(h.get('engine_ttft_ms'), '.3f')}"
-            f" + engine -> router {f(h.get('first_engine_to_router_ms'), '.3f')} (card loop, Ray stream)"
+            f" + engine -> router {f(h.get('first_engine_to_router_ms'), '.3f')} (card loop, the link)"
             f" + router -> client {f(h.get('first_router_to_client_ms'), '.3f')} (gRPC)",
             f"  decode: engine inside the card {f(h.get('engine_decode_tok_s'), '.1f')} tok/s "
             f"(in process {f(r['engine_decode_tok_s'], '.1f')}); per chunk engine -> router "

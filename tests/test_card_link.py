@@ -1,0 +1,157 @@
+"""The router's link to a card (cluster/card_link.py), both ends in one process over real gRPC on loopback:
+items arrive in order as the card made them, a caller without the card's token is refused before anything
+it sent is unpickled, a failure on the card is `LinkFailed` naming it, a card that goes away is `LinkLost`,
+and cancelling a call ends the card's generation."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from onestream.cluster.card_link import CardLink, LinkFailed, LinkLost, LinkServer, new_token
+from onestream.worker.api import Finished, GenerateRequest, Timings, TokenChunk, Usage
+
+
+class Card:
+    """What a card's `_items` does, recorded: requests seen, generations ended."""
+
+    def __init__(self, chunks: int = 3, fail_after: int | None = None, forever: bool = False) -> None:
+        self.chunks, self.fail_after, self.forever = chunks, fail_after, forever
+        self.requests: list[Any] = []
+        self.ended = asyncio.Event()
+
+    async def items(self, request: Any) -> AsyncIterator[object]:
+        self.requests.append(request)
+        try:
+            i = 0
+            while self.forever or i < self.chunks:
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RuntimeError("the engine broke")
+                yield TokenChunk([i], f"t{i}")
+                i += 1
+                await asyncio.sleep(0.01 if self.forever else 0)
+            yield Finished("length", Usage(prompt_tokens=2, generated_tokens=i), Timings())
+        finally:
+            self.ended.set()
+
+
+async def drain(call: Any) -> list[object]:
+    items = []
+    while True:
+        try:
+            items.append(await call.next())
+        except StopAsyncIteration:
+            return items
+
+
+def run(test: Any) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))
+
+
+async def serving(card: Card) -> tuple[LinkServer, str]:
+    token = new_token()
+    server = LinkServer("127.0.0.1", token, card.items)
+    await server.start()
+    return server, token
+
+
+def test_items_arrive_in_order_and_the_request_arrives_whole() -> None:
+    async def test() -> None:
+        card = Card(chunks=4)
+        server, token = await serving(card)
+        link = CardLink(server.endpoint, token)
+        request = GenerateRequest(prompt=[5, 6], session_id="s-1", max_tokens=4)
+        items = await drain(link.generate(request))
+        assert [i.token_ids for i in items[:-1]] == [[0], [1], [2], [3]]  # type: ignore[attr-defined]
+        assert isinstance(items[-1], Finished) and items[-1].usage.generated_tokens == 4
+        assert card.requests == [request]
+        await link.close()
+        await server.stop()
+
+    run(test)
+
+
+def test_a_caller_without_the_token_is_refused_before_its_request_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loads: list[bytes] = []
+    real_loads = pickle.loads
+    monkeypatch.setattr(pickle, "loads", lambda data: loads.append(data) or real_loads(data))
+
+    async def test() -> None:
+        card = Card()
+        server, token = await serving(card)
+        for wrong in ("", token[:-1] + ("A" if token[-1] != "A" else "B")):
+            link = CardLink(server.endpoint, wrong)
+            with pytest.raises(LinkFailed, match="token is missing or wrong"):
+                await link.generate(GenerateRequest(prompt=[1])).next()
+            await link.close()
+        assert card.requests == [] and loads == []  # the card unpickled nothing
+        await server.stop()
+
+    run(test)
+
+
+def test_a_failure_on_the_card_is_link_failed_naming_it() -> None:
+    async def test() -> None:
+        card = Card(chunks=5, fail_after=2)
+        server, token = await serving(card)
+        link = CardLink(server.endpoint, token)
+        call = link.generate(GenerateRequest(prompt=[1]))
+        assert (await call.next()).token_ids == [0]  # type: ignore[attr-defined]
+        assert (await call.next()).token_ids == [1]  # type: ignore[attr-defined]
+        with pytest.raises(LinkFailed, match="RuntimeError: the engine broke"):
+            await call.next()
+        await link.close()
+        await server.stop()
+
+    run(test)
+
+
+def test_a_card_that_goes_away_mid_stream_is_link_lost() -> None:
+    async def test() -> None:
+        card = Card(forever=True)
+        server, token = await serving(card)
+        link = CardLink(server.endpoint, token)
+        call = link.generate(GenerateRequest(prompt=[1]))
+        await call.next()
+        await server.stop()
+        with pytest.raises(LinkLost):
+            for _ in range(1000):
+                await call.next()
+        await link.close()
+
+    run(test)
+
+
+def test_a_card_nobody_serves_is_link_lost() -> None:
+    async def test() -> None:
+        card = Card()
+        server, token = await serving(card)
+        endpoint = server.endpoint
+        await server.stop()
+        link = CardLink(endpoint, token)
+        with pytest.raises(LinkLost, match="UNAVAILABLE"):
+            await link.generate(GenerateRequest(prompt=[1])).next()
+        await link.close()
+
+    run(test)
+
+
+def test_cancelling_a_call_ends_the_cards_generation() -> None:
+    async def test() -> None:
+        card = Card(forever=True)
+        server, token = await serving(card)
+        link = CardLink(server.endpoint, token)
+        call = link.generate(GenerateRequest(prompt=[1]))
+        await call.next()
+        assert not card.ended.is_set()
+        call.cancel()
+        await asyncio.wait_for(card.ended.wait(), 5)  # the card's generator ran its `finally`
+        await link.close()
+        await server.stop()
+
+    run(test)
