@@ -1,8 +1,8 @@
 """The gRPC service (onestream.v1.OneStream): admission, queueing, streaming from cards, errors.
 
 Each Generate call: validate -> wait for a card (cluster/policy.py; queue positions streamed) -> stream
-from the card over its link (cluster/card_link.py) -> release the card and bind the session to it. Every failure ends the
-call with one status code and a message naming the problem (see the .proto's header).
+from the card over its link (cluster/card_link.py) -> release the card and bind the session to it. Every
+failure ends the call with one status code and a message naming the problem (see the .proto's header).
 """
 
 from __future__ import annotations
