@@ -6,6 +6,7 @@ and cancelling a call ends the card's generation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,25 +52,29 @@ def run(test: Any) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
-async def serving(card: Card) -> tuple[LinkServer, str]:
-    token = new_token()
-    server = LinkServer("127.0.0.1", token, card.items)
+@contextlib.asynccontextmanager
+async def linked(card: Card, token: str | None = None) -> AsyncIterator[tuple[LinkServer, CardLink]]:
+    """A card's link server on loopback and a router's link to it (with `token`, else the card's own)."""
+    card_token = new_token()
+    server = LinkServer("127.0.0.1", card_token, card.items)
     await server.start()
-    return server, token
+    link = CardLink(server.endpoint, card_token if token is None else token)
+    try:
+        yield server, link
+    finally:
+        await link.close()
+        await server.stop()
 
 
 def test_items_arrive_in_order_and_the_request_arrives_whole() -> None:
     async def test() -> None:
         card = Card(chunks=4)
-        server, token = await serving(card)
-        link = CardLink(server.endpoint, token)
         request = GenerateRequest(prompt=[5, 6], session_id="s-1", max_tokens=4)
-        items = await drain(link.generate(request))
+        async with linked(card) as (_, link):
+            items = await drain(link.generate(request))
         assert [i.token_ids for i in items[:-1]] == [[0], [1], [2], [3]]  # type: ignore[attr-defined]
         assert isinstance(items[-1], Finished) and items[-1].usage.generated_tokens == 4
         assert card.requests == [request]
-        await link.close()
-        await server.stop()
 
     run(test)
 
@@ -83,60 +88,46 @@ def test_a_caller_without_the_token_is_refused_before_its_request_is_read(
 
     async def test() -> None:
         card = Card()
-        server, token = await serving(card)
-        for wrong in ("", token[:-1] + ("A" if token[-1] != "A" else "B")):
-            link = CardLink(server.endpoint, wrong)
-            with pytest.raises(LinkFailed, match="token is missing or wrong"):
-                await link.generate(GenerateRequest(prompt=[1])).next()
-            await link.close()
+        for wrong in ("", "x" * 32):
+            async with linked(card, token=wrong) as (_, link):
+                with pytest.raises(LinkFailed, match="token is missing or wrong"):
+                    await link.generate(GenerateRequest(prompt=[1])).next()
         assert card.requests == [] and loads == []  # the card unpickled nothing
-        await server.stop()
 
     run(test)
 
 
 def test_a_failure_on_the_card_is_link_failed_naming_it() -> None:
     async def test() -> None:
-        card = Card(chunks=5, fail_after=2)
-        server, token = await serving(card)
-        link = CardLink(server.endpoint, token)
-        call = link.generate(GenerateRequest(prompt=[1]))
-        assert (await call.next()).token_ids == [0]  # type: ignore[attr-defined]
-        assert (await call.next()).token_ids == [1]  # type: ignore[attr-defined]
-        with pytest.raises(LinkFailed, match="RuntimeError: the engine broke"):
-            await call.next()
-        await link.close()
-        await server.stop()
+        async with linked(Card(chunks=5, fail_after=2)) as (_, link):
+            call = link.generate(GenerateRequest(prompt=[1]))
+            assert (await call.next()).token_ids == [0]  # type: ignore[attr-defined]
+            assert (await call.next()).token_ids == [1]  # type: ignore[attr-defined]
+            with pytest.raises(LinkFailed, match="RuntimeError: the engine broke"):
+                await call.next()
 
     run(test)
 
 
 def test_a_card_that_goes_away_mid_stream_is_link_lost() -> None:
     async def test() -> None:
-        card = Card(forever=True)
-        server, token = await serving(card)
-        link = CardLink(server.endpoint, token)
-        call = link.generate(GenerateRequest(prompt=[1]))
-        await call.next()
-        await server.stop()
-        with pytest.raises(LinkLost):
-            for _ in range(1000):
-                await call.next()
-        await link.close()
+        async with linked(Card(forever=True)) as (server, link):
+            call = link.generate(GenerateRequest(prompt=[1]))
+            await call.next()
+            await server.stop()
+            with pytest.raises(LinkLost):
+                for _ in range(1000):
+                    await call.next()
 
     run(test)
 
 
 def test_a_card_nobody_serves_is_link_lost() -> None:
     async def test() -> None:
-        card = Card()
-        server, token = await serving(card)
-        endpoint = server.endpoint
-        await server.stop()
-        link = CardLink(endpoint, token)
-        with pytest.raises(LinkLost, match="UNAVAILABLE"):
-            await link.generate(GenerateRequest(prompt=[1])).next()
-        await link.close()
+        async with linked(Card()) as (server, link):
+            await server.stop()
+            with pytest.raises(LinkLost, match="UNAVAILABLE"):
+                await link.generate(GenerateRequest(prompt=[1])).next()
 
     run(test)
 
@@ -144,14 +135,11 @@ def test_a_card_nobody_serves_is_link_lost() -> None:
 def test_cancelling_a_call_ends_the_cards_generation() -> None:
     async def test() -> None:
         card = Card(forever=True)
-        server, token = await serving(card)
-        link = CardLink(server.endpoint, token)
-        call = link.generate(GenerateRequest(prompt=[1]))
-        await call.next()
-        assert not card.ended.is_set()
-        call.cancel()
-        await asyncio.wait_for(card.ended.wait(), 5)  # the card's generator ran its `finally`
-        await link.close()
-        await server.stop()
+        async with linked(card) as (_, link):
+            call = link.generate(GenerateRequest(prompt=[1]))
+            await call.next()
+            assert not card.ended.is_set()
+            call.cancel()
+            await asyncio.wait_for(card.ended.wait(), 5)  # the card's generator ran its `finally`
 
     run(test)
