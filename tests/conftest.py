@@ -23,6 +23,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _AT_ROOT = [p for p in sys.path if os.path.abspath(p or os.curdir) == _ROOT]
 sys.path[:] = [p for p in sys.path if p not in _AT_ROOT] + _AT_ROOT
 
+# Without a GPU, Triton's kernels (worker/prefill/triton_kernels.py) can only run interpreted: it must be told
+# before it is imported, which decides then whether a kernel compiles or interprets.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 if TYPE_CHECKING:  # imported where used: most test modules never start a pool
     from onestream.cluster.client import PoolClient
     from onestream.cluster.server import PoolThread

@@ -381,12 +381,12 @@ def test_row_blocks_and_in_place_swiglu_give_the_same_bits(model: Qwen35ForCausa
     """The prefill's fp32 elementwise work in blocks of rows (conv, gated norm) and the SwiGLU's in-place inference
     path change what a piece holds, not a bit of its output: a block of 7 rows against one block for the whole
     piece, and the SwiGLU without autograd against the same SwiGLU with it."""
-    from onestream.worker.prefill import deltanet as prefill_deltanet
+    from onestream.worker.prefill import elementwise
 
     ids = tokens(model, 150, seed=3)
     outputs = []
     for block in (7, 1 << 20):
-        monkeypatch.setattr(prefill_deltanet, "ROW_BLOCK_TOKENS", block)
+        monkeypatch.setattr(elementwise, "ROW_BLOCK_TOKENS", block)
         state = model.new_state(400)
         with torch.inference_mode():
             outputs.append(FastPrefill(model)(ids, state))
@@ -396,4 +396,6 @@ def test_row_blocks_and_in_place_swiglu_give_the_same_bits(model: Qwen35ForCausa
     h = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         in_place = layer._mlp_residual(h)
+        prefill_form = FastPrefill(model, elementwise="torch")._mlp_residual(layer, h)
     assert torch.equal(in_place, layer._mlp_residual(h).detach())
+    assert torch.equal(prefill_form, in_place)

@@ -2,9 +2,10 @@
 
 A 27B-shaped model with 4 layers (3 DeltaNet + 1 attention, the full vocabulary), fresh random bf16 weights,
 and its fp32 copy as the ground truth. Checked: each delta-rule kernel the machine offers (the torch form,
-flash-linear-attention's where it imports), each fused SDPA kernel on the attention shapes (head_dim 256,
-GQA, continuing from a cache), decode after the fast prefill against the fp32 reference (KLD and greedy
-tokens), pieces against one shot, and the megakernel continuing from the state the fast prefill leaves.
+flash-linear-attention's where it imports) with each form of the elementwise work (Triton kernels, torch),
+each fused SDPA kernel on the attention shapes (head_dim 256, GQA, continuing from a cache), decode after
+the fast prefill against the fp32 reference (KLD and greedy tokens), pieces against one shot, and the
+megakernel continuing from the state the fast prefill leaves.
 Quantized weights (q4_k_m's random blocks): the Triton dequantizer against the torch codec, and the fast
 prefill dequantizing into its scratch against the fp32 reference on the same blocks.
 """
@@ -25,6 +26,7 @@ if HAS_GPU:
     from onestream.kernels.random_quant import preset_types, quantize_randomly, random_blocks
     from onestream.worker.prefill import DeltaRuleKernel, FastPrefill, causal_attention
     from onestream.worker.prefill.deltanet import _fla_function
+    from onestream.worker.prefill.elementwise import PROBE_TOLERANCE, probe
     from onestream.worker.quant import QuantType, dequantize, triton_dequant
     from onestream.worker.quant.scratch import PROBE_ABSOLUTE, PROBE_RELATIVE
 
@@ -113,8 +115,9 @@ def test_fused_sdpa_kernels_on_the_attention_shapes(backend: str, start: int) ->
     assert err < 1e-2
 
 
+@pytest.mark.parametrize("elementwise", ["triton", "torch"])
 @pytest.mark.parametrize("kernel", ["torch", "fla"])
-def test_decode_after_fast_prefill_against_the_fp32_reference(models, kernel: str) -> None:
+def test_decode_after_fast_prefill_against_the_fp32_reference(models, kernel: str, elementwise: str) -> None:
     if kernel not in kernels():
         pytest.skip("flash-linear-attention is not importable here")
     model, fp32 = models
@@ -127,13 +130,13 @@ def test_decode_after_fast_prefill_against_the_fp32_reference(models, kernel: st
         bf_first = model.forward_step(ids, bf_state, logits="last").logits
         bf_rows, _ = greedy_rows(model, bf_state, bf_first, 16, forced=fed)
         fast_state = model.new_state(PROMPT + 64)
-        fast = FastPrefill(model, deltanet=kernel)
-        assert fast.delta_rule.name == kernel
+        fast = FastPrefill(model, deltanet=kernel, elementwise=elementwise)
+        assert fast.delta_rule.name == kernel and fast.elementwise.name == elementwise
         fast_first = fast(ids, fast_state).logits
         got, _ = greedy_rows(model, fast_state, fast_first, 16, forced=fed)
     fast_kld, bf_kld = kld(want, got), kld(want, bf_rows)
     print(
-        f"\n[{kernel}] KLD vs fp32 reference: fast prefill mean {fast_kld.mean():.2e} max {fast_kld.max():.2e}; "
+        f"\n[{kernel}, elementwise {elementwise}] KLD vs fp32 reference: fast prefill mean {fast_kld.mean():.2e} max {fast_kld.max():.2e}; "
         f"bf16 reference prefill mean {bf_kld.mean():.2e} max {bf_kld.max():.2e}"
     )
     # bf16 weights alone cost some KLD: the fast path must stay within the bar or within the bf16
@@ -142,6 +145,19 @@ def test_decode_after_fast_prefill_against_the_fp32_reference(models, kernel: st
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= TIE_MARGIN
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_the_elementwise_kernels_pass_their_probe_at_the_27b_shapes(models) -> None:
+    """On a GPU the prefill takes the Triton kernels by default; each agrees with its torch form at the model's
+    shapes well inside the probe's bound (two bf16 roundings)."""
+    model, _ = models
+    fast = FastPrefill(model)
+    assert fast.elementwise.name == "triton"
+    layers = model.model.layers
+    mixer = next(layer.linear_attn for layer in layers if not layer.is_full_attention)
+    errors = probe(fast.elementwise, model.device, layers[0].input_layernorm, mixer, tokens=1000)
+    print(f"\nelementwise kernels against the torch forms: {errors}")
+    assert max(errors.values()) <= PROBE_TOLERANCE
 
 
 def test_pieces_equal_one_shot_on_the_gpu(models) -> None:

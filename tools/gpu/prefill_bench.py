@@ -12,7 +12,8 @@ of each dequantizer over every layer matrix is timed on its own ("dequant").
 
 Reports tok/s per prompt length and the share of the bf16 matrix peak measured in the same run (the best of
 a few large bf16 GEMMs), counting the FLOPs of the projections, the causal attention and the chunked delta
-rule. Then, as far as the time budget goes: the fast path with the torch delta rule, other piece sizes, and
+rule. Then, as far as the time budget goes: the fast path with the torch delta rule, with the torch forms of
+the elementwise work (worker/prefill/elementwise.py) in place of the Triton kernels, other piece sizes, and
 per-layer timings of each SDPA kernel and delta-rule kernel, so that the defaults are chosen by measurement.
 The bf16 extras run only while time is left for the quantized formats after them.
 Results are written to the JSON file after every measurement (a run cut short keeps what it measured).
@@ -210,6 +211,10 @@ def bf16_extras(
         torch_path = ReferenceBackend(model, prefill="fast")
         torch_path.fast_prefill = FastPrefill(model, deltanet="torch")
         measure(f"fast ({torch_path.fast_prefill.description})", torch_path, 8192, 1, "bf16")
+    if fast.fast_prefill.elementwise.name != "torch" and left() > 30:
+        torch_forms = ReferenceBackend(model, prefill="fast")
+        torch_forms.fast_prefill = FastPrefill(model, elementwise="torch")
+        measure(f"fast ({torch_forms.fast_prefill.description})", torch_forms, 8192, 1, "bf16")
     default_piece = fast.prefill_tokens
     for piece in [int(x) for x in pieces.split(",") if x]:
         if left() < 25:

@@ -4,6 +4,8 @@ quantized formats' times stated against bf16's at the same length, then a `torch
 device time per op, most device time first, then most host time) of one more prefill of the shortest length.
 `--paths fast,launches` times each length on both of the megakernel back end's prefill paths (the fast prefill,
 and a short prompt's launches of 8 tokens, up to `--launches-max` tokens) instead of the engine's choice.
+`--elementwise triton,torch` times the fast prefill with each form of its elementwise work
+(worker/prefill/elementwise.py) in the same engine, the Triton kernels' times stated against the torch forms'.
 
     PYTHONPATH=/tmp/onestream-pkg python3 tools/gpu/prefill_profile.py --layers 16 --weights bf16,q4_k_m --tokens 32 8192
 
@@ -35,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--paths", default="engine", help="engine (the back end's choice), or comma-separated: fast, launches"
     )
     p.add_argument("--launches-max", type=int, default=512, help="longest prompt timed as launches")
+    p.add_argument(
+        "--elementwise",
+        default="",
+        help="comma-separated forms of the fast prefill's elementwise work to time (triton, torch); "
+        "empty: the engine's choice",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -57,6 +65,17 @@ def profile_one(engine: Any, tokens: int, rows: int) -> dict[str, str]:
         "host": averages.table(sort_by="self_cpu_time_total", row_limit=rows),
         "device_kernels": str(launches),
     }
+
+
+def elementwise_form(name: str, chosen: Any) -> Any:
+    """The fast prefill's elementwise form `name`: the engine's own where it is that one, else the torch forms."""
+    from onestream.worker.prefill.elementwise import TorchElementwise
+
+    if name == chosen.name:
+        return chosen
+    if name == "torch":
+        return TorchElementwise()
+    raise SystemExit(f"--elementwise {name}: the engine runs {chosen.name} here (its probe decides)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,31 +109,56 @@ def main(argv: list[str] | None = None) -> int:
                 seq.feed(prompt).logits[-1:].argmax(dim=-1).item()
             return time.perf_counter() - t0
 
-        for path in args.paths.split(","):
-            for tokens in lengths:
-                if path == "launches" and tokens > args.launches_max:
-                    continue
-                if path != "engine":
-                    backend.launch_prefill_tokens = tokens if path == "launches" else 0
-                times = [prefill(tokens) for _ in range(args.repeats + 1)][1:]
-                ms = 1e3 * statistics.median(times)
-                key = (path, tokens)
-                if weights == "bf16":
-                    base[key] = ms
-                against = f", {ms / base[key]:.3f}x bf16's time" if key in base and weights != "bf16" else ""
-                if path == "launches" and (tokens, weights) in fast:
-                    against += f", {ms / fast[tokens, weights]:.3f}x the fast path's"
-                if path == "fast":
-                    fast[tokens, weights] = ms
-                print(
-                    f"prefill of {tokens} tokens, random 27B shapes, {args.layers} layers, {weights}, "
-                    f"{backend.name}, {path} path: {ms:.1f} ms median of {args.repeats} = "
-                    f"{1e3 * tokens / ms:,.0f} tok/s{against} ({[round(1e3 * t, 1) for t in times]})",
-                    flush=True,
-                )
-                results["runs"].append(
-                    {"weights": weights, "path": path, "tokens": tokens, "ms": ms, "times_s": times}
-                )
+        chosen_ops = backend.fast_prefill.elementwise
+        forms = {"": chosen_ops}
+        if args.elementwise:
+            names = sorted(
+                args.elementwise.split(","), key=lambda name: name != "torch"
+            )  # the baseline first
+            forms = {name: elementwise_form(name, chosen_ops) for name in names}
+        by_form: dict[tuple[str, int], float] = {}  # the torch forms' ms by (path, tokens)
+        for form, ops in forms.items():
+            backend.fast_prefill.elementwise = ops
+            for path in args.paths.split(","):
+                label = f"{path}, elementwise {ops.name}" if form else path
+                for tokens in lengths:
+                    if path == "launches" and (tokens > args.launches_max or form not in ("", "torch")):
+                        continue
+                    if path != "engine":
+                        backend.launch_prefill_tokens = tokens if path == "launches" else 0
+                    times = [prefill(tokens) for _ in range(args.repeats + 1)][1:]
+                    ms = 1e3 * statistics.median(times)
+                    key = (label, tokens)
+                    if weights == "bf16":
+                        base[key] = ms
+                    against = (
+                        f", {ms / base[key]:.3f}x bf16's time" if key in base and weights != "bf16" else ""
+                    )
+                    if path == "launches" and (tokens, weights) in fast:
+                        against += f", {ms / fast[tokens, weights]:.3f}x the fast path's"
+                    if path == "fast":
+                        fast[tokens, weights] = ms
+                    if form == "torch":
+                        by_form[path, tokens] = ms
+                    elif form and (path, tokens) in by_form:
+                        against += f", {ms / by_form[path, tokens]:.3f}x the torch forms' time"
+                    print(
+                        f"prefill of {tokens} tokens, random 27B shapes, {args.layers} layers, {weights}, "
+                        f"{backend.name}, {label} path: {ms:.1f} ms median of {args.repeats} = "
+                        f"{1e3 * tokens / ms:,.0f} tok/s{against} ({[round(1e3 * t, 1) for t in times]})",
+                        flush=True,
+                    )
+                    results["runs"].append(
+                        {
+                            "weights": weights,
+                            "path": path,
+                            "elementwise": ops.name,
+                            "tokens": tokens,
+                            "ms": ms,
+                            "times_s": times,
+                        }
+                    )
+        backend.fast_prefill.elementwise = chosen_ops
         if chosen is not None:
             backend.launch_prefill_tokens = chosen
         if not args.no_profile:

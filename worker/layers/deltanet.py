@@ -162,8 +162,12 @@ class GatedDeltaNet(nn.Module):
     # ---- shared pieces --------------------------------------------------------------------------------
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) (in the model dtype, as transformers), g = -exp(A_log) softplus(a + dt_bias) in fp32."""
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return self._gate_values(self.in_proj_b(x), self.in_proj_a(x))
+
+    def _gate_values(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta, g) from the projections b = in_proj_b(x) and a = in_proj_a(x)."""
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return beta, g
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

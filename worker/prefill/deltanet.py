@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
 from ..layers.deltanet import GatedDeltaNet, l2_normalize
+from .elementwise import Elementwise
 
 log = logging.getLogger(__name__)
 
@@ -229,48 +230,24 @@ class DeltaRuleKernel:
         return out[0], state
 
 
-# Tokens per block of the prefill's fp32 elementwise work (the conv's sums, the gated norm): each row's values are
-# computed alone, so blocks give the same bits as one pass, and the fp32 temporaries stay a block's, not a piece's.
-ROW_BLOCK_TOKENS = 1024
-
-
 def deltanet_prefill(
     layer: GatedDeltaNet,
     x: torch.Tensor,
     conv_state: torch.Tensor,
     recurrent: torch.Tensor,
     kernel: DeltaRuleKernel,
+    ops: Elementwise,
 ) -> torch.Tensor:
     """The mixer over `x [T, H]` (normed), continuing from and advancing `conv_state [C, kernel-1]` (model
     dtype: the last inputs of the conv) and `recurrent [Hv, dk, dv]` (fp32) in place, exactly the state that
-    `GatedDeltaNet.step` and the megakernel continue from. Projections and norms are the layer's own modules
-    (so a quantized layer dequantizes one matrix at a time); what a piece holds in full is in the model dtype."""
-    t = x.shape[0]
-    span = layer.kernel - 1
-    window = torch.cat((conv_state.T, layer.in_proj_qkv(x)))  # [span + T, C]: time-major, no transposes
-    weight = layer.conv1d.weight[:, 0, :].float()  # [C, kernel]; column `span` multiplies the current input
-    mixed = torch.empty((t, window.shape[1]), dtype=x.dtype, device=x.device)
-    for r0 in range(0, t, ROW_BLOCK_TOKENS):
-        r1 = min(t, r0 + ROW_BLOCK_TOKENS)
-        conv = window[span + r0 : span + r1].float() * weight[:, span]
-        for j in range(span):
-            conv += window[j + r0 : j + r1].float() * weight[:, j]
-        mixed[r0:r1] = F.silu(conv)
-    conv_state.copy_(window[t:].T)
-    del window
+    `GatedDeltaNet.step` and the megakernel continue from. Projections are the layer's own modules (so a
+    quantized layer dequantizes one matrix at a time); the elementwise work is `ops`'."""
+    mixed = ops.conv_silu(layer, layer.in_proj_qkv(x), conv_state)
     q, k, v = layer._split(mixed)
-    beta, g = layer._gates(x)
-    core = kernel(q, k, v, g, beta, recurrent)
+    beta, g = ops.gates(layer, layer.in_proj_b(x), layer.in_proj_a(x))
+    core = kernel(q, k, v, g, beta, recurrent).to(x.dtype)
     del q, k, v, mixed, beta, g
-    return _gated_output(layer, core.to(x.dtype), x)
-
-
-def _gated_output(layer: GatedDeltaNet, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`layer._output(core, x)` with the gated norm's fp32 work done a block of rows at a time (the same bits)."""
     z = layer.in_proj_z(x).reshape(*core.shape)
-    normed = torch.empty_like(core)
-    for r0 in range(0, core.shape[0], ROW_BLOCK_TOKENS):
-        r1 = r0 + ROW_BLOCK_TOKENS
-        normed[r0:r1] = layer.norm(core[r0:r1], z[r0:r1])
+    normed = ops.gated_rms_norm(layer.norm, core, z)
     del z, core
     return layer.out_proj(normed.reshape(*x.shape[:-1], layer.value_dim))

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..errors import InvalidRequestError
+from ..layers.decoder import DecoderLayer
 from ..model import Qwen35ForCausalLM, StepOutput
 from ..quant import QuantizedLinear
 from ..quant.scratch import DequantScratch
@@ -23,6 +24,7 @@ from ..quant.weight import _QuantizedModule
 from ..state import SequenceState
 from .attention import attention_prefill, sdpa_choice
 from .deltanet import DEFAULT_CHUNK, DeltaRuleKernel, deltanet_prefill
+from .elementwise import elementwise_for
 
 PIECE_ENV = "ONESTREAM_PREFILL_TOKENS"
 # Tokens per call on a GPU: the pieces' GEMMs are long enough to run near the matrix peak well before
@@ -71,8 +73,11 @@ class FastPrefill:
         sdpa: str | None = None,
         chunk: int = DEFAULT_CHUNK,
         dequant: str | None = None,
+        elementwise: str | None = None,
     ) -> None:
-        """`dequant`: the quantized weights' decoder (triton, torch or auto; default $ONESTREAM_PREFILL_DEQUANT)."""
+        """`dequant`: the quantized weights' decoder (triton, torch or auto; default $ONESTREAM_PREFILL_DEQUANT);
+        `elementwise`: the norms', conv's, gates' and SwiGLU's form (elementwise.py; triton, torch or auto,
+        default $ONESTREAM_PREFILL_ELEMENTWISE)."""
         self.model = model
         c = model.config
         heads = (
@@ -82,6 +87,9 @@ class FastPrefill:
             c.linear_value_head_dim,
         )
         self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk, heads)
+        layers = model.model.layers
+        mixer = next((layer.linear_attn for layer in layers if not layer.is_full_attention), None)
+        self.elementwise = elementwise_for(model.device, layers[0].input_layernorm, mixer, elementwise)
         self.sdpa = sdpa_choice(sdpa)
         self.dequant = dequant
         self.scratch = self._make_scratch(dequant)
@@ -134,7 +142,10 @@ class FastPrefill:
     def description(self) -> str:
         probe = self.delta_rule.probe_errors
         checked = f", probe error {max(probe):.1e}" if probe else ""
-        text = f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}{checked}), SDPA {self.sdpa}"
+        text = (
+            f"delta rule {self.delta_rule.name} (chunk {self.delta_rule.chunk}{checked}), SDPA {self.sdpa}, "
+            f"elementwise {self.elementwise.name}"
+        )
         return text if self.scratch is None else f"{text}, {self.scratch.description}"
 
     @torch.inference_mode()
@@ -150,20 +161,27 @@ class FastPrefill:
         start = state.check_room(t)
         h = model.model.embed_tokens(input_ids)
         cos, sin = model.rotary(torch.arange(start, start + t, device=h.device), h.dtype)
+        ops = self.elementwise
         for i, layer in enumerate(model.model.layers):
-            x = layer.input_layernorm(h)
+            x = ops.rms_norm(layer.input_layernorm, h)
             if layer.is_full_attention:
                 h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, self.sdpa)
             else:
                 h = h + deltanet_prefill(
-                    layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule
+                    layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule, ops
                 )
             del x
-            h = layer._mlp_residual(h)
-        hidden = model.model.norm(h)
+            h = self._mlp_residual(layer, h)
+        hidden = ops.rms_norm(model.model.norm, h)
         state.advance(input_ids)
         state.history = None  # as a step without keep_states: nothing to roll back into
         return StepOutput(self._last_logits(hidden), hidden)
+
+    def _mlp_residual(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """`layer._mlp_residual(h)` with the elementwise work in `self.elementwise`'s form."""
+        mlp, ops = layer.mlp, self.elementwise
+        x = ops.rms_norm(layer.post_attention_layernorm, h)
+        return h + mlp.down_proj(ops.silu_mul_(mlp.gate_proj(x), mlp.up_proj(x)))
 
     @torch.inference_mode()
     def mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: SequenceState) -> StepOutput:
@@ -185,9 +203,10 @@ class FastPrefill:
         cos, sin = model.rotary(torch.arange(start, start + t, device=x.device), x.dtype)
         assert state.mtp_kv is not None
         layer = mtp.layer
+        ops = self.elementwise
         h = x + attention_prefill(
-            layer.self_attn, layer.input_layernorm(x), cos, sin, state.mtp_kv, start, self.sdpa
+            layer.self_attn, ops.rms_norm(layer.input_layernorm, x), cos, sin, state.mtp_kv, start, self.sdpa
         )
-        out = mtp.norm(layer._mlp_residual(h))
+        out = ops.rms_norm(mtp.norm, self._mlp_residual(layer, h))
         state.mtp_length += t
         return StepOutput(self._last_logits(out), out)

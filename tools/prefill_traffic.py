@@ -1,0 +1,157 @@
+"""What the fast prefill's elementwise work moves and launches per layer, without a GPU: the torch forms traced op
+by op on the meta device (shapes only), against the bytes the Triton kernels read and write once.
+
+One DeltaNet layer of the 27B shapes (or `--layers` of a smaller config's shape) for a piece of `--tokens`: its
+input norm, its mixer (the delta rule itself left out: fla's on the GPU), and the MLP with its norm and residual.
+An op is counted with the bytes of its tensor inputs and outputs (views are free); GEMMs are listed apart.
+
+    python tools/prefill_traffic.py --tokens 256 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+VIEWS = {
+    "_reshape_alias",
+    "_unsafe_view",
+    "alias",
+    "as_strided",
+    "detach",
+    "expand",
+    "narrow",
+    "permute",
+    "select",
+    "slice",
+    "split",
+    "split_with_sizes",
+    "squeeze",
+    "t",
+    "transpose",
+    "unbind",
+    "unsqueeze",
+    "view",
+}
+ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided"}  # no bytes move
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "linear"}
+
+
+class Traffic(TorchDispatchMode):
+    """Counts, per op, the calls and the bytes of tensor inputs and outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        if name in VIEWS:
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        moved = 0 if name in ALLOCATIONS else sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes[name] += moved
+        self.calls[name] += 1
+        return out
+
+    def split(self) -> tuple[int, int, int, int]:
+        """(elementwise bytes, elementwise launches, GEMM operand bytes, GEMMs)."""
+        ew = [n for n in self.calls if n not in GEMMS and n not in ALLOCATIONS]
+        gemm = [n for n in self.calls if n in GEMMS]
+        return (
+            sum(self.bytes[n] for n in ew),
+            sum(self.calls[n] for n in ew),
+            sum(self.bytes[n] for n in gemm),
+            sum(self.calls[n] for n in gemm),
+        )
+
+
+def trace(fn: Callable[[], Any]) -> Traffic:
+    counter = Traffic()
+    with counter, torch.inference_mode():
+        fn()
+    return counter
+
+
+def layer_traffic(tokens: int) -> list[dict[str, Any]]:
+    from onestream.kernels.random_model import config_27b
+    from onestream.worker.model import Qwen35ForCausalLM
+    from onestream.worker.prefill.elementwise import TorchElementwise
+
+    config = config_27b(4)
+    with torch.device("meta"):
+        model = Qwen35ForCausalLM(config).to(torch.bfloat16)
+    layer = next(layer for layer in model.model.layers if not layer.is_full_attention)
+    mixer, mlp, ops = layer.linear_attn, layer.mlp, TorchElementwise()
+    bf16 = torch.bfloat16
+    h = torch.empty(tokens, config.hidden_size, device="meta", dtype=bf16)
+    x_proj = torch.empty(tokens, mixer.conv_dim, device="meta", dtype=bf16)
+    state = torch.empty(mixer.conv_dim, mixer.kernel - 1, device="meta", dtype=bf16)
+    gates_in = torch.empty(tokens, mixer.num_v_heads, device="meta", dtype=bf16)
+    core = torch.empty(tokens, mixer.num_v_heads, mixer.head_v_dim, device="meta", dtype=bf16)
+    inter = torch.empty(tokens, mlp.gate_proj.out_features, device="meta", dtype=bf16)
+    size = 2  # bf16 bytes
+    hidden, channels, heads = config.hidden_size, mixer.conv_dim, mixer.num_v_heads
+    # What each kernel reads and writes once (triton_kernels.py): inputs, outputs and the conv state's copy.
+    fused = {
+        "input norm": 2 * tokens * hidden * size,
+        "conv + silu": 2 * tokens * channels * size,
+        "gates": tokens * heads * (3 * size + 4),
+        "gated norm": 3 * core.numel() * size,
+        "post norm": 2 * tokens * hidden * size,
+        "silu * up": 3 * inter.numel() * size,
+    }
+    torch_forms = {
+        "input norm": lambda: ops.rms_norm(layer.input_layernorm, h),
+        "conv + silu": lambda: ops.conv_silu(mixer, x_proj, state),
+        "gates": lambda: ops.gates(mixer, gates_in, gates_in),
+        "gated norm": lambda: ops.gated_rms_norm(mixer.norm, core, core),
+        "post norm": lambda: ops.rms_norm(layer.post_attention_layernorm, h),
+        "silu * up": lambda: ops.silu_mul_(inter, inter),
+    }
+    kernel_launches = {
+        name: 2 if name == "conv + silu" else 1 for name in fused
+    }  # the conv: + its state's copy
+    rows = []
+    for name, fn in torch_forms.items():
+        moved, launches, _, _ = trace(fn).split()
+        rows.append(
+            {
+                "op": name,
+                "torch_bytes": moved,
+                "torch_launches": launches,
+                "kernel_bytes": fused[name],
+                "kernel_launches": kernel_launches[name],
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
+    args = parser.parse_args(argv)
+    for tokens in args.tokens:
+        rows = layer_traffic(tokens)
+        print(f"one DeltaNet layer of the 27B shapes, a piece of {tokens} tokens (GB; launches):")
+        print(f"  {'op':<12} {'torch forms':>12} {'launches':>9} {'kernels':>8} {'launches':>9}")
+        for r in [*rows, {"op": "all", **{k: sum(r[k] for r in rows) for k in rows[0] if k != "op"}}]:
+            print(
+                f"  {r['op']:<12} {r['torch_bytes'] / 1e9:12.3f} {r['torch_launches']:9d} "
+                f"{r['kernel_bytes'] / 1e9:8.3f} {r['kernel_launches']:9d}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Triton kernels for the prefill's elementwise work: each reads its inputs once and writes its output once.
+
+In PyTorch each of these is a chain of fp32 passes over a `[T, width]` tensor (a norm is about ten), which at
+an 8K-token piece moves several times the bytes of the layer's weights and launches dozens of kernels per layer.
+The arithmetic follows the torch forms in `elementwise.py` (fp32, the same roundings to the model dtype); sums and
+the transcendental functions may differ in the last fp32 bit, so results agree to a rounding of the output.
+
+On a machine without a GPU the CPU tests run them under Triton's interpreter (`TRITON_INTERPRET=1`, which
+tests/conftest.py sets there before Triton is imported), so the same source the GPU compiles is checked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SOFTPLUS_THRESHOLD = tl.constexpr(
+    20.0
+)  # torch softplus's default: above it softplus(x) is x (a constexpr: jit reads it)
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, rows of `width` (ZeroCenteredRMSNorm)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    m = (r < rows)[:, None] & (c < width)[None, :]
+    offsets = r.to(tl.int64)[:, None] * width + c[None, :]
+    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    w1 = 1.0 + tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, ((x * inv[:, None]) * w1[None, :]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = (w * norm(x)) * silu(z) (GatedRMSNorm): normalised in fp32, rounded to x's dtype, scaled by the
+    weight in that dtype, multiplied by the fp32 gate, rounded again."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    m = (r < rows)[:, None] & (c < width)[None, :]
+    offsets = r.to(tl.int64)[:, None] * width + c[None, :]
+    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    normed = (x * inv[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
+    z = tl.load(z_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + offsets, (scaled * gate).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_silu(
+    x_ptr,
+    state_ptr,
+    w_ptr,
+    out_ptr,
+    tokens,
+    channels,
+    state_stride,
+    w_stride,
+    SPAN: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """out[t] = silu(x[t] w[SPAN] + sum_j in[t - SPAN + j] w[j]) per channel, in fp32, where `in` is the conv
+    state (`[channels, SPAN]`, the last inputs before the piece) followed by x (`[tokens, channels]`)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < channels
+    m = (t < tokens)[:, None] & mc[None, :]
+    rows = t.to(tl.int64)[:, None] * channels + c[None, :]
+    w_now = tl.load(w_ptr + c * w_stride + SPAN, mask=mc, other=0.0).to(tl.float32)
+    acc = tl.load(x_ptr + rows, mask=m, other=0.0).to(tl.float32) * w_now[None, :]
+    for j in tl.static_range(SPAN):
+        src = t - SPAN + j  # the tap's input position; < 0: in the conv state
+        in_x = (src >= 0)[:, None]
+        from_x = tl.load(
+            x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * channels + c[None, :], mask=m & in_x, other=0.0
+        )
+        column = tl.minimum(tl.maximum(SPAN + src, 0), SPAN - 1)
+        from_state = tl.load(
+            state_ptr + c[None, :] * state_stride + column[:, None], mask=m & ~in_x, other=0.0
+        )
+        w_j = tl.load(w_ptr + c * w_stride + j, mask=mc, other=0.0).to(tl.float32)
+        acc += tl.where(in_x, from_x, from_state).to(tl.float32) * w_j[None, :]
+    tl.store(out_ptr + rows, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gates(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, count, heads, BLOCK: tl.constexpr):
+    """beta = sigmoid(b) in b's dtype; g = -exp(A_log) softplus(a + dt_bias) in fp32; `[T, heads]` each."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < count
+    head = i % heads
+    b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + i, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=m)
+    a = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + head, mask=m).to(
+        tl.float32
+    )
+    softplus = tl.where(a > SOFTPLUS_THRESHOLD, a, tl.log(1.0 + tl.exp(tl.minimum(a, SOFTPLUS_THRESHOLD))))
+    decay = -tl.exp(tl.load(a_log_ptr + head, mask=m).to(tl.float32))
+    tl.store(g_ptr + i, decay * softplus, mask=m)
+
+
+@triton.jit
+def _silu_mul(gate_ptr, up_ptr, count, BLOCK: tl.constexpr):
+    """gate <- silu(gate) * up, in place, each product of the model dtype's values (SwiGLU's roundings)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < count
+    g = tl.load(gate_ptr + i, mask=m, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)
+    up = tl.load(up_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(gate_ptr + i, (silu * up).to(gate_ptr.dtype.element_ty), mask=m)
+
+
+def _row_tiles(width: int) -> tuple[int, int]:
+    """(rows per program, the power-of-two block a row is loaded in): about 4K elements per program."""
+    block = triton.next_power_of_2(width)
+    return max(1, 4096 // block), block
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ZeroCenteredRMSNorm over the last dimension of a contiguous `x`."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    out = torch.empty_like(x)
+    per, block = _row_tiles(width)
+    _rms_norm[(triton.cdiv(rows, per),)](x, weight, out, rows, width, eps, ROWS=per, BLOCK=block)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GatedRMSNorm over the last dimension of contiguous `x` and `z` of one shape."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    out = torch.empty_like(x)
+    per, block = _row_tiles(width)
+    _gated_rms_norm[(triton.cdiv(rows, per),)](x, z, weight, out, rows, width, eps, ROWS=per, BLOCK=block)
+    return out
+
+
+def conv_silu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal conv and silu over a piece: x `[T, C]` (contiguous), state `[C, span]` (the inputs
+    before the piece), weight `[C, span + 1]` (rows contiguous). Returns `[T, C]` in x's dtype; `state` is read,
+    not advanced."""
+    tokens, channels = x.shape
+    span = weight.shape[1] - 1
+    out = torch.empty_like(x)
+    bt, bc = 32, 128
+    grid = (triton.cdiv(tokens, bt), triton.cdiv(channels, bc))
+    _conv_silu[grid](
+        x, state, weight, out, tokens, channels, state.stride(0), weight.stride(0), SPAN=span, BT=bt, BC=bc
+    )
+    return out
+
+
+def gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, g) of the delta rule from the contiguous `[T, heads]` projections b and a."""
+    beta = torch.empty_like(b)
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    count, block = a.numel(), 1024
+    _gates[(triton.cdiv(count, block),)](b, a, a_log, dt_bias, beta, g, count, a.shape[-1], BLOCK=block)
+    return beta, g
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate <- silu(gate) * up for contiguous tensors of one shape; returns gate."""
+    count, block = gate.numel(), 1024
+    _silu_mul[(triton.cdiv(count, block),)](gate, up, count, BLOCK=block)
+    return gate
