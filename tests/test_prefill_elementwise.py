@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from onestream.worker.errors import InvalidRequestError
+from onestream.worker.layers.attention import GatedAttention
 from onestream.worker.layers.deltanet import GatedDeltaNet
 from onestream.worker.layers.norms import ZeroCenteredRMSNorm
 from onestream.worker.prefill import FastPrefill
@@ -149,9 +150,10 @@ def test_gated_rms_norm() -> None:
 
 
 def test_the_probe_admits_the_kernels_and_catches_a_wrong_one() -> None:
-    layer, norm = mixer(), norm_with_random_weight(64, seed=16)
-    errors = probe(TRITON, torch.device("cpu"), norm, layer)
+    layer, norm, attention = mixer(), norm_with_random_weight(64, seed=16), heads_layer()
+    errors = probe(TRITON, torch.device("cpu"), norm, layer, attention)
     assert set(errors) >= {"rms_norm", "silu_mul", "beta", "g", "conv_silu", "conv_state", "gated_rms_norm"}
+    assert set(errors) >= {"q_norm_rope", "k_norm_rope", "attention_gate"}
     assert max(errors.values()) <= PROBE_TOLERANCE, errors
 
     class ShiftedConv(TritonElementwise):
@@ -162,16 +164,66 @@ def test_the_probe_admits_the_kernels_and_catches_a_wrong_one() -> None:
     assert errors["conv_silu"] > PROBE_TOLERANCE and errors["rms_norm"] <= PROBE_TOLERANCE
 
 
+def heads_layer(seed: int = 21, **overrides: object) -> GatedAttention:
+    """An attention layer with random weights in bf16 (its q and k norms are what the kernels read)."""
+    layer = GatedAttention(tiny_config(**overrides))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return layer.bfloat16()
+
+
+def rotary_tables(tokens_: int, rot: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(start, start + tokens_)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+@pytest.mark.parametrize("tokens_, start", [(1, 0), (19, 0), (64, 1000)])
+def test_attention_heads_norm_and_rotate_like_the_layer(tokens_: int, start: int) -> None:
+    layer = heads_layer()
+    d = layer.head_dim
+    qg = randn(1, tokens_, 2 * layer.num_heads * d, seed=22)
+    k, v = (
+        randn(1, tokens_, layer.num_kv_heads * d, seed=23),
+        randn(1, tokens_, layer.num_kv_heads * d, seed=24),
+    )
+    cos, sin = rotary_tables(tokens_, d // 4, start)
+    got, want = (
+        TRITON.attention_heads(layer, qg, k, v, cos, sin),
+        TORCH.attention_heads(layer, qg, k, v, cos, sin),
+    )
+    for name, a, b in zip(("q", "k", "v"), got[:3], want[:3], strict=True):
+        assert a.shape == b.shape, name
+        assert relative_error(a, b) <= TWO_ROUNDINGS, name
+    attn = randn(1, layer.num_heads, tokens_, d, seed=25)
+    gated = TRITON.attention_gate(layer, attn, got[3])
+    assert relative_error(gated, TORCH.attention_gate(layer, attn, want[3])) <= TWO_ROUNDINGS
+
+
+def test_attention_heads_of_an_odd_width_take_the_torch_form() -> None:
+    layer = heads_layer(head_dim=24)
+    qg, k = randn(1, 5, 2 * layer.num_heads * 24, seed=26), randn(1, 5, layer.num_kv_heads * 24, seed=27)
+    cos, sin = rotary_tables(5, 6)
+    got, want = (
+        TRITON.attention_heads(layer, qg, k, k, cos, sin),
+        TORCH.attention_heads(layer, qg, k, k, cos, sin),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_the_form_is_chosen_by_device_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     layer, norm, cpu = mixer(), norm_with_random_weight(64, seed=17), torch.device("cpu")
-    assert elementwise_for(cpu, norm, layer).name == "torch"  # the kernels are compiled for CUDA devices only
+    attention = heads_layer()
+    assert elementwise_for(cpu, norm, layer, attention).name == "torch"  # the kernels compile for CUDA only
     with pytest.raises(InvalidRequestError, match="needs a CUDA device"):
-        elementwise_for(cpu, norm, layer, "triton")
+        elementwise_for(cpu, norm, layer, attention, "triton")
     with pytest.raises(InvalidRequestError, match="must be one of"):
-        elementwise_for(cpu, norm, layer, "fused")
+        elementwise_for(cpu, norm, layer, attention, "fused")
     monkeypatch.setenv("ONESTREAM_PREFILL_ELEMENTWISE", "cuda")
     with pytest.raises(InvalidRequestError, match="must be one of"):
-        elementwise_for(cpu, norm, layer)
+        elementwise_for(cpu, norm, layer, attention)
 
 
 def test_a_prefill_with_the_kernels_agrees_with_the_torch_forms() -> None:

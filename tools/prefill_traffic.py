@@ -1,8 +1,9 @@
 """What the fast prefill's elementwise work moves and launches per layer, without a GPU: the torch forms traced op
 by op on the meta device (shapes only), against the bytes the Triton kernels read and write once.
 
-One DeltaNet layer of the 27B shapes (or `--layers` of a smaller config's shape) for a piece of `--tokens`: its
-input norm, its mixer (the delta rule itself left out: fla's on the GPU), and the MLP with its norm and residual.
+For a piece of `--tokens` of the 27B shapes: a DeltaNet layer's norms, its mixer's elementwise work (the delta
+rule itself left out: fla's on the GPU) and the SwiGLU product, then an attention layer's own elementwise work
+(its heads' norms and RoPE, its output gate; its norms and SwiGLU are the DeltaNet layer's rows).
 An op is counted with the bytes of its tensor inputs and outputs (views are free); GEMMs are listed apart.
 
     python tools/prefill_traffic.py --tokens 256 8192
@@ -117,9 +118,23 @@ def layer_traffic(tokens: int) -> list[dict[str, Any]]:
         "post norm": lambda: ops.rms_norm(layer.post_attention_layernorm, h),
         "silu * up": lambda: ops.silu_mul_(inter, inter),
     }
-    kernel_launches = {
-        name: 2 if name == "conv + silu" else 1 for name in fused
-    }  # the conv: + its state's copy
+    attention = next(layer for layer in model.model.layers if layer.is_full_attention).self_attn
+    d, heads, kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
+    qg = torch.empty(1, tokens, 2 * heads * d, device="meta", dtype=bf16)
+    kv = torch.empty(1, tokens, kv_heads * d, device="meta", dtype=bf16)
+    table = torch.empty(tokens, config.rotary_dim, device="meta", dtype=bf16)
+    attn = torch.empty(1, heads, tokens, d, device="meta", dtype=bf16)
+    gate = qg.view(1, tokens, heads, 2 * d)[..., d:].reshape(1, tokens, -1)
+    # The head kernel reads each row twice (its rotary partners) and the tables once per head.
+    rows_read = 3 * (heads + kv_heads) * d + 2 * (heads + kv_heads) * config.rotary_dim
+    fused["attention: q, k norm + rope"] = rows_read * tokens * size
+    fused["attention: output gate"] = 3 * tokens * heads * d * size
+    torch_forms["attention: q, k norm + rope"] = lambda: ops.attention_heads(
+        attention, qg, kv, kv, table, table
+    )
+    torch_forms["attention: output gate"] = lambda: ops.attention_gate(attention, attn, gate)
+    # the conv's kernel is followed by its state's copy; the heads' kernel runs once for q, once for k
+    kernel_launches = {name: 2 if name.startswith(("conv", "attention: q")) else 1 for name in fused}
     rows = []
     for name, fn in torch_forms.items():
         moved, launches, _, _ = trace(fn).split()
@@ -143,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for tokens in args.tokens:
         rows = layer_traffic(tokens)
-        print(f"one DeltaNet layer of the 27B shapes, a piece of {tokens} tokens (GB; launches):")
-        print(f"  {'op':<12} {'torch forms':>12} {'launches':>9} {'kernels':>8} {'launches':>9}")
-        for r in [*rows, {"op": "all", **{k: sum(r[k] for r in rows) for k in rows[0] if k != "op"}}]:
+        print(f"27B shapes, a piece of {tokens} tokens, per layer (GB; launches):")
+        print(f"  {'op':<28} {'torch forms':>12} {'launches':>9} {'kernels':>8} {'launches':>9}")
+        deltanet = [r for r in rows if not r["op"].startswith("attention")]
+        total = {
+            "op": "DeltaNet layer, all",
+            **{k: sum(r[k] for r in deltanet) for k in rows[0] if k != "op"},
+        }
+        for r in [*deltanet, total, *[r for r in rows if r["op"].startswith("attention")]]:
             print(
-                f"  {r['op']:<12} {r['torch_bytes'] / 1e9:12.3f} {r['torch_launches']:9d} "
+                f"  {r['op']:<28} {r['torch_bytes'] / 1e9:12.3f} {r['torch_launches']:9d} "
                 f"{r['kernel_bytes'] / 1e9:8.3f} {r['kernel_launches']:9d}"
             )
     return 0

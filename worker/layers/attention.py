@@ -62,19 +62,28 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[B, T, H]` -> q `[B, nH, T, D]`, k, v `[B, nKV, T, D]`, gate `[B, T, nH*D]`."""
-        b, t, _ = x.shape
+        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def _heads(
+        self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections `[B, T, *]` -> q `[B, nH, T, D]` and k (normed, rotated), v `[B, nKV, T, D]`, gate."""
+        b, t, _ = qg.shape
         d = self.head_dim
-        q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q, gate = qg.view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, d)).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v, gate.reshape(b, t, -1)
 
     def _finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """attn `[B, nH, T, D]` -> `[B, T, H]`."""
+        return self.o_proj(self._gated(attn, gate))
+
+    def _gated(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """attn `[B, nH, T, D]` * sigmoid(gate), heads side by side: `[B, T, nH*D]`."""
         b, _, t, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(attn * torch.sigmoid(gate))
+        return attn.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Stateless causal attention over `x [B, T, H]` at positions `0..T-1` (cos/sin `[T, rotary_dim]`)."""

@@ -20,6 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..errors import InvalidRequestError
 from ..layers.attention import GatedAttention
 from ..state import KVCache
+from .elementwise import Elementwise, TorchElementwise
 
 SDPA_ENV = "ONESTREAM_PREFILL_SDPA"  # pins SDPA's kernel: flash, cudnn, efficient, math, or auto (its choice)
 SDPA_BACKENDS = {
@@ -79,13 +80,17 @@ def attention_prefill(
     cache: KVCache,
     start: int,
     backend: str = "auto",
+    ops: Elementwise | None = None,
 ) -> torch.Tensor:
     """The mixer over `x [T, H]` (normed) at positions `start..start+T-1`, writing the piece's keys and values
-    into `cache` (the layout `GatedAttention.step` and the megakernel read). Returns `[T, H]`."""
-    q, k, v, gate = layer._project(x.unsqueeze(0), cos, sin)
+    into `cache` (the layout `GatedAttention.step` and the megakernel read). Returns `[T, H]`. The heads' norms,
+    RoPE and output gate are `ops`' (elementwise.py; default the layer's own torch code)."""
+    ops = ops or TorchElementwise()
+    x = x.unsqueeze(0)
+    q, k, v, gate = ops.attention_heads(layer, layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), cos, sin)
     keys, values = cache.write(start, k[0], v[0])
     if start == 0:  # the fresh keys are the whole context: no need to read them back from the cache
         attn = causal_attention(q, k, v, layer.scale, backend)
     else:
         attn = causal_attention(q, keys.unsqueeze(0), values.unsqueeze(0), layer.scale, backend)
-    return layer._finish(attn, gate)[0]
+    return layer.o_proj(ops.attention_gate(layer, attn, gate))[0]

@@ -1,9 +1,11 @@
-"""The prefill's elementwise work around the GEMMs: norms, the DeltaNet conv and gates, the gated norm, SwiGLU.
+"""The prefill's elementwise work around the GEMMs: norms, the DeltaNet conv and gates, the gated norm, the
+attention heads' norms, RoPE and output gate, SwiGLU.
 
 Two forms compute the same values:
 - "torch": the layers' own PyTorch code, on any device (row blocks where a piece's fp32 temporaries would be
   large).
-- "triton": one kernel per operation (`triton_kernels.py`), on a CUDA device where Triton imports and agrees with
+- "triton": one kernel per operation (`triton_kernels.py`; the attention heads' norms with RoPE, and their output
+  gate, too), on a CUDA device where Triton imports and agrees with
   the torch form on a probe at the model's shapes. Per DeltaNet layer of the 27B shapes the torch forms' fp32
   passes move 17.8 GB at an 8K-token piece (the kernels 1.8) and launch 62 kernels at a 256-token one (the
   kernels 7): `python tools/prefill_traffic.py`.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
+from ..layers.attention import GatedAttention
 from ..layers.deltanet import GatedDeltaNet
 from ..layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 
@@ -72,6 +75,23 @@ class TorchElementwise:
         conv_state.copy_(window[t:].T)
         return mixed
 
+    def attention_heads(
+        self,
+        layer: GatedAttention,
+        qg: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections `[1, T, *]` -> q `[1, nH, T, D]` and k (normed, rotated), v, and the output gate in
+        the form `attention_gate` takes."""
+        return layer._heads(qg, k, v, cos, sin)
+
+    def attention_gate(self, layer: GatedAttention, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """attn `[1, nH, T, D]` * sigmoid(gate) -> `[1, T, nH*D]`, o_proj's input."""
+        return layer._gated(attn, gate)
+
     def gated_rms_norm(self, norm: GatedRMSNorm, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = torch.empty_like(core)
         for r0 in range(0, core.shape[0], ROW_BLOCK_TOKENS):
@@ -116,6 +136,36 @@ class TritonElementwise:
     def gated_rms_norm(self, norm: GatedRMSNorm, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self._k.gated_rms_norm(core.contiguous(), z.contiguous(), norm.weight, norm.eps)
 
+    def attention_heads(
+        self,
+        layer: GatedAttention,
+        qg: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _fits_heads(layer):
+            return TorchElementwise().attention_heads(layer, qg, k, v, cos, sin)
+        (_, t, _), d = qg.shape, layer.head_dim
+        heads = qg.view(t, layer.num_heads, 2 * d)
+        q = self._k.head_norm_rope(heads[..., :d], layer.q_norm.weight, layer.q_norm.eps, cos, sin)
+        keys = k.view(t, layer.num_kv_heads, d)
+        k = self._k.head_norm_rope(keys, layer.k_norm.weight, layer.k_norm.eps, cos, sin)
+        v = v.view(1, t, layer.num_kv_heads, d).transpose(1, 2)
+        return q[None], k[None], v, heads[..., d:]  # the gate stays a view of the projection
+
+    def attention_gate(self, layer: GatedAttention, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if not _fits_heads(layer):
+            return TorchElementwise().attention_gate(layer, attn, gate)
+        return self._k.gated_heads(attn[0], gate)[None]
+
+
+def _fits_heads(layer: GatedAttention) -> bool:
+    """The head kernels load a head in one power-of-two block (Qwen3.5's heads are 256 wide)."""
+    d = layer.head_dim
+    return d & (d - 1) == 0
+
 
 Elementwise = TorchElementwise | TritonElementwise
 
@@ -124,12 +174,13 @@ def elementwise_for(
     device: torch.device,
     norm: ZeroCenteredRMSNorm,
     layer: GatedDeltaNet | None,
+    attention: GatedAttention | None,
     form: str | None = None,
 ) -> Elementwise:
     """The form a prefill on `device` uses: `form` (else $ONESTREAM_PREFILL_ELEMENTWISE, else auto). Auto takes
     the kernels on a CUDA device where they import and pass the probe on the model's own shapes and weights
-    (`norm`, a hidden-size norm, and `layer`, a DeltaNet mixer if the model has one), which also compiles them
-    before any prompt does."""
+    (`norm`, a hidden-size norm; `layer` and `attention`, a DeltaNet and an attention mixer where the model has
+    them), which also compiles them before any prompt does."""
     form = form or os.environ.get(FORM_ENV, "auto")
     if form not in FORMS:
         raise InvalidRequestError(f"elementwise form must be one of {FORMS}, got {form!r}")
@@ -139,7 +190,7 @@ def elementwise_for(
         return TorchElementwise()
     try:
         kernels = TritonElementwise()
-        errors = probe(kernels, device, norm, layer)
+        errors = probe(kernels, device, norm, layer, attention)
     except Exception as e:  # absent, or present but broken (a Triton it cannot use): the torch form runs
         if form == "triton":
             raise InvalidRequestError(f"the elementwise kernels failed their probe: {e}") from e
@@ -161,6 +212,7 @@ def probe(
     device: torch.device,
     norm: ZeroCenteredRMSNorm,
     layer: GatedDeltaNet | None,
+    attention: GatedAttention | None = None,
     tokens: int = PROBE_TOKENS,
 ) -> dict[str, float]:
     """Each operation of `kernels` against the torch form on random inputs with the given modules' weights:
@@ -196,6 +248,31 @@ def probe(
         pairs["gated_rms_norm"] = (
             kernels.gated_rms_norm(layer.norm, core, z),
             reference.gated_rms_norm(layer.norm, core, z),
+        )
+    if attention is not None:
+        heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        qg, k, v = (
+            randn(1, tokens, 2 * heads * d),
+            randn(1, tokens, kv_heads * d),
+            randn(1, tokens, kv_heads * d),
+        )
+        angles = (
+            torch.rand(tokens, 2 * (d // 8), device=device, generator=gen) * 6.3
+        )  # a quarter of D rotates
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        got, want = (
+            kernels.attention_heads(attention, qg, k, v, cos, sin),
+            reference.attention_heads(attention, qg, k, v, cos, sin),
+        )
+        pairs["q_norm_rope"], pairs["k_norm_rope"], pairs["v"] = (
+            (got[0], want[0]),
+            (got[1], want[1]),
+            (got[2], want[2]),
+        )
+        attn = randn(1, heads, tokens, d)
+        pairs["attention_gate"] = (
+            kernels.attention_gate(attention, attn, got[3]),
+            reference.attention_gate(attention, attn, want[3]),
         )
     return {name: relative_error(got, want) for name, (got, want) in pairs.items()}
 

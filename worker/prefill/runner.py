@@ -89,7 +89,10 @@ class FastPrefill:
         self.delta_rule = DeltaRuleKernel(model.device, deltanet, chunk, heads)
         layers = model.model.layers
         mixer = next((layer.linear_attn for layer in layers if not layer.is_full_attention), None)
-        self.elementwise = elementwise_for(model.device, layers[0].input_layernorm, mixer, elementwise)
+        attention = next((layer.self_attn for layer in layers if layer.is_full_attention), None)
+        self.elementwise = elementwise_for(
+            model.device, layers[0].input_layernorm, mixer, attention, elementwise
+        )
         self.sdpa = sdpa_choice(sdpa)
         self.dequant = dequant
         self.scratch = self._make_scratch(dequant)
@@ -165,7 +168,7 @@ class FastPrefill:
         for i, layer in enumerate(model.model.layers):
             x = ops.rms_norm(layer.input_layernorm, h)
             if layer.is_full_attention:
-                h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, self.sdpa)
+                h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, self.sdpa, ops)
             else:
                 h = h + deltanet_prefill(
                     layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule, ops
@@ -205,7 +208,14 @@ class FastPrefill:
         layer = mtp.layer
         ops = self.elementwise
         h = x + attention_prefill(
-            layer.self_attn, ops.rms_norm(layer.input_layernorm, x), cos, sin, state.mtp_kv, start, self.sdpa
+            layer.self_attn,
+            ops.rms_norm(layer.input_layernorm, x),
+            cos,
+            sin,
+            state.mtp_kv,
+            start,
+            self.sdpa,
+            ops,
         )
         out = ops.rms_norm(mtp.norm, self._mlp_residual(layer, h))
         state.mtp_length += t

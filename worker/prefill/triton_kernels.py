@@ -116,6 +116,79 @@ def _silu_mul(gate_ptr, up_ptr, count, BLOCK: tl.constexpr):
     tl.store(gate_ptr + i, (silu * up).to(gate_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _head_norm_rope(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    tokens,
+    token_stride,
+    head_stride,
+    eps,
+    WIDTH: tl.constexpr,
+    ROT: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """One head's rows of a projection (x[t, h, :WIDTH] at the given strides): ZeroCenteredRMSNorm, rounded to
+    the output dtype, then rotate-half RoPE on the first ROT dims with each product and the sum rounded as the
+    model dtype's arithmetic rounds them; written to out `[heads, tokens, WIDTH]`."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, WIDTH)
+    m = (t < tokens)[:, None]
+    row = x_ptr + t.to(tl.int64)[:, None] * token_stride + h * head_stride
+    x = tl.load(row + e[None, :], mask=m, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / WIDTH + eps)
+    dtype = out_ptr.dtype.element_ty
+    normed = ((x * inv[:, None]) * (1.0 + tl.load(w_ptr + e).to(tl.float32))[None, :]).to(dtype)
+    # the partner of each rotated dim (e + half or e - half), normalised the same way
+    half = ROT // 2
+    partner = tl.where(e < half, e + half, tl.where(e < ROT, e - half, e))
+    xp = tl.load(row + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    wp = 1.0 + tl.load(w_ptr + partner).to(tl.float32)
+    normed_p = ((xp * inv[:, None]) * wp[None, :]).to(dtype).to(tl.float32)
+    rotated = tl.where((e < half)[None, :], -normed_p, normed_p)
+    rope = (e < ROT)[None, :]
+    table = t.to(tl.int64)[:, None] * ROT + tl.minimum(e, ROT - 1)[None, :]
+    c = tl.load(cos_ptr + table, mask=m & rope, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + table, mask=m & rope, other=0.0).to(tl.float32)
+    turned = (normed.to(tl.float32) * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)
+    out = tl.where(rope, turned.to(dtype), normed)
+    tl.store(out_ptr + (h * tokens + t.to(tl.int64))[:, None] * WIDTH + e[None, :], out, mask=m)
+
+
+@triton.jit
+def _gated_heads(
+    attn_ptr,
+    gate_ptr,
+    out_ptr,
+    tokens,
+    attn_head_stride,
+    attn_token_stride,
+    gate_token_stride,
+    gate_head_stride,
+    heads,
+    WIDTH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out[t, h * WIDTH + e] = attn[h, t, e] * sigmoid(gate[t, h, e]), the sigmoid and the product each rounded
+    to the output dtype (GatedAttention._finish)."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, WIDTH)
+    m = (t < tokens)[:, None]
+    t64 = t.to(tl.int64)[:, None]
+    a = tl.load(attn_ptr + h * attn_head_stride + t64 * attn_token_stride + e[None, :], mask=m, other=0.0)
+    g = tl.load(gate_ptr + t64 * gate_token_stride + h * gate_head_stride + e[None, :], mask=m, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(dtype).to(tl.float32)
+    tl.store(
+        out_ptr + t64 * (heads * WIDTH) + h * WIDTH + e[None, :], (a.to(tl.float32) * sig).to(dtype), mask=m
+    )
+
+
 def _row_tiles(width: int) -> tuple[int, int]:
     """(rows per program, the power-of-two block a row is loaded in): about 4K elements per program."""
     block = triton.next_power_of_2(width)
@@ -173,3 +246,58 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     count, block = gate.numel(), 1024
     _silu_mul[(triton.cdiv(count, block),)](gate, up, count, BLOCK=block)
     return gate
+
+
+def head_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """x `[T, heads, D]` (any strides but a unit stride along D): each head's RMSNorm, then partial RoPE with the
+    `[T, rot]` tables, as GatedAttention._project; returns `[heads, T, D]` contiguous."""
+    tokens, heads, width = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(heads, tokens, width, dtype=x.dtype, device=x.device)
+    rows = max(1, 2048 // width)
+    grid = (triton.cdiv(tokens, rows), heads)
+    _head_norm_rope[grid](
+        x,
+        weight,
+        cos,
+        sin,
+        out,
+        tokens,
+        x.stride(0),
+        x.stride(1),
+        eps,
+        WIDTH=width,
+        ROT=cos.shape[-1],
+        ROWS=rows,
+    )
+    return out
+
+
+def gated_heads(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """attn `[heads, T, D]` and gate `[T, heads, D]` (any strides but a unit stride along D) -> `[T, heads * D]`:
+    attn * sigmoid(gate), heads side by side."""
+    heads, tokens, width = attn.shape
+    if attn.stride(2) != 1:
+        attn = attn.contiguous()
+    if gate.stride(2) != 1:
+        gate = gate.contiguous()
+    out = torch.empty(tokens, heads * width, dtype=attn.dtype, device=attn.device)
+    rows = max(1, 2048 // width)
+    _gated_heads[(triton.cdiv(tokens, rows), heads)](
+        attn,
+        gate,
+        out,
+        tokens,
+        attn.stride(0),
+        attn.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        heads,
+        WIDTH=width,
+        ROWS=rows,
+    )
+    return out
