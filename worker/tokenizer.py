@@ -19,6 +19,7 @@ import jinja2.sandbox
 import tokenizers
 
 from .errors import CheckpointError, InvalidRequestError, quoted
+from .segment_encoding import SegmentEncoder
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_TEMPLATE_NAME = "default"
@@ -27,6 +28,9 @@ MAX_HELD_TOKENS = 8
 PREFIX_CACHE_SIZE = 4096
 CHARS_PER_TOKEN_GUESS = 4  # first prefix `encode_at_most` tries, per token of the limit
 PREFIX_CUT_SLACK_TOKENS = 64
+# Texts at least this long are encoded a segment at a time, the segments remembered (segment_encoding.py): below
+# it an encode costs less than splitting the text does.
+SEGMENT_TEXT_CHARS = 4096
 
 
 class Tokenizer:
@@ -47,6 +51,7 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
         self._token_texts: list[str] | None = None
         self._ids_by_prefix: dict[str, list[int]] = {}
+        self._segments = SegmentEncoder(backend)
 
     # ---- vocabulary ----------------------------------------------------------------------------
     @property
@@ -80,6 +85,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
+        if not add_special_tokens and len(text) >= SEGMENT_TEXT_CHARS:
+            return self._segments.encode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_at_most(self, text: str, limit: int) -> list[int] | None:
