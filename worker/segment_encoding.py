@@ -1,8 +1,8 @@
 """Encoding a long text a segment at a time, the segments between added tokens remembered.
 
 Agents send the whole conversation every turn, so a card renders and encodes a chat prompt of tens of thousands
-of tokens per turn, though all but its last messages were encoded the turn before (25K tokens take about 50 ms
-on the 2-core development machine: docs/benchmarks.md, session 21). The tokenizer cuts its input at added tokens
+of tokens per turn, though all but its last messages were encoded the turn before (30K tokens take about 29 ms
+on the 2-core development machine: tools/encode_turns.py). The tokenizer cuts its input at added tokens
 (`<|im_start|>`, `<|im_end|>`, ...) before anything else and encodes the pieces in between one by one, so the
 ids of a text are its pieces' ids in order, and a piece encoded before need not be encoded again.
 
