@@ -4,9 +4,10 @@ by op on the meta device (shapes only), against the bytes the Triton kernels rea
 For a piece of `--tokens` of the 27B shapes: a DeltaNet layer's norms, its mixer's elementwise work (the delta
 rule itself left out: fla's on the GPU) and the SwiGLU product, then an attention layer's own elementwise work
 (its heads' norms and RoPE, its output gate; its norms and SwiGLU are the DeltaNet layer's rows).
-An op is counted with the bytes of its tensor inputs and outputs (views are free); GEMMs are listed apart.
+An op is counted with the bytes of its tensor inputs and outputs (views and allocations are free; an in-place op
+is not a view); GEMMs are listed apart.
 
-    python tools/prefill_traffic.py --tokens 256 8192
+    python -m tools.prefill_traffic --tokens 256 8192
 """
 
 from __future__ import annotations
@@ -20,27 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-VIEWS = {
-    "_reshape_alias",
-    "_unsafe_view",
-    "alias",
-    "as_strided",
-    "detach",
-    "expand",
-    "narrow",
-    "permute",
-    "select",
-    "slice",
-    "split",
-    "split_with_sizes",
-    "squeeze",
-    "t",
-    "transpose",
-    "unbind",
-    "unsqueeze",
-    "view",
-}
-ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided"}  # no bytes move
+ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided"}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "linear"}
 
 
@@ -55,17 +36,17 @@ class Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
-        if name in VIEWS:
-            return out
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = 0 if name in ALLOCATIONS else sum(t.numel() * t.element_size() for t in tensors)
-        self.bytes[name] += moved
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name in ALLOCATIONS or (not func._schema.is_mutable and _aliases(outputs, inputs)):
+            return out  # a view (a reshape that copies is not one) or an allocation: nothing moves
+        self.bytes[name] += sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
         self.calls[name] += 1
         return out
 
     def split(self) -> tuple[int, int, int, int]:
         """(elementwise bytes, elementwise launches, GEMM operand bytes, GEMMs)."""
-        ew = [n for n in self.calls if n not in GEMMS and n not in ALLOCATIONS]
+        ew = [n for n in self.calls if n not in GEMMS]
         gemm = [n for n in self.calls if n in GEMMS]
         return (
             sum(self.bytes[n] for n in ew),
@@ -73,6 +54,12 @@ class Traffic(TorchDispatchMode):
             sum(self.bytes[n] for n in gemm),
             sum(self.calls[n] for n in gemm),
         )
+
+
+def _aliases(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    """Every output shares its storage with an input."""
+    storages = {t.untyped_storage()._cdata for t in inputs}
+    return bool(outputs) and all(t.untyped_storage()._cdata in storages for t in outputs)
 
 
 def trace(fn: Callable[[], Any]) -> Traffic:

@@ -7,8 +7,8 @@ Two forms compute the same values:
 - "triton": one kernel per operation (`triton_kernels.py`; the attention heads' norms with RoPE, and their output
   gate, too), on a CUDA device where Triton imports and agrees with
   the torch form on a probe at the model's shapes. Per DeltaNet layer of the 27B shapes the torch forms' fp32
-  passes move 17.8 GB at an 8K-token piece (the kernels 1.8) and launch 62 kernels at a 256-token one (the
-  kernels 7): `python tools/prefill_traffic.py`.
+  passes move 17.8 GB at an 8K-token piece (the kernels 1.8) and launch 58 kernels at a 256-token one (the
+  kernels 7): `python -m tools.prefill_traffic`.
 """
 
 from __future__ import annotations
