@@ -20,7 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..errors import InvalidRequestError
 from ..layers.attention import GatedAttention
 from ..state import KVCache
-from .elementwise import Elementwise, TorchElementwise
+from .elementwise import Elementwise
 
 SDPA_ENV = "ONESTREAM_PREFILL_SDPA"  # pins SDPA's kernel: flash, cudnn, efficient, math, or auto (its choice)
 SDPA_BACKENDS = {
@@ -79,13 +79,12 @@ def attention_prefill(
     sin: torch.Tensor,
     cache: KVCache,
     start: int,
+    ops: Elementwise,
     backend: str = "auto",
-    ops: Elementwise | None = None,
 ) -> torch.Tensor:
     """The mixer over `x [T, H]` (normed) at positions `start..start+T-1`, writing the piece's keys and values
     into `cache` (the layout `GatedAttention.step` and the megakernel read). Returns `[T, H]`. The heads' norms,
-    RoPE and output gate are `ops`' (elementwise.py; default the layer's own torch code)."""
-    ops = ops or TorchElementwise()
+    RoPE and output gate are `ops`' (elementwise.py)."""
     x = x.unsqueeze(0)
     q, k, v, gate = ops.attention_heads(layer, layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), cos, sin)
     keys, values = cache.write(start, k[0], v[0])

@@ -76,8 +76,8 @@ class FastPrefill:
         elementwise: str | None = None,
     ) -> None:
         """`dequant`: the quantized weights' decoder (triton, torch or auto; default $ONESTREAM_PREFILL_DEQUANT);
-        `elementwise`: the norms', conv's, gates' and SwiGLU's form (elementwise.py; triton, torch or auto,
-        default $ONESTREAM_PREFILL_ELEMENTWISE)."""
+        `elementwise`: the form of the work around the GEMMs, norms to SwiGLU (elementwise.py; triton, torch or
+        auto, default $ONESTREAM_PREFILL_ELEMENTWISE)."""
         self.model = model
         c = model.config
         heads = (
@@ -168,7 +168,7 @@ class FastPrefill:
         for i, layer in enumerate(model.model.layers):
             x = ops.rms_norm(layer.input_layernorm, h)
             if layer.is_full_attention:
-                h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, self.sdpa, ops)
+                h = h + attention_prefill(layer.self_attn, x, cos, sin, state.kv[i], start, ops, self.sdpa)
             else:
                 h = h + deltanet_prefill(
                     layer.linear_attn, x, state.conv[i], state.recurrent[i], self.delta_rule, ops
@@ -214,8 +214,8 @@ class FastPrefill:
             sin,
             state.mtp_kv,
             start,
-            self.sdpa,
             ops,
+            self.sdpa,
         )
         out = ops.rms_norm(mtp.norm, self._mlp_residual(layer, h))
         state.mtp_length += t
