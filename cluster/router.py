@@ -272,7 +272,8 @@ class Router(pb_grpc.OneStreamServicer):
                 if isinstance(prompt, str)
                 else self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)  # type: ignore[arg-type]
             )
-            return self.tokenizer.encode_at_most(text, limit)
+            scope = sharing_scope(request.user, self.config.prefix_sharing)
+            return self.tokenizer.encode_at_most(text, limit, memo_scope=scope)
         except OnestreamError:
             return None  # the card answers with the error
 

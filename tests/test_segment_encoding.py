@@ -17,6 +17,7 @@ from onestream.worker.testing import IM_END, IM_START, byte_level_tokenizer
 from onestream.worker.tokenizer import SEGMENT_TEXT_CHARS, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+SCOPE = "user:alice"
 EMBEDDED = load_tokenizer(ROOT / "worker" / "assets" / "default_model")
 SPECIALS = [IM_START, IM_END, "<|endoftext|>"]
 # Pieces that meet an added token's edges: spaces and newlines on either side, half a token, a token's prefix.
@@ -37,8 +38,8 @@ def whole(backend: tokenizers.Tokenizer, text: str) -> list[int]:
 def test_segments_give_the_whole_texts_ids_embedded_tokenizer(text: str) -> None:
     encoder = SegmentEncoder(EMBEDDED.backend)
     assert encoder.usable
-    assert encoder.encode(text) == whole(EMBEDDED.backend, text)
-    assert encoder.encode(text) == whole(EMBEDDED.backend, text)  # again, from the memo
+    assert encoder.encode(text, SCOPE) == whole(EMBEDDED.backend, text)
+    assert encoder.encode(text, SCOPE) == whole(EMBEDDED.backend, text)  # again, from the memo
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,7 +48,7 @@ def test_segments_give_the_whole_texts_ids_byte_level_tokenizer(text: str) -> No
     backend = byte_level_tokenizer()
     encoder = SegmentEncoder(backend)
     assert encoder.usable
-    assert encoder.encode(text) == whole(backend, text)
+    assert encoder.encode(text, SCOPE) == whole(backend, text)
 
 
 def conversation(turns: int) -> list[dict[str, str]]:
@@ -80,26 +81,54 @@ def test_a_growing_conversation_encodes_only_its_new_messages(monkeypatch: pytes
     for turn in range(1, len(messages) + 1):
         text = EMBEDDED.apply_chat_template(messages[:turn], add_generation_prompt=True)
         encoded.clear()
-        assert encoder.encode(text) == whole(EMBEDDED.backend, text)
+        assert encoder.encode(text, SCOPE) == whole(EMBEDDED.backend, text)
         if turn > 1:
             # the earlier messages came from the memo: what was encoded is about one message's length
             assert sum(encoded) <= len(messages[turn - 1]["content"]) + 64
 
 
-def test_the_tokenizer_encodes_long_texts_by_segment() -> None:
+def test_the_tokenizer_encodes_a_requests_long_text_by_segment() -> None:
     text = EMBEDDED.apply_chat_template(conversation(3), add_generation_prompt=True)
     assert len(text) >= SEGMENT_TEXT_CHARS
     tokenizer = load_tokenizer(ROOT / "worker" / "assets" / "default_model")
     assert tokenizer.encode(text) == whole(tokenizer.backend, text)
+    assert tokenizer._segments.remembered_chars == 0  # no scope: not a request's prompt, nothing remembered
+    assert tokenizer.encode_at_most(text, 1 << 20, memo_scope=SCOPE) == whole(tokenizer.backend, text)
     assert tokenizer._segments.remembered_chars > 0
-    assert tokenizer.encode("short " + IM_END) == whole(tokenizer.backend, "short " + IM_END)
+    short = "short " + IM_END
+    assert tokenizer.encode(short, memo_scope=SCOPE) == whole(tokenizer.backend, short)
+
+
+def test_scopes_do_not_share_what_they_remember(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How fast a prompt encodes must not tell one user what another sent (as with shared prefixes)."""
+    encoder = SegmentEncoder(EMBEDDED.backend)
+    encoded: list[str] = []
+    real = EMBEDDED.backend.encode
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(EMBEDDED.backend, name)
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> tokenizers.Encoding:
+            encoded.append(text)
+            return real(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(encoder, "backend", Counting())
+    secret = f"{IM_START}system\nthe team's system prompt, word for word{IM_END}"
+    encoder.encode(secret, "user:alice")
+    encoded.clear()
+    encoder.encode(secret, "user:bob")
+    assert any("word for word" in text for text in encoded)  # bob's request encoded it afresh
+    encoded.clear()
+    encoder.encode(secret, "user:alice")
+    assert encoded == []  # alice's own second turn did not
 
 
 def test_the_memo_keeps_to_its_size() -> None:
     encoder = SegmentEncoder(EMBEDDED.backend, memo_chars=1000)
     for i in range(50):
         text = f"{IM_START}user\n{'x' * 97}{i:03d}{IM_END}"
-        assert encoder.encode(text) == whole(EMBEDDED.backend, text)
+        assert encoder.encode(text, SCOPE) == whole(EMBEDDED.backend, text)
     assert 0 < encoder.remembered_chars <= 1000
 
 
@@ -110,7 +139,7 @@ def test_added_tokens_that_touch_their_neighbours_turn_the_memo_off(flag: str) -
     encoder = SegmentEncoder(backend)
     assert not encoder.usable
     text = f"call  <tool>  now {IM_START} x"
-    assert encoder.encode(text) == whole(backend, text)
+    assert encoder.encode(text, SCOPE) == whole(backend, text)
 
 
 def test_a_tokenizer_that_encodes_special_tokens_as_text_is_encoded_whole() -> None:
@@ -119,4 +148,4 @@ def test_a_tokenizer_that_encodes_special_tokens_as_text_is_encoded_whole() -> N
     encoder = SegmentEncoder(backend)
     assert not encoder.usable
     text = f"{IM_START}user\nhi{IM_END}"
-    assert encoder.encode(text) == whole(backend, text)
+    assert encoder.encode(text, SCOPE) == whole(backend, text)

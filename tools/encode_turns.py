@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         want = tokenizer.backend.encode(text, add_special_tokens=False).ids
         t2 = time.perf_counter()
-        got = tokenizer.encode(text)
+        got = tokenizer.encode(text, memo_scope="user:agent")  # as the engine encodes a request's prompt
         t3 = time.perf_counter()
         if got != want:
             raise SystemExit(f"turn {turn}: the segments' ids differ from the whole text's")

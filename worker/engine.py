@@ -334,7 +334,8 @@ class Engine:
                 else self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             )
             room = self.max_context - request.max_tokens
-            ids = self.tokenizer.encode_at_most(text, room)
+            scope = sharing_scope(request.user, self.prefix_sharing)
+            ids = self.tokenizer.encode_at_most(text, room, memo_scope=scope)
             if ids is None:
                 raise ContextLengthError(
                     f"prompt of more than {room} tokens + max_tokens={request.max_tokens} "

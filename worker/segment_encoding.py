@@ -6,6 +6,9 @@ on the 2-core development machine: tools/encode_turns.py). The tokenizer cuts it
 (`<|im_start|>`, `<|im_end|>`, ...) before anything else and encodes the pieces in between one by one, so the
 ids of a text are its pieces' ids in order, and a piece encoded before need not be encoded again.
 
+Remembered segments are kept apart by scope (the request's prefix-sharing scope, worker/prefixes.py): how fast a
+prompt encodes must not tell a user whether another user sent the same text, as with the shared prefixes.
+
 That holds only where an added token cannot change the encoding around it: the memo is off for a tokenizer with
 an added token that strips neighbouring spaces, matches only whole words or is matched after normalisation, and
 for one set to encode special tokens as text.
@@ -24,7 +27,8 @@ MEMO_CHARS = 8 << 20  # the remembered segments' total size, least recently used
 
 
 class SegmentEncoder:
-    """`encode(text)`: the ids `backend.encode(text, add_special_tokens=False)` gives, from remembered segments."""
+    """`encode(text, scope)`: the ids `backend.encode(text, add_special_tokens=False)` gives, from the segments
+    remembered for `scope`."""
 
     def __init__(self, backend: tokenizers.Tokenizer, memo_chars: int = MEMO_CHARS) -> None:
         self.backend = backend
@@ -38,12 +42,13 @@ class SegmentEncoder:
         # Longest first: at one position the regex takes the first alternative, the tokenizer the longest match.
         contents = sorted(self._ids, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(c) for c in contents) + ")") if contents else None
-        self._memo: OrderedDict[str, array[int]] = OrderedDict()  # 4 bytes a token, not a list's 36
+        # (scope, segment) -> ids: 4 bytes a token, not a list's 36
+        self._memo: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
         self._chars = 0
         self._memo_chars = memo_chars
         self._lock = threading.Lock()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, scope: str) -> list[int]:
         if not self.usable or self._split is None:
             return self.backend.encode(text, add_special_tokens=False).ids
         ids: list[int] = []
@@ -51,23 +56,24 @@ class SegmentEncoder:
             if i % 2:  # an added token (re.split puts the separators at odd places)
                 ids.append(self._ids[part])
             elif part:
-                ids.extend(self._segment(part))
+                ids.extend(self._segment(scope, part))
         return ids
 
-    def _segment(self, text: str) -> array[int]:
+    def _segment(self, scope: str, text: str) -> array[int]:
+        key = (scope, text)
         with self._lock:
-            ids = self._memo.get(text)
+            ids = self._memo.get(key)
             if ids is not None:
-                self._memo.move_to_end(text)
+                self._memo.move_to_end(key)
                 return ids
         ids = array("i", self.backend.encode(text, add_special_tokens=False).ids)
         if len(text) <= self._memo_chars:
             with self._lock:
-                if text not in self._memo:
-                    self._memo[text] = ids
+                if key not in self._memo:
+                    self._memo[key] = ids
                     self._chars += len(text)
                 while self._chars > self._memo_chars:
-                    old, _ = self._memo.popitem(last=False)
+                    (_, old), _ = self._memo.popitem(last=False)
                     self._chars -= len(old)
         return ids
 

@@ -82,14 +82,16 @@ class Tokenizer:
         return self.token_to_id(self.pad_token) if self.pad_token else None
 
     # ---- text <-> ids --------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, memo_scope: str | None = None) -> list[int]:
+        """The ids of `text`. With `memo_scope` (a request's prefix-sharing scope), a long text is encoded a
+        segment at a time, the segments remembered for that scope (segment_encoding.py)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        if not add_special_tokens and len(text) >= SEGMENT_TEXT_CHARS:
-            return self._segments.encode(text)
+        if memo_scope is not None and not add_special_tokens and len(text) >= SEGMENT_TEXT_CHARS:
+            return self._segments.encode(text, memo_scope)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_at_most(self, text: str, limit: int) -> list[int] | None:
+    def encode_at_most(self, text: str, limit: int, memo_scope: str | None = None) -> list[int] | None:
         """`encode(text)`, or None as soon as it is clear that `text` has more than `limit` tokens: the
         work is bounded by the limit, not by the text (a 20 MB prompt for a 2k context costs a few KiB).
 
@@ -100,7 +102,7 @@ class Tokenizer:
             if len(self.encode(text[:chars])) > limit + PREFIX_CUT_SLACK_TOKENS:
                 return None
             chars *= 2
-        ids = self.encode(text)
+        ids = self.encode(text, memo_scope=memo_scope)
         return ids if len(ids) <= limit else None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
