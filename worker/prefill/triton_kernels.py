@@ -5,6 +5,10 @@ an 8K-token piece moves several times the bytes of the layer's weights and launc
 The arithmetic follows the torch forms in `elementwise.py` (fp32, the same roundings to the model dtype); sums and
 the transcendental functions may differ in the last fp32 bit, so results agree to a rounding of the output.
 
+The token counts are not specialised on (Triton would compile another variant the first time a piece's length
+is a multiple of 16, on a request's path); everything else a kernel is compiled for is fixed by the model, so the
+probe at start-up compiles every variant a prompt uses.
+
 On a machine without a GPU the CPU tests run them under Triton's interpreter (`TRITON_INTERPRET=1`, which
 tests/conftest.py sets there before Triton is imported), so the same source the GPU compiles is checked.
 """
@@ -20,7 +24,7 @@ SOFTPLUS_THRESHOLD = tl.constexpr(
 )  # torch softplus's default: above it softplus(x) is x (a constexpr: jit reads it)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm(x_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, rows of `width` (ZeroCenteredRMSNorm)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -33,7 +37,7 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.constexpr, BLOCK
     tl.store(out_ptr + offsets, ((x * inv[:, None]) * w1[None, :]).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out = (w * norm(x)) * silu(z) (GatedRMSNorm): normalised in fp32, rounded to x's dtype, scaled by the
     weight in that dtype, multiplied by the fp32 gate, rounded again."""
@@ -51,7 +55,7 @@ def _gated_rms_norm(x_ptr, z_ptr, w_ptr, out_ptr, rows, width, eps, ROWS: tl.con
     tl.store(out_ptr + offsets, (scaled * gate).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _conv_silu(
     x_ptr,
     state_ptr,
@@ -89,7 +93,7 @@ def _conv_silu(
     tl.store(out_ptr + rows, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def _gates(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, count, heads, BLOCK: tl.constexpr):
     """beta = sigmoid(b) in b's dtype; g = -exp(A_log) softplus(a + dt_bias) in fp32; `[T, heads]` each."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -105,7 +109,7 @@ def _gates(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, count, heads, 
     tl.store(g_ptr + i, decay * softplus, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def _silu_mul(gate_ptr, up_ptr, count, BLOCK: tl.constexpr):
     """gate <- silu(gate) * up, in place, each product of the model dtype's values (SwiGLU's roundings)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -116,7 +120,7 @@ def _silu_mul(gate_ptr, up_ptr, count, BLOCK: tl.constexpr):
     tl.store(gate_ptr + i, (silu * up).to(gate_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _head_norm_rope(
     x_ptr,
     w_ptr,
@@ -159,7 +163,7 @@ def _head_norm_rope(
     tl.store(out_ptr + (h * tokens + t.to(tl.int64))[:, None] * WIDTH + e[None, :], out, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _gated_heads(
     attn_ptr,
     gate_ptr,
