@@ -132,6 +132,7 @@ class PoolServer:
             port=port,
             max_body_bytes=self.config.http_max_body_bytes,
             user_sessions=self.config.http_user_sessions,
+            prefix_sharing=self.config.prefix_sharing,
         )
         await self.frontdoor.start()
 

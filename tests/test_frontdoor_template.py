@@ -4,6 +4,7 @@ template with tools, forced calls, and the fallback for templates that refuse a 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from onestream.cluster.frontdoor.toolcalls import JSON, XML
 from onestream.worker.loading import default_model_dir
 from onestream.worker.tokenizer import Tokenizer, load_tokenizer
 
+REPO = Path(__file__).resolve().parents[1]
 WRITE = Tool("write_file", "Write a file", {"type": "object", "properties": {"content": {"type": "string"}}})
 CALL = {
     "id": "c1",
@@ -107,3 +109,38 @@ def test_a_template_without_tools_refuses_them_and_late_system_messages_become_u
         render(template, [{"role": "user", "content": "x"}], [WRITE])
     messages = [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]
     assert "<|im_start|>user\nlate" in render(template, messages, []).text
+
+
+def test_a_long_turn_is_encoded_by_segment_in_the_callers_scope() -> None:
+    """The front door encodes every chat turn (the router routes by tokens): a long conversation resent with
+    one more message encodes only that message, remembered per caller's key (Service.memo_scope), and the
+    ids are the whole text's."""
+    from aiohttp.test_utils import make_mocked_request
+    from onestream.cluster.frontdoor.service import Service
+    from onestream.worker.prefixes import TEAM_SCOPE
+
+    tokenizer = load_tokenizer(default_model_dir())  # its own memo
+    template = ChatTemplate(tokenizer)
+    service = Service(router=None, template=template, model="m")  # type: ignore[arg-type]
+
+    def scope(headers: dict[str, str], sharing: str = "user") -> str:
+        service.prefix_sharing = sharing
+        return service.memo_scope(make_mocked_request("POST", "/v1/chat/completions", headers=headers))
+
+    alice, bob = scope({"Authorization": "Bearer key-a"}), scope({"x-api-key": "key-b"})
+    assert alice != bob and alice == scope({"Authorization": "Bearer key-a"})
+    assert "key-a" not in alice  # the key itself is not kept
+    assert scope({}) == TEAM_SCOPE and scope({"Authorization": "Bearer key-a"}, "team") == TEAM_SCOPE
+    source = (REPO / "cluster" / "router.py").read_text()
+    messages = [
+        {"role": "system", "content": source[:12000]},
+        {"role": "user", "content": source[12000:14000]},
+    ]
+    first = render(template, messages, [], memo_scope=alice)
+    remembered = tokenizer._segments.remembered_chars
+    assert remembered >= 12000
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": source[14000:15000]}]
+    second = render(template, messages, [], memo_scope=alice)
+    assert second.token_ids == tokenizer.backend.encode(second.text, add_special_tokens=False).ids
+    assert second.token_ids[: len(first.token_ids) - 3] == first.token_ids[:-3]  # the earlier turns' ids kept
+    assert tokenizer._segments.remembered_chars - remembered <= 1100  # only the new messages were added

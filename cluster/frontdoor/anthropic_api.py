@@ -143,13 +143,19 @@ def _thinking(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": kind == "enabled"}
 
 
-async def _prompt(service: Service, body: dict[str, Any]) -> tuple[Prompt, bool]:
+async def _prompt(service: Service, request: web.Request, body: dict[str, Any]) -> tuple[Prompt, bool]:
     params.get(body, "model", str, required=True)
     choice, parallel = _choice(body)
     declared, forced = tool_choice(choice, tools(body))
     # A final assistant message is the start of the answer (Anthropic's prefill).
     prompt = await service.template.render(
-        chat_messages(body), declared, _thinking(body), forced, continue_final=True, parallel_calls=parallel
+        chat_messages(body),
+        declared,
+        _thinking(body),
+        forced,
+        continue_final=True,
+        parallel_calls=parallel,
+        memo_scope=service.memo_scope(request),
     )
     return prompt, parallel
 
@@ -190,7 +196,7 @@ def _content(block: Block, tool_ids: dict[int, str]) -> dict[str, Any]:
 
 
 async def messages(service: Service, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    prompt, parallel = await _prompt(service, body)
+    prompt, parallel = await _prompt(service, request, body)
     spec = TurnSpec(
         prompt.token_ids,
         params.positive_int(body, "max_tokens", required=True),
@@ -292,5 +298,5 @@ async def _stream(
 
 
 async def count_tokens(service: Service, request: web.Request, body: dict[str, Any]) -> web.Response:
-    prompt, _ = await _prompt(service, body)
+    prompt, _ = await _prompt(service, request, body)
     return web.json_response({"input_tokens": len(prompt.token_ids)})

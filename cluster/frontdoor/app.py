@@ -111,6 +111,7 @@ class FrontDoor:
         port: int,
         max_body_bytes: int,
         user_sessions: bool = False,
+        prefix_sharing: str = "user",
     ) -> None:
         self.model = model
         self.model_dir = model_dir
@@ -118,6 +119,7 @@ class FrontDoor:
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.user_sessions = user_sessions
+        self.prefix_sharing = prefix_sharing
         self._runner: web.AppRunner | None = None
         self._router: RouterClient | None = None
 
@@ -125,7 +127,7 @@ class FrontDoor:
         tokenizer = await asyncio.to_thread(self._tokenizer)
         template = await asyncio.to_thread(ChatTemplate, tokenizer)
         self._router = RouterClient(self.router_address)
-        service = Service(self._router, template, self.model, self.user_sessions)
+        service = Service(self._router, template, self.model, self.user_sessions, self.prefix_sharing)
         # handler_cancellation: a client that closes its connection cancels its handler, which cancels
         # the gRPC call, which frees the card at once.
         self._runner = web.AppRunner(

@@ -207,6 +207,7 @@ async def chat_completions(
         continue_final=continue_final,
         json_answer=json_answer,
         parallel_calls=parallel is not False,
+        memo_scope=service.memo_scope(request),
     )
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)

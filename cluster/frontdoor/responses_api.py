@@ -167,6 +167,7 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         forced,
         json_answer=json_answer,
         parallel_calls=parallel,
+        memo_scope=service.memo_scope(request),
     )
     spec = TurnSpec(
         prompt.token_ids,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import MAX_ID_CHARS
+from onestream.worker.prefixes import TEAM_SCOPE
 
 from .errors import bad_field
 from .events import Event, Reasoning, Text
@@ -29,6 +31,18 @@ class Service:
     # no x-session-id. Off by default: `user` usually names a person, whose parallel conversations
     # would then share (and keep evicting) one session's cache.
     user_sessions: bool = False
+    prefix_sharing: str = (
+        "user"  # the pool's `--prefix-sharing`: the scope of what one caller's prompt leaves
+    )
+
+    def memo_scope(self, request: web.Request) -> str:
+        """Where the tokenizer remembers a caller's prompt segments (worker/segment_encoding.py): per key, as the
+        router keeps shared prefixes per user, so that how fast a prompt encodes tells no caller what another
+        sent; the team's when the pool shares prefixes across it, or when callers carry no key."""
+        key = dict(credentials(request.headers)).get("authorization")
+        if self.prefix_sharing == "team" or not key:
+            return TEAM_SCOPE
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 @dataclass

@@ -82,12 +82,14 @@ class ChatTemplate:
         continue_final: bool = False,
         json_answer: bool = False,
         parallel_calls: bool = True,
+        memo_scope: str | None = None,
     ) -> Prompt:
         """The prompt of a chat turn; `forced` (a tool name or REQUIRED) starts the answer with a call,
         which the card's constrained decoding completes; `continue_final`: a final assistant message is the
         start of the answer, which the model continues; `json_answer`: the answer is one JSON object
         (reasoning, if the template opened it, is closed first: the constraint holds from the first token);
-        `parallel_calls`: a forced call may be followed by more."""
+        `parallel_calls`: a forced call may be followed by more; `memo_scope`: the caller's scope for the
+        tokenizer's remembered segments (Service.memo_scope)."""
         if tools and self.tool_format is None:
             raise bad_field("tools", "this model's chat template does not render tools")
         for key in RESERVED_KWARGS & set(template_kwargs):
@@ -102,19 +104,21 @@ class ChatTemplate:
         if json_answer and (forced is not None or start):
             what = "a forced tool call" if forced is not None else "a final assistant message to continue"
             raise bad_field("response_format", f"json_object cannot be combined with {what}")
-        prompt = await asyncio.to_thread(self._render, messages, tools, dict(template_kwargs), forced)
+        prompt = await asyncio.to_thread(
+            self._render, messages, tools, dict(template_kwargs), forced, memo_scope
+        )
         if prompt.constraint is not None:
             prompt.constraint.parallel_calls = parallel_calls
         if json_answer:
             if prompt.reasoning:
                 prompt.text += f"{THINK_CLOSE}\n\n"
                 prompt.prefill += f"{THINK_CLOSE}\n\n"
-                prompt.token_ids = self.tokenizer.encode(prompt.text)
+                prompt.token_ids = self.tokenizer.encode(prompt.text, memo_scope=memo_scope)
             prompt.constraint = pb.OutputConstraint(kind=JSON_OBJECT)
         prompt.text += start
         prompt.prefill += start
         if start:
-            prompt.token_ids = self.tokenizer.encode(prompt.text)
+            prompt.token_ids = self.tokenizer.encode(prompt.text, memo_scope=memo_scope)
         return prompt
 
     def _render(
@@ -123,6 +127,7 @@ class ChatTemplate:
         tools: Sequence[Tool],
         template_kwargs: dict[str, Any],
         forced: str | object | None,
+        memo_scope: str | None,
     ) -> Prompt:
         kwargs = dict(template_kwargs)
         if tools:
@@ -143,7 +148,7 @@ class ChatTemplate:
         reasoning = prompt_opens_reasoning(text)
         prefill = self._prefill(forced, reasoning)
         text += prefill
-        prompt = Prompt(text, self.tokenizer.encode(text), reasoning, prefill, tools)
+        prompt = Prompt(text, self.tokenizer.encode(text, memo_scope=memo_scope), reasoning, prefill, tools)
         if forced is not None:
             prompt.constraint = self._tool_constraint(tools, forced)
         return prompt
