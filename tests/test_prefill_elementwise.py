@@ -117,7 +117,9 @@ def test_conv_silu_continues_and_advances_the_state(tokens_: int) -> None:
     state = randn(layer.conv_dim, layer.kernel - 1, seed=99)
     ours, theirs = state.clone(), state.clone()
     got, want = TRITON.conv_silu(layer, x, ours), TORCH.conv_silu(layer, x, theirs)
-    assert relative_error(got, want) <= ONE_ROUNDING
+    for part, a, b in zip("qkv", got, want, strict=True):
+        assert a.shape == b.shape and a.is_contiguous(), part  # apart: the delta rule copies nothing
+        assert relative_error(a, b) <= ONE_ROUNDING, part
     assert torch.equal(ours, theirs)  # the state is a copy of inputs: exact
 
 
@@ -127,8 +129,10 @@ def test_conv_silu_pieces_equal_one_piece() -> None:
     whole = torch.zeros(layer.conv_dim, layer.kernel - 1, dtype=torch.bfloat16)
     pieces = whole.clone()
     one = TRITON.conv_silu(layer, x, whole)
-    split = torch.cat([TRITON.conv_silu(layer, x[a:b], pieces) for a, b in ((0, 2), (2, 31), (31, 50))])
-    assert torch.equal(one, split) and torch.equal(whole, pieces)
+    parts = [TRITON.conv_silu(layer, x[a:b], pieces) for a, b in ((0, 2), (2, 31), (31, 50))]
+    for i in range(3):  # q, k, v
+        assert torch.equal(one[i], torch.cat([p[i] for p in parts]))
+    assert torch.equal(whole, pieces)
 
 
 def test_gates() -> None:
@@ -152,16 +156,27 @@ def test_gated_rms_norm() -> None:
 def test_the_probe_admits_the_kernels_and_catches_a_wrong_one() -> None:
     layer, norm, attention = mixer(), norm_with_random_weight(64, seed=16), heads_layer()
     errors = probe(TRITON, torch.device("cpu"), norm, layer, attention)
-    assert set(errors) >= {"rms_norm", "silu_mul", "beta", "g", "conv_silu", "conv_state", "gated_rms_norm"}
+    assert set(errors) >= {
+        "rms_norm",
+        "silu_mul",
+        "beta",
+        "g",
+        "conv_q",
+        "conv_v",
+        "conv_state",
+        "gated_rms_norm",
+    }
     assert set(errors) >= {"q_norm_rope", "k_norm_rope", "attention_gate"}
     assert max(errors.values()) <= PROBE_TOLERANCE, errors
 
     class ShiftedConv(TritonElementwise):
         def conv_silu(self, layer, x, conv_state):  # type: ignore[no-untyped-def]
-            return super().conv_silu(layer, x, conv_state).roll(1, dims=0)  # one token late
+            return tuple(
+                part.roll(1, dims=0) for part in super().conv_silu(layer, x, conv_state)
+            )  # a token late
 
     errors = probe(ShiftedConv(), torch.device("cpu"), norm, layer)
-    assert errors["conv_silu"] > PROBE_TOLERANCE and errors["rms_norm"] <= PROBE_TOLERANCE
+    assert errors["conv_v"] > PROBE_TOLERANCE and errors["rms_norm"] <= PROBE_TOLERANCE
 
 
 def heads_layer(seed: int = 21, **overrides: object) -> GatedAttention:

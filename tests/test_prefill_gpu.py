@@ -157,7 +157,7 @@ def test_the_elementwise_kernels_pass_their_probe_at_the_27b_shapes(models) -> N
     mixer = next(layer.linear_attn for layer in layers if not layer.is_full_attention)
     attention = next(layer.self_attn for layer in layers if layer.is_full_attention)
     errors = probe(fast.elementwise, model.device, layers[0].input_layernorm, mixer, attention, tokens=1000)
-    assert {"conv_silu", "gated_rms_norm", "q_norm_rope", "attention_gate"} <= set(errors)
+    assert {"conv_q", "conv_k", "conv_v", "gated_rms_norm", "q_norm_rope", "attention_gate"} <= set(errors)
     print(f"\nelementwise kernels against the torch forms: {errors}")
     assert max(errors.values()) <= PROBE_TOLERANCE
 

@@ -257,8 +257,8 @@ def fla_delta_rule_bytes(config: ModelConfig, piece: int, elem: int) -> int:
     """What flash-linear-attention's `chunk_gated_delta_rule` (its Triton path, as deltanet.py calls it) holds at
     its peak, while its output kernel runs, over one piece of `piece` tokens in a model dtype of `elem` bytes.
 
-    All of it is alive then: the copies its input guard makes of q, k and v (ours are column slices of the conv
-    output, so not contiguous), q and k l2-normalised in the model dtype with their fp32 inverse norms, the fp32
+    All of it is alive then: the copies its input guard makes of q, k and v (the torch form's are column slices of
+    the conv output; the Triton form writes them apart, and this stays an upper bound), q and k l2-normalised in the model dtype with their fp32 inverse norms, the fp32
     chunk-local cumulative log decay per value head, the solved [T, Hv, C] WY matrix, w [T, Hv, dk] and u
     [T, Hv, dv], the states at every chunk start [T / C, Hv, dk, dv] and the new values, the output [T, Hv, dv]
     (all in the model dtype), and the fp32 final state. g and beta arrive contiguous, the initial state too."""

@@ -242,11 +242,10 @@ def deltanet_prefill(
     dtype: the last inputs of the conv) and `recurrent [Hv, dk, dv]` (fp32) in place, exactly the state that
     `GatedDeltaNet.step` and the megakernel continue from. Projections are the layer's own modules (so a
     quantized layer dequantizes one matrix at a time); the elementwise work is `ops`'."""
-    mixed = ops.conv_silu(layer, layer.in_proj_qkv(x), conv_state)
-    q, k, v = layer._split(mixed)
+    q, k, v = ops.conv_silu(layer, layer.in_proj_qkv(x), conv_state)
     beta, g = ops.gates(layer, layer.in_proj_b(x), layer.in_proj_a(x))
     core = kernel(q, k, v, g, beta, recurrent).to(x.dtype)
-    del q, k, v, mixed, beta, g
+    del q, k, v, beta, g
     z = layer.in_proj_z(x).reshape(*core.shape)
     normed = ops.gated_rms_norm(layer.norm, core, z)
     del z, core

@@ -56,9 +56,12 @@ class TorchElementwise:
         """(beta, g) of the delta rule from the projections b and a `[T, Hv]`."""
         return layer._gate_values(b, a)
 
-    def conv_silu(self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    def conv_silu(
+        self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """silu(causal depthwise conv) over the projected piece `x [T, C]`, continuing from and advancing
-        `conv_state [C, kernel - 1]` in place (the last inputs of the conv)."""
+        `conv_state [C, kernel - 1]` in place (the last inputs of the conv); split into q, k `[T, Hk, dk]` and
+        v `[T, Hv, dv]`."""
         t = x.shape[0]
         span = layer.kernel - 1
         window = torch.cat((conv_state.T, x))  # [span + T, C]: time-major, no transposes
@@ -73,7 +76,7 @@ class TorchElementwise:
                 conv += window[j + r0 : j + r1].float() * weight[:, j]
             mixed[r0:r1] = F.silu(conv)
         conv_state.copy_(window[t:].T)
-        return mixed
+        return layer._split(mixed)
 
     def attention_heads(
         self,
@@ -123,15 +126,18 @@ class TritonElementwise:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k.gates(b.contiguous(), a.contiguous(), layer.A_log, layer.dt_bias)
 
-    def conv_silu(self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    def conv_silu(
+        self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = x.contiguous()
-        span = layer.kernel - 1
-        mixed = self._k.conv_silu(x, conv_state, layer.conv1d.weight[:, 0, :])
-        if x.shape[0] >= span:
+        span, t = layer.kernel - 1, x.shape[0]
+        q, k, v = self._k.conv_silu(x, conv_state, layer.conv1d.weight[:, 0, :], layer.key_dim)
+        if t >= span:
             conv_state.copy_(x[-span:].T)
         else:  # a piece shorter than the window keeps some of the old inputs
             conv_state.copy_(torch.cat((conv_state.T, x))[-span:].T)
-        return mixed
+        shape = (t, layer.num_k_heads, layer.head_k_dim)
+        return q.view(shape), k.view(shape), v.view(t, layer.num_v_heads, layer.head_v_dim)
 
     def gated_rms_norm(self, norm: GatedRMSNorm, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self._k.gated_rms_norm(core.contiguous(), z.contiguous(), norm.weight, norm.eps)
@@ -237,12 +243,14 @@ def probe(
         pairs["beta"], pairs["g"] = (beta, want_beta), (g, want_g)
         x, state = randn(tokens, layer.conv_dim), randn(layer.conv_dim, layer.kernel - 1)
         ours, theirs = state.clone(), state.clone()
-        pairs["conv_silu"] = (kernels.conv_silu(layer, x, ours), reference.conv_silu(layer, x, theirs))
         short = x[: max(1, layer.kernel - 2)]  # shorter than the window: some old inputs stay in the state
-        pairs["conv_silu_short"] = (
-            kernels.conv_silu(layer, short, ours),
-            reference.conv_silu(layer, short, theirs),
-        )
+        for piece, name in ((x, "conv"), (short, "conv_short")):
+            got_qkv, want_qkv = (
+                kernels.conv_silu(layer, piece, ours),
+                reference.conv_silu(layer, piece, theirs),
+            )
+            for part, got_part, want_part in zip("qkv", got_qkv, want_qkv, strict=True):
+                pairs[f"{name}_{part}"] = (got_part, want_part)
         pairs["conv_state"] = (ours, theirs)
         core, z = randn(tokens, heads, dv), randn(tokens, heads, dv)
         pairs["gated_rms_norm"] = (

@@ -60,17 +60,22 @@ def _conv_silu(
     x_ptr,
     state_ptr,
     w_ptr,
-    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
     tokens,
     channels,
     state_stride,
     w_stride,
+    KEYS: tl.constexpr,
     SPAN: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """out[t] = silu(x[t] w[SPAN] + sum_j in[t - SPAN + j] w[j]) per channel, in fp32, where `in` is the conv
-    state (`[channels, SPAN]`, the last inputs before the piece) followed by x (`[tokens, channels]`)."""
+    """silu(x[t] w[SPAN] + sum_j in[t - SPAN + j] w[j]) per channel, in fp32, where `in` is the conv state
+    (`[channels, SPAN]`, the last inputs before the piece) followed by x (`[tokens, channels]`); channels
+    [0, KEYS) go to q `[tokens, KEYS]`, [KEYS, 2 KEYS) to k, the rest to v, each contiguous (the delta rule's
+    kernels would copy column slices of one output)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = c < channels
@@ -90,7 +95,13 @@ def _conv_silu(
         )
         w_j = tl.load(w_ptr + c * w_stride + j, mask=mc, other=0.0).to(tl.float32)
         acc += tl.where(in_x, from_x, from_state).to(tl.float32) * w_j[None, :]
-    tl.store(out_ptr + rows, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=m)
+    out = (acc / (1.0 + tl.exp(-acc))).to(q_ptr.dtype.element_ty)
+    t64 = t.to(tl.int64)[:, None]
+    values = channels - 2 * KEYS
+    in_q, in_k, in_v = c < KEYS, (c >= KEYS) & (c < 2 * KEYS), c >= 2 * KEYS
+    tl.store(q_ptr + t64 * KEYS + c[None, :], out, mask=m & in_q[None, :])
+    tl.store(k_ptr + t64 * KEYS + tl.maximum(c - KEYS, 0)[None, :], out, mask=m & in_k[None, :])
+    tl.store(v_ptr + t64 * values + tl.maximum(c - 2 * KEYS, 0)[None, :], out, mask=m & in_v[None, :])
 
 
 @triton.jit(do_not_specialize=["count"])
@@ -219,19 +230,35 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return out
 
 
-def conv_silu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_silu(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, keys: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The depthwise causal conv and silu over a piece: x `[T, C]` (contiguous), state `[C, span]` (the inputs
-    before the piece), weight `[C, span + 1]` (rows contiguous). Returns `[T, C]` in x's dtype; `state` is read,
-    not advanced."""
+    before the piece), weight `[C, span + 1]` (rows contiguous). Returns q `[T, keys]`, k `[T, keys]` and v
+    `[T, C - 2 keys]`, contiguous, in x's dtype; `state` is read, not advanced."""
     tokens, channels = x.shape
     span = weight.shape[1] - 1
-    out = torch.empty_like(x)
+    q, k = (x.new_empty(tokens, keys) for _ in range(2))
+    v = x.new_empty(tokens, channels - 2 * keys)
     bt, bc = 32, 128
     grid = (triton.cdiv(tokens, bt), triton.cdiv(channels, bc))
     _conv_silu[grid](
-        x, state, weight, out, tokens, channels, state.stride(0), weight.stride(0), SPAN=span, BT=bt, BC=bc
+        x,
+        state,
+        weight,
+        q,
+        k,
+        v,
+        tokens,
+        channels,
+        state.stride(0),
+        weight.stride(0),
+        KEYS=keys,
+        SPAN=span,
+        BT=bt,
+        BC=bc,
     )
-    return out
+    return q, k, v
 
 
 def gates(
