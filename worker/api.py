@@ -258,6 +258,15 @@ def _validate_token_ids(
         raise InvalidRequestError(f"{name} is empty")
     if max_count is not None and len(ids) > max_count:
         raise InvalidRequestError(f"{name} has {len(ids)} entries; at most {max_count} are allowed")
+    # The whole check in C (a 30K-token prompt is validated by the router and again by the card, on the way to
+    # its first token); the loop below runs only to name the first bad entry.
+    if (
+        ids
+        and set(map(type, ids)) == {int}
+        and min(ids) >= 0
+        and (vocab_size is None or max(ids) < vocab_size)
+    ):
+        return
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise InvalidRequestError(f"{name}[{i}] must be an integer token id, got {type(t).__name__}")
