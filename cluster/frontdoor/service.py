@@ -31,9 +31,8 @@ class Service:
     # no x-session-id. Off by default: `user` usually names a person, whose parallel conversations
     # would then share (and keep evicting) one session's cache.
     user_sessions: bool = False
-    prefix_sharing: str = (
-        "user"  # the pool's `--prefix-sharing`: the scope of what one caller's prompt leaves
-    )
+    # The pool's `--prefix-sharing`: who may profit from what one caller's prompt leaves behind.
+    prefix_sharing: str = "user"
 
     def memo_scope(self, request: web.Request) -> str:
         """Where the tokenizer remembers a caller's prompt segments (worker/segment_encoding.py): per key, as the
