@@ -4,8 +4,7 @@ attention heads' norms, RoPE and output gate, SwiGLU.
 Two forms compute the same values:
 - "torch": the layers' own PyTorch code, on any device (row blocks where a piece's fp32 temporaries would be
   large).
-- "triton": one kernel per operation (`triton_kernels.py`; the attention heads' norms with RoPE, and their output
-  gate, too), on a CUDA device where Triton imports and agrees with
+- "triton": one kernel per operation (`triton_kernels.py`), on a CUDA device where Triton imports and agrees with
   the torch form on a probe at the model's shapes. Per DeltaNet layer of the 27B shapes the torch forms' fp32
   passes move 17.8 GB at an 8K-token piece (the kernels 1.8) and launch 58 kernels at a 256-token one (the
   kernels 7): `python -m tools.prefill_traffic`.
