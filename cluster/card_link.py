@@ -84,11 +84,11 @@ class LinkServer:
         given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER, "")
         if not hmac.compare_digest(str(given).encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the card link's token is missing or wrong")
-        request = pickle.loads(payload)
         try:
+            request = pickle.loads(payload)
             async for item in self._items(request):
                 yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # a bug on the card: the router answers INTERNAL naming it
+        except Exception as e:  # a bug on the card (or the router): the router answers INTERNAL naming it
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 

@@ -12,7 +12,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from onestream.cluster.card_link import CardLink, LinkFailed, LinkLost, LinkServer, new_token
+from onestream.cluster.card_link import (
+    METHOD,
+    CardLink,
+    LinkCall,
+    LinkFailed,
+    LinkLost,
+    LinkServer,
+    new_token,
+)
 from onestream.worker.api import Finished, GenerateRequest, Timings, TokenChunk, Usage
 
 
@@ -141,5 +149,18 @@ def test_cancelling_a_call_ends_the_cards_generation() -> None:
             assert not card.ended.is_set()
             call.cancel()
             await asyncio.wait_for(card.ended.wait(), 5)  # the card's generator ran its `finally`
+
+    run(test)
+
+
+def test_a_request_the_card_cannot_read_is_link_failed_and_the_card_serves_on() -> None:
+    async def test() -> None:
+        card = Card()
+        async with linked(card) as (_, link):
+            bad = link._channel.unary_stream(METHOD)(b"not a pickle", metadata=link._metadata)
+            with pytest.raises(LinkFailed, match="UnpicklingError"):
+                await LinkCall(bad).next()
+            items = await drain(link.generate(GenerateRequest(prompt=[1])))
+            assert isinstance(items[-1], Finished)
 
     run(test)
