@@ -63,20 +63,30 @@ def conversation(turns: int) -> list[dict[str, str]]:
     return messages
 
 
-def test_a_growing_conversation_encodes_only_its_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+class Recording:
+    """The embedded tokenizer's backend, recording every text it is asked to encode."""
+
+    def __init__(self) -> None:
+        self.encoded: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(EMBEDDED.backend, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tokenizers.Encoding:
+        self.encoded.append(text)
+        return EMBEDDED.backend.encode(text, add_special_tokens=add_special_tokens)
+
+
+def recording_encoder() -> tuple[SegmentEncoder, list[str]]:
+    """A segment encoder of the embedded tokenizer, and the texts its backend encodes (the memo's misses)."""
     encoder = SegmentEncoder(EMBEDDED.backend)
-    encoded: list[int] = []
-    real = EMBEDDED.backend.encode
+    backend = Recording()
+    encoder.backend = backend  # type: ignore[assignment]
+    return encoder, backend.encoded
 
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            return getattr(EMBEDDED.backend, name)
 
-        def encode(self, text: str, add_special_tokens: bool = True) -> tokenizers.Encoding:
-            encoded.append(len(text))
-            return real(text, add_special_tokens=add_special_tokens)
-
-    monkeypatch.setattr(encoder, "backend", Counting())
+def test_a_growing_conversation_encodes_only_its_new_messages() -> None:
+    encoder, encoded = recording_encoder()
     messages = conversation(6)
     for turn in range(1, len(messages) + 1):
         text = EMBEDDED.apply_chat_template(messages[:turn], add_generation_prompt=True)
@@ -84,7 +94,7 @@ def test_a_growing_conversation_encodes_only_its_new_messages(monkeypatch: pytes
         assert encoder.encode(text, SCOPE) == whole(EMBEDDED.backend, text)
         if turn > 1:
             # the earlier messages came from the memo: what was encoded is about one message's length
-            assert sum(encoded) <= len(messages[turn - 1]["content"]) + 64
+            assert sum(map(len, encoded)) <= len(messages[turn - 1]["content"]) + 64
 
 
 def test_the_tokenizer_encodes_a_requests_long_text_by_segment() -> None:
@@ -99,21 +109,9 @@ def test_the_tokenizer_encodes_a_requests_long_text_by_segment() -> None:
     assert tokenizer.encode(short, memo_scope=SCOPE) == whole(tokenizer.backend, short)
 
 
-def test_scopes_do_not_share_what_they_remember(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scopes_do_not_share_what_they_remember() -> None:
     """How fast a prompt encodes must not tell one user what another sent (as with shared prefixes)."""
-    encoder = SegmentEncoder(EMBEDDED.backend)
-    encoded: list[str] = []
-    real = EMBEDDED.backend.encode
-
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            return getattr(EMBEDDED.backend, name)
-
-        def encode(self, text: str, add_special_tokens: bool = True) -> tokenizers.Encoding:
-            encoded.append(text)
-            return real(text, add_special_tokens=add_special_tokens)
-
-    monkeypatch.setattr(encoder, "backend", Counting())
+    encoder, encoded = recording_encoder()
     secret = f"{IM_START}system\nthe team's system prompt, word for word{IM_END}"
     encoder.encode(secret, "user:alice")
     encoded.clear()
