@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-SOFTPLUS_THRESHOLD = tl.constexpr(
-    20.0
-)  # torch softplus's default: above it softplus(x) is x (a constexpr: jit reads it)
+# torch's softplus default: above it softplus(x) is x (a constexpr, so that the kernels may read it).
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit(do_not_specialize=["rows"])
