@@ -116,6 +116,8 @@ class TritonElementwise:
         return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps)
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if gate.numel() % 8:  # the kernel loads 8 at a time (Qwen3.5's widths are multiples of 8)
+            return TorchElementwise().silu_mul_(gate, up)
         if not gate.is_contiguous():
             return gate.copy_(self._k.silu_mul_(gate.contiguous(), up.contiguous()))
         return self._k.silu_mul_(gate, up.contiguous())
@@ -128,6 +130,10 @@ class TritonElementwise:
     def conv_silu(
         self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if (
+            self._k.channel_block(layer.key_dim) < 16 or layer.kernel > 32
+        ):  # the kernel's bounds (never Qwen3.5's)
+            return TorchElementwise().conv_silu(layer, x, conv_state)
         x = x.contiguous()
         span, t = layer.kernel - 1, x.shape[0]
         q, k, v = self._k.conv_silu(x, conv_state, layer.conv1d.weight[:, 0, :], layer.key_dim)

@@ -74,33 +74,37 @@ def _conv_silu(
     """silu(x[t] w[SPAN] + sum_j in[t - SPAN + j] w[j]) per channel, in fp32, where `in` is the conv state
     (`[channels, SPAN]`, the last inputs before the piece) followed by x (`[tokens, channels]`); channels
     [0, KEYS) go to q `[tokens, KEYS]`, [KEYS, 2 KEYS) to k, the rest to v, each contiguous (the delta rule's
-    kernels would copy column slices of one output)."""
+    kernels would copy column slices of one output). A block of BC channels lies in one of them (BC divides
+    KEYS), and only the first block of rows reaches back into the state (BT > SPAN): every other load and store
+    is a contiguous row of channels, which the compiler vectorises."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c0 = tl.program_id(1) * BC
+    c = c0 + tl.arange(0, BC)
     mc = c < channels
     m = (t < tokens)[:, None] & mc[None, :]
-    rows = t.to(tl.int64)[:, None] * channels + c[None, :]
-    w_now = tl.load(w_ptr + c * w_stride + SPAN, mask=mc, other=0.0).to(tl.float32)
-    acc = tl.load(x_ptr + rows, mask=m, other=0.0).to(tl.float32) * w_now[None, :]
-    for j in tl.static_range(SPAN):
-        src = t - SPAN + j  # the tap's input position; < 0: in the conv state
-        in_x = (src >= 0)[:, None]
-        from_x = tl.load(
-            x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * channels + c[None, :], mask=m & in_x, other=0.0
-        )
-        column = tl.minimum(tl.maximum(SPAN + src, 0), SPAN - 1)
-        from_state = tl.load(
-            state_ptr + c[None, :] * state_stride + column[:, None], mask=m & ~in_x, other=0.0
-        )
-        w_j = tl.load(w_ptr + c * w_stride + j, mask=mc, other=0.0).to(tl.float32)
-        acc += tl.where(in_x, from_x, from_state).to(tl.float32) * w_j[None, :]
-    out = (acc / (1.0 + tl.exp(-acc))).to(q_ptr.dtype.element_ty)
     t64 = t.to(tl.int64)[:, None]
-    values = channels - 2 * KEYS
-    in_q, in_k, in_v = c < KEYS, (c >= KEYS) & (c < 2 * KEYS), c >= 2 * KEYS
-    tl.store(q_ptr + t64 * KEYS + c[None, :], out, mask=m & in_q[None, :])
-    tl.store(k_ptr + t64 * KEYS + tl.maximum(c - KEYS, 0)[None, :], out, mask=m & in_k[None, :])
-    tl.store(v_ptr + t64 * values + tl.maximum(c - 2 * KEYS, 0)[None, :], out, mask=m & in_v[None, :])
+    w_now = tl.load(w_ptr + c * w_stride + SPAN, mask=mc, other=0.0).to(tl.float32)
+    acc = tl.load(x_ptr + t64 * channels + c[None, :], mask=m, other=0.0).to(tl.float32) * w_now[None, :]
+    for j in tl.static_range(SPAN):
+        w_j = tl.load(w_ptr + c * w_stride + j, mask=mc, other=0.0).to(tl.float32)
+        if tl.program_id(0) == 0:
+            src = t - SPAN + j  # the tap's input position; < 0: in the conv state
+            in_x = (src >= 0)[:, None]
+            row = tl.maximum(src, 0).to(tl.int64)[:, None]
+            from_x = tl.load(x_ptr + row * channels + c[None, :], mask=m & in_x, other=0.0)
+            column = tl.minimum(tl.maximum(SPAN + src, 0), SPAN - 1)[:, None]
+            from_state = tl.load(state_ptr + c[None, :] * state_stride + column, mask=m & ~in_x, other=0.0)
+            tap = tl.where(in_x, from_x, from_state).to(tl.float32)
+        else:
+            tap = tl.load(x_ptr + (t64 - SPAN + j) * channels + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tap * w_j[None, :]
+    out = (acc / (1.0 + tl.exp(-acc))).to(q_ptr.dtype.element_ty)
+    if c0 < KEYS:
+        tl.store(q_ptr + t64 * KEYS + c[None, :], out, mask=m)
+    elif c0 < 2 * KEYS:
+        tl.store(k_ptr + t64 * KEYS + (c - KEYS)[None, :], out, mask=m)
+    else:
+        tl.store(v_ptr + t64 * (channels - 2 * KEYS) + (c - 2 * KEYS)[None, :], out, mask=m)
 
 
 @triton.jit(do_not_specialize=["count"])
@@ -119,11 +123,12 @@ def _gates(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, count, heads, 
     tl.store(g_ptr + i, decay * softplus, mask=m)
 
 
-@triton.jit(do_not_specialize=["count"])
-def _silu_mul(gate_ptr, up_ptr, count, BLOCK: tl.constexpr):
-    """gate <- silu(gate) * up, in place, each product of the model dtype's values (SwiGLU's roundings)."""
+@triton.jit(do_not_specialize=["groups"])
+def _silu_mul(gate_ptr, up_ptr, groups, BLOCK: tl.constexpr):
+    """gate <- silu(gate) * up, in place, each product of the model dtype's values (SwiGLU's roundings), over
+    `groups` of 8 elements (a bound the compiler knows is a multiple of 8 lets it load 16 bytes at a time)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < count
+    m = i < groups * 8
     g = tl.load(gate_ptr + i, mask=m, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)
     up = tl.load(up_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -229,6 +234,15 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return out
 
 
+def channel_block(keys: int) -> int:
+    """The conv's channels per program: the largest power of two up to 128 that divides `keys`, so that a block
+    lies in one of q, k and v."""
+    block = 128
+    while keys % block:
+        block //= 2
+    return block
+
+
 def conv_silu(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, keys: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,9 +251,13 @@ def conv_silu(
     `[T, C - 2 keys]`, contiguous, in x's dtype; `state` is read, not advanced."""
     tokens, channels = x.shape
     span = weight.shape[1] - 1
+    bt, bc = 32, channel_block(keys)
+    if span >= bt or bc < 16:
+        raise ValueError(
+            f"conv_silu takes a window under {bt} and key channels in 16s, got {span + 1}, {keys}"
+        )
     q, k = (x.new_empty(tokens, keys) for _ in range(2))
     v = x.new_empty(tokens, channels - 2 * keys)
-    bt, bc = 32, 128
     grid = (triton.cdiv(tokens, bt), triton.cdiv(channels, bc))
     _conv_silu[grid](
         x,
@@ -272,9 +290,11 @@ def gates(
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate <- silu(gate) * up for contiguous tensors of one shape; returns gate."""
+    """gate <- silu(gate) * up for contiguous tensors of one shape, a multiple of 8 elements; returns gate."""
     count, block = gate.numel(), 1024
-    _silu_mul[(triton.cdiv(count, block),)](gate, up, count, BLOCK=block)
+    if count % 8:
+        raise ValueError(f"silu_mul_ takes a multiple of 8 elements, got {count}")
+    _silu_mul[(triton.cdiv(count, block),)](gate, up, count // 8, BLOCK=block)
     return gate
 
 
