@@ -228,6 +228,22 @@ def test_attention_heads_of_an_odd_width_take_the_torch_form() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_a_rotary_width_the_kernel_does_not_take_keeps_the_torch_heads_and_the_kernels_gate() -> None:
+    layer = heads_layer()
+    d = layer.head_dim
+    qg = randn(1, 7, 2 * layer.num_heads * d, seed=28)
+    k, v = randn(1, 7, layer.num_kv_heads * d, seed=29), randn(1, 7, layer.num_kv_heads * d, seed=30)
+    cos, sin = rotary_tables(7, 12)  # halves of 6
+    got, want = (
+        TRITON.attention_heads(layer, qg, k, v, cos, sin),
+        TORCH.attention_heads(layer, qg, k, v, cos, sin),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    attn = randn(1, layer.num_heads, 7, d, seed=31)
+    gated = TRITON.attention_gate(layer, attn, got[3])
+    assert relative_error(gated, TORCH.attention_gate(layer, attn, want[3])) <= TWO_ROUNDINGS
+
+
 def test_the_form_is_chosen_by_device_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     layer, norm, cpu = mixer(), norm_with_random_weight(64, seed=17), torch.device("cpu")
     attention = heads_layer()

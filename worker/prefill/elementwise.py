@@ -160,6 +160,9 @@ class TritonElementwise:
             return TorchElementwise().attention_heads(layer, qg, k, v, cos, sin)
         (_, t, _), d = qg.shape, layer.head_dim
         heads = qg.view(t, layer.num_heads, 2 * d)
+        if not _fits_rotary(cos.shape[-1]):  # the torch form's heads; the gate still goes to the kernel
+            q, k, v, _ = TorchElementwise().attention_heads(layer, qg, k, v, cos, sin)
+            return q, k, v, heads[..., d:]
         q = self._k.head_norm_rope(heads[..., :d], layer.q_norm.weight, layer.q_norm.eps, cos, sin)
         keys = k.view(t, layer.num_kv_heads, d)
         k = self._k.head_norm_rope(keys, layer.k_norm.weight, layer.k_norm.eps, cos, sin)
@@ -176,6 +179,12 @@ def _fits_heads(layer: GatedAttention) -> bool:
     """The head kernels load a head in one power-of-two block (Qwen3.5's heads are 256 wide)."""
     d = layer.head_dim
     return d & (d - 1) == 0
+
+
+def _fits_rotary(rotary: int) -> bool:
+    """The norm-and-RoPE kernel loads the rotated dims as two power-of-two halves (Qwen3.5 rotates 64)."""
+    half = rotary // 2
+    return half & (half - 1) == 0
 
 
 Elementwise = TorchElementwise | TritonElementwise

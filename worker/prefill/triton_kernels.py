@@ -152,30 +152,38 @@ def _head_norm_rope(
 ):
     """One head's rows of a projection (x[t, h, :WIDTH] at the given strides): ZeroCenteredRMSNorm, rounded to
     the output dtype, then rotate-half RoPE on the first ROT dims with each product and the sum rounded as the
-    model dtype's arithmetic rounds them; written to out `[heads, tokens, WIDTH]`."""
+    model dtype's arithmetic rounds them; written to out `[heads, tokens, WIDTH]`. The rotated dims are read
+    again as their two halves, so that every load and store is a contiguous run (ROT / 2 a power of two)."""
     h = tl.program_id(1)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t64 = t.to(tl.int64)[:, None]
     e = tl.arange(0, WIDTH)
     m = (t < tokens)[:, None]
-    row = x_ptr + t.to(tl.int64)[:, None] * token_stride + h * head_stride
+    row = x_ptr + t64 * token_stride + h * head_stride
     x = tl.load(row + e[None, :], mask=m, other=0.0).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / WIDTH + eps)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / WIDTH + eps)[:, None]
     dtype = out_ptr.dtype.element_ty
-    normed = ((x * inv[:, None]) * (1.0 + tl.load(w_ptr + e).to(tl.float32))[None, :]).to(dtype)
-    # the partner of each rotated dim (e + half or e - half), normalised the same way
-    half = ROT // 2
-    partner = tl.where(e < half, e + half, tl.where(e < ROT, e - half, e))
-    xp = tl.load(row + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    wp = 1.0 + tl.load(w_ptr + partner).to(tl.float32)
-    normed_p = ((xp * inv[:, None]) * wp[None, :]).to(dtype).to(tl.float32)
-    rotated = tl.where((e < half)[None, :], -normed_p, normed_p)
-    rope = (e < ROT)[None, :]
-    table = t.to(tl.int64)[:, None] * ROT + tl.minimum(e, ROT - 1)[None, :]
-    c = tl.load(cos_ptr + table, mask=m & rope, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + table, mask=m & rope, other=0.0).to(tl.float32)
-    turned = (normed.to(tl.float32) * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)
-    out = tl.where(rope, turned.to(dtype), normed)
-    tl.store(out_ptr + (h * tokens + t.to(tl.int64))[:, None] * WIDTH + e[None, :], out, mask=m)
+    normed = ((x * inv) * (1.0 + tl.load(w_ptr + e).to(tl.float32))[None, :]).to(dtype)
+    out = out_ptr + (h * tokens + t64) * WIDTH
+    tl.store(out + e[None, :], normed, mask=m & (e >= ROT)[None, :])  # what RoPE leaves alone
+    if ROT > 0:
+        half = tl.arange(0, ROT // 2)[None, :]
+        lo = tl.load(row + half, mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(row + ROT // 2 + half, mask=m, other=0.0).to(tl.float32)
+        w_lo = 1.0 + tl.load(w_ptr + half).to(tl.float32)
+        w_hi = 1.0 + tl.load(w_ptr + ROT // 2 + half).to(tl.float32)
+        n_lo = ((lo * inv) * w_lo).to(dtype).to(tl.float32)
+        n_hi = ((hi * inv) * w_hi).to(dtype).to(tl.float32)
+        table = t64 * ROT + half
+        cos_lo = tl.load(cos_ptr + table, mask=m, other=0.0).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + table + ROT // 2, mask=m, other=0.0).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + table, mask=m, other=0.0).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + table + ROT // 2, mask=m, other=0.0).to(tl.float32)
+        # x cos + rotate_half(x) sin, rotate_half(x) = (-x_hi, x_lo); each product rounded, then the sum
+        out_lo = (n_lo * cos_lo).to(dtype).to(tl.float32) + (-n_hi * sin_lo).to(dtype).to(tl.float32)
+        out_hi = (n_hi * cos_hi).to(dtype).to(tl.float32) + (n_lo * sin_hi).to(dtype).to(tl.float32)
+        tl.store(out + half, out_lo.to(dtype), mask=m)
+        tl.store(out + ROT // 2 + half, out_hi.to(dtype), mask=m)
 
 
 @triton.jit(do_not_specialize=["tokens"])
