@@ -112,8 +112,8 @@ def layer_traffic(tokens: int) -> list[dict[str, Any]]:
     table = torch.empty(tokens, config.rotary_dim, device="meta", dtype=bf16)
     attn = torch.empty(1, heads, tokens, d, device="meta", dtype=bf16)
     gate = qg.view(1, tokens, heads, 2 * d)[..., d:].reshape(1, tokens, -1)
-    # The head kernel reads each row twice (its rotary partners) and the tables once per head.
-    rows_read = 3 * (heads + kv_heads) * d + 2 * (heads + kv_heads) * config.rotary_dim
+    # The head kernel reads each row and its rotated dims again, writes the row, and reads the tables per head.
+    rows_read = (heads + kv_heads) * (2 * d + 3 * config.rotary_dim)
     fused["attention: q, k norm + rope"] = rows_read * tokens * size
     fused["attention: output gate"] = 3 * tokens * heads * d * size
     torch_forms["attention: q, k norm + rope"] = lambda: ops.attention_heads(
