@@ -111,13 +111,14 @@ class TritonElementwise:
         from . import triton_kernels
 
         self._k = triton_kernels
+        self._torch = TorchElementwise()  # for shapes outside the kernels' bounds (never Qwen3.5's)
 
     def rms_norm(self, norm: ZeroCenteredRMSNorm, x: torch.Tensor) -> torch.Tensor:
         return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps)
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.numel() % 8:  # the kernel loads 8 at a time (Qwen3.5's widths are multiples of 8)
-            return TorchElementwise().silu_mul_(gate, up)
+        if not self._k.silu_mul_fits(gate.numel()):
+            return self._torch.silu_mul_(gate, up)
         if not gate.is_contiguous():
             return gate.copy_(self._k.silu_mul_(gate.contiguous(), up.contiguous()))
         return self._k.silu_mul_(gate, up.contiguous())
@@ -130,10 +131,8 @@ class TritonElementwise:
     def conv_silu(
         self, layer: GatedDeltaNet, x: torch.Tensor, conv_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if (
-            self._k.channel_block(layer.key_dim) < 16 or layer.kernel > 32
-        ):  # the kernel's bounds (never Qwen3.5's)
-            return TorchElementwise().conv_silu(layer, x, conv_state)
+        if not self._k.conv_fits(layer.key_dim, layer.kernel):
+            return self._torch.conv_silu(layer, x, conv_state)
         x = x.contiguous()
         span, t = layer.kernel - 1, x.shape[0]
         q, k, v = self._k.conv_silu(x, conv_state, layer.conv1d.weight[:, 0, :], layer.key_dim)
@@ -156,12 +155,14 @@ class TritonElementwise:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not _fits_heads(layer):
-            return TorchElementwise().attention_heads(layer, qg, k, v, cos, sin)
+        if not self._k.heads_fit(layer.head_dim):
+            return self._torch.attention_heads(layer, qg, k, v, cos, sin)
         (_, t, _), d = qg.shape, layer.head_dim
         heads = qg.view(t, layer.num_heads, 2 * d)
-        if not _fits_rotary(cos.shape[-1]):  # the torch form's heads; the gate still goes to the kernel
-            q, k, v, _ = TorchElementwise().attention_heads(layer, qg, k, v, cos, sin)
+        if not self._k.rotary_fits(
+            cos.shape[-1]
+        ):  # the torch form's heads; the gate still goes to the kernel
+            q, k, v, _ = self._torch.attention_heads(layer, qg, k, v, cos, sin)
             return q, k, v, heads[..., d:]
         q = self._k.head_norm_rope(heads[..., :d], layer.q_norm.weight, layer.q_norm.eps, cos, sin)
         keys = k.view(t, layer.num_kv_heads, d)
@@ -170,21 +171,9 @@ class TritonElementwise:
         return q[None], k[None], v, heads[..., d:]  # the gate stays a view of the projection
 
     def attention_gate(self, layer: GatedAttention, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if not _fits_heads(layer):
-            return TorchElementwise().attention_gate(layer, attn, gate)
+        if not self._k.heads_fit(layer.head_dim):
+            return self._torch.attention_gate(layer, attn, gate)
         return self._k.gated_heads(attn[0], gate)[None]
-
-
-def _fits_heads(layer: GatedAttention) -> bool:
-    """The head kernels load a head in one power-of-two block (Qwen3.5's heads are 256 wide)."""
-    d = layer.head_dim
-    return d & (d - 1) == 0
-
-
-def _fits_rotary(rotary: int) -> bool:
-    """The norm-and-RoPE kernel loads the rotated dims as two power-of-two halves (Qwen3.5 rotates 64)."""
-    half = rotary // 2
-    return half & (half - 1) == 0
 
 
 Elementwise = TorchElementwise | TritonElementwise

@@ -242,6 +242,31 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return out
 
 
+# What the kernels take (elementwise.py gives anything else to the torch forms; Qwen3.5 is always inside).
+CONV_ROWS = 32  # rows of tokens per conv program: the conv's window must be shorter
+
+
+def conv_fits(keys: int, kernel: int) -> bool:
+    """The conv kernel's bounds: key channels in blocks of at least 16 (channel_block), a window under CONV_ROWS."""
+    return channel_block(keys) >= 16 and kernel - 1 < CONV_ROWS
+
+
+def silu_mul_fits(count: int) -> bool:
+    """The SwiGLU product's kernel loads 8 elements at a time."""
+    return count % 8 == 0
+
+
+def heads_fit(width: int) -> bool:
+    """The head kernels load a head in one power-of-two block."""
+    return width & (width - 1) == 0
+
+
+def rotary_fits(rotary: int) -> bool:
+    """The norm-and-RoPE kernel loads the rotated dims as two power-of-two halves."""
+    half = rotary // 2
+    return half & (half - 1) == 0
+
+
 def channel_block(keys: int) -> int:
     """The conv's channels per program: the largest power of two up to 128 that divides `keys`, so that a block
     lies in one of q, k and v."""
@@ -259,11 +284,9 @@ def conv_silu(
     `[T, C - 2 keys]`, contiguous, in x's dtype; `state` is read, not advanced."""
     tokens, channels = x.shape
     span = weight.shape[1] - 1
-    bt, bc = 32, channel_block(keys)
-    if span >= bt or bc < 16:
-        raise ValueError(
-            f"conv_silu takes a window under {bt} and key channels in 16s, got {span + 1}, {keys}"
-        )
+    if not conv_fits(keys, span + 1):
+        raise ValueError(f"conv_silu does not take a window of {span + 1} with {keys} key channels")
+    bt, bc = CONV_ROWS, channel_block(keys)
     q, k = (x.new_empty(tokens, keys) for _ in range(2))
     v = x.new_empty(tokens, channels - 2 * keys)
     grid = (triton.cdiv(tokens, bt), triton.cdiv(channels, bc))
@@ -300,7 +323,7 @@ def gates(
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate <- silu(gate) * up for contiguous tensors of one shape, a multiple of 8 elements; returns gate."""
     count, block = gate.numel(), 1024
-    if count % 8:
+    if not silu_mul_fits(count):
         raise ValueError(f"silu_mul_ takes a multiple of 8 elements, got {count}")
     _silu_mul[(triton.cdiv(count, block),)](gate, up, count // 8, BLOCK=block)
     return gate
