@@ -339,8 +339,8 @@ def test_sampled_speculative_output_keeps_plain_samplings_distribution(tmp_path:
     """Issue 23: sampled requests verified on the device with speculative rejection sampling are distributed as
     plain sampling. On the megakernel, a tiny model whose MTP head drafts well (some drafts accepted, some
     rejected): the first three tokens of 800 seeded requests with k = 2 MTP drafts against 800 without drafts,
-    a two-sample chi-square over the frequent triples at the 0.999 level. (The same test on the CPU reference:
-    chi-square 4.9 against the bound 37.8; with a sampler that accepts every draft, 344.)"""
+    a two-sample chi-square over the frequent triples at the 0.999 level (the CPU reference's counterpart:
+    tests/test_speculative.py)."""
     from onestream.kernels.backend import MegakernelBackend
     from onestream.worker.api import Finished, GenerateRequest, SamplingParams
     from onestream.worker.engine import Engine
