@@ -1,6 +1,8 @@
 """How much a model amplifies bf16 roundings of its activations, on the CPU: teacher-forced KLD against the fp32
 reference of (a) the fp32 reference with every linear layer's input rounded to bf16 -- the megakernel's GEMV inputs
-are staged in bf16 even in its fp32-activation build -- and (b) the whole model in bf16.
+are staged in bf16 even in its fp32-activation build --, (b) those inputs then quantized per 32 as the quantized
+GEMV's dp4a path does (two int8 planes, 15 bits of the unit's largest) and as a single int8 plane would (8 bits,
+llama.cpp's q8_1), and (c) the whole model in bf16.
 
 Neither side involves the megakernel; the figures tell a model that amplifies roundings (a badly conditioned random
 model) from a kernel that makes too many. Both sides run the same weights (`--quantize` or a GGUF: the same
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,33 @@ class RoundedInputs(ReferenceForward):
     def logits(self, window: Sequence[int]) -> torch.Tensor:
         linear = F.linear
         F.linear = lambda x, w, b=None: linear(x.bfloat16().float(), w, b)
+        try:
+            return super().logits(window)
+        finally:
+            F.linear = linear
+
+
+def quantize_units(x: torch.Tensor, top: int) -> torch.Tensor:
+    """x rounded to bf16 (as the kernel stages it), then to integers per 32 consecutive inputs with the unit's
+    largest |x| at `top` (127: one int8 plane, as llama.cpp's q8_1; 32639: the megakernel's two int8 planes, x = d
+    (256 q1 + q2)), and back."""
+    x = x.bfloat16().float()
+    units = x.reshape(*x.shape[:-1], -1, 32)
+    d = units.abs().amax(-1, keepdim=True) / top
+    q = torch.where(d > 0, torch.round(units / d.clamp_min(1e-30)), torch.zeros_like(units))
+    return (q * d).reshape(x.shape)
+
+
+class QuantizedInputs(ReferenceForward):
+    """The reference with the input of every `F.linear` quantized per 32-input unit (quantize_units)."""
+
+    def __init__(self, model: Any, name: str, top: int) -> None:
+        super().__init__(model, name)
+        self.top = top
+
+    def logits(self, window: Sequence[int]) -> torch.Tensor:
+        linear = F.linear
+        F.linear = lambda x, w, b=None: linear(quantize_units(x, self.top), w, b)
         try:
             return super().logits(window)
         finally:
@@ -59,6 +89,16 @@ def main() -> int:
             run_kld(RoundedInputs(fp32, "rounded"), ref, tokens, args.ctx),
         )
     ]
+    for label, top in (
+        ("two int8 planes (15 bits, the kernel's)", 32639),
+        ("one int8 plane (q8_1-like)", 127),
+    ):
+        rows.append(
+            (
+                f"fp32, linear inputs in bf16 then {label} per 32",
+                run_kld(QuantizedInputs(fp32, label, top), ref, tokens, args.ctx),
+            )
+        )
     bf16 = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")
     rows.append(("bf16 model", run_kld(ReferenceForward(bf16, "bf16"), ref, tokens, args.ctx)))
     print(
