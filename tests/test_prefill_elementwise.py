@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from onestream.kernels.random_model import config_27b
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.layers.attention import GatedAttention
 from onestream.worker.layers.deltanet import GatedDeltaNet
@@ -177,6 +178,22 @@ def test_the_probe_admits_the_kernels_and_catches_a_wrong_one() -> None:
 
     errors = probe(ShiftedConv(), torch.device("cpu"), norm, layer)
     assert errors["conv_v"] > PROBE_TOLERANCE and errors["rms_norm"] <= PROBE_TOLERANCE
+
+
+def test_the_probe_admits_the_kernels_at_the_27b_shapes() -> None:
+    """The probe a card runs before its first prompt, at the 27B shapes (5,120-wide norms, 17,408-wide SwiGLU
+    rows, 48 value heads, a 10,240-channel conv, 24 attention heads of 256 dims with a quarter rotated): every
+    kernel's blocks, bounds and strides at the sizes a GPU card meets, not only the tiny model's."""
+    cfg = config_27b(1)
+    gen = torch.Generator().manual_seed(27)
+    layer, attention, norm = GatedDeltaNet(cfg), GatedAttention(cfg), ZeroCenteredRMSNorm(cfg.hidden_size)
+    with torch.no_grad():
+        for module in (layer, attention, norm):
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    errors = probe(TRITON, torch.device("cpu"), norm.bfloat16(), layer.bfloat16(), attention.bfloat16())
+    assert {"conv_q", "conv_k", "conv_v", "gated_rms_norm", "q_norm_rope", "attention_gate"} <= set(errors)
+    assert max(errors.values()) <= PROBE_TOLERANCE, errors
 
 
 def heads_layer(seed: int = 21, **overrides: object) -> GatedAttention:
