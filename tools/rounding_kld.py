@@ -8,7 +8,8 @@ Neither side involves the megakernel; the figures tell a model that amplifies ro
 model) from a kernel that makes too many. Both sides run the same weights (`--quantize` or a GGUF: the same
 quantized weights, dequantized).
 
-    python tools/rounding_kld.py [--model DIR|FILE] [--quantize PRESET] [--tokens FILE] [--limit 2048] [--ctx 512]
+    python tools/rounding_kld.py [--model DIR|FILE] [--quantize PRESET] [--tokens FILE | --text FILE ...] [--limit 2048]
+        [--ctx 512]
 """
 
 from __future__ import annotations
@@ -72,7 +73,14 @@ def main() -> int:
         "--model", default=None, help="checkpoint directory or .gguf (default: the embedded model)"
     )
     parser.add_argument("--quantize", default=None, help="quantize on load (both sides)")
-    parser.add_argument("--tokens", type=Path, default=DEFAULT_TOKENS)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--tokens", type=Path, default=DEFAULT_TOKENS)
+    source.add_argument(
+        "--text",
+        type=Path,
+        nargs="+",
+        help="text files, one after another, tokenized with the model's tokenizer",
+    )
     parser.add_argument("--limit", type=int, default=2048)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
@@ -80,7 +88,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = open_checkpoint(args.model, quantize=args.quantize)
-    tokens = read_token_file(args.tokens)[: args.limit]
+    if args.text:
+        tokens = checkpoint.tokenizer().encode("".join(path.read_text() for path in args.text))[: args.limit]
+    else:
+        tokens = read_token_file(args.tokens)[: args.limit]
     fp32 = load_model(checkpoint, dtype=torch.float32, device="cpu")
     ref = ReferenceForward(fp32, "fp32")
     rows = [
