@@ -293,6 +293,9 @@ class CardActor:
                 elif isinstance(item, Finished):
                     stream.close()  # the engine caches the turn's state now: the report below includes it
                     self._observe_finished(item)
+                    # The sessions as listed include this turn before its finish leaves: a client that lists
+                    # them on the finish, which the link brings it at once, must find the turn there.
+                    self._refresh_sessions()
                     put(self._prefix_reporter.report(self._engine.prefix_points()))
                     put(item)
                     return True

@@ -491,25 +491,17 @@ class Engine:
             timings.decode_s = t_end - t_start - timings.time_to_first_token_s
             timings.total_s = t_end - t_start
             assert checker.finish_reason is not None
-            finished = Finished(checker.finish_reason, usage, timings, checker.stop_reason)
-            # Cached before its finish is seen: a client that lists sessions on `Finished` finds this turn there.
-            self._keep(session, consistent)
-            session = None
-            yield finished
+            yield Finished(checker.finish_reason, usage, timings, checker.stop_reason)
         finally:
             self._active_request = None
             if session is not None:
-                self._keep(session, consistent)
+                with self._cache_lock:
+                    if consistent:
+                        session.sequence.release_rollback_records()
+                        self._sessions.put(session)
+                    else:
+                        self._sessions.discard(session)
             self._run_lock.release()
-
-    def _keep(self, session: Session, consistent: bool) -> None:
-        """Cache a turn's session, or drop it where its state is not consistent."""
-        with self._cache_lock:
-            if consistent:
-                session.sequence.release_rollback_records()
-                self._sessions.put(session)
-            else:
-                self._sessions.discard(session)
 
     def _step(
         self,
