@@ -15,7 +15,8 @@ quantized weights, dequantized).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +27,6 @@ from onestream.worker.evaluation import ReferenceForward, read_token_file, run_k
 from onestream.worker.loading import load_model
 
 DEFAULT_TOKENS = Path(".data/eval/heldout_tokens.txt")
-
-
-class RoundedInputs(ReferenceForward):
-    """The reference with the input of every `F.linear` (projections, lm_head) rounded to bf16."""
-
-    def logits(self, window: Sequence[int]) -> torch.Tensor:
-        linear = F.linear
-        F.linear = lambda x, w, b=None: linear(x.bfloat16().float(), w, b)
-        try:
-            return super().logits(window)
-        finally:
-            F.linear = linear
 
 
 def quantize_units(x: torch.Tensor, top: int) -> torch.Tensor:
@@ -51,16 +40,16 @@ def quantize_units(x: torch.Tensor, top: int) -> torch.Tensor:
     return (q * d).reshape(x.shape)
 
 
-class QuantizedInputs(ReferenceForward):
-    """The reference with the input of every `F.linear` quantized per 32-input unit (quantize_units)."""
+class TransformedInputs(ReferenceForward):
+    """The reference with the input of every `F.linear` (projections, lm_head) passed through `transform` first."""
 
-    def __init__(self, model: Any, name: str, top: int) -> None:
+    def __init__(self, model: Any, name: str, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__(model, name)
-        self.top = top
+        self.transform = transform
 
     def logits(self, window: Sequence[int]) -> torch.Tensor:
         linear = F.linear
-        F.linear = lambda x, w, b=None: linear(quantize_units(x, self.top), w, b)
+        F.linear = lambda x, w, b=None: linear(self.transform(x), w, b)
         try:
             return super().logits(window)
         finally:
@@ -97,7 +86,9 @@ def main() -> int:
     rows = [
         (
             "fp32, linear inputs rounded to bf16",
-            run_kld(RoundedInputs(fp32, "rounded"), ref, tokens, args.ctx),
+            run_kld(
+                TransformedInputs(fp32, "rounded", lambda x: x.bfloat16().float()), ref, tokens, args.ctx
+            ),
         )
     ]
     for label, top in (
@@ -107,7 +98,9 @@ def main() -> int:
         rows.append(
             (
                 f"fp32, linear inputs in bf16 then {label} per 32",
-                run_kld(QuantizedInputs(fp32, label, top), ref, tokens, args.ctx),
+                run_kld(
+                    TransformedInputs(fp32, label, partial(quantize_units, top=top)), ref, tokens, args.ctx
+                ),
             )
         )
     bf16 = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")
