@@ -2,7 +2,8 @@
 reference of (a) the fp32 reference with every linear layer's input rounded to bf16 -- the megakernel's GEMV inputs
 are staged in bf16 even in its fp32-activation build --, (b) those inputs then quantized per 32 as the quantized
 GEMV's dp4a path does (two int8 planes, 15 bits of the unit's largest) and as a single int8 plane would (8 bits,
-llama.cpp's q8_1), and (c) the whole model in bf16.
+llama.cpp's q8_1), and two planes over wider groups (per 128 and per whole row: a tensor-core GEMV that applies a
+K-quant's sub-block scales in integers needs one input scale per 256), and (c) the whole model in bf16.
 
 Neither side involves the megakernel; the figures tell a model that amplifies roundings (a badly conditioned random
 model) from a kernel that makes too many. Both sides run the same weights (`--quantize` or a GGUF: the same
@@ -29,12 +30,12 @@ from onestream.worker.loading import load_model
 DEFAULT_TOKENS = Path(".data/eval/heldout_tokens.txt")
 
 
-def quantize_units(x: torch.Tensor, top: int) -> torch.Tensor:
-    """x rounded to bf16 (as the kernel stages it), then to integers per 32 consecutive inputs with the unit's
-    largest |x| at `top` (127: one int8 plane, as llama.cpp's q8_1; 32639: the megakernel's two int8 planes, x = d
-    (256 q1 + q2)), and back."""
+def quantize_units(x: torch.Tensor, top: int, unit: int = 32) -> torch.Tensor:
+    """x rounded to bf16 (as the kernel stages it), then to integers per `unit` consecutive inputs (0: the whole
+    input row) with the unit's largest |x| at `top` (127: one int8 plane, as llama.cpp's q8_1; 32639: the
+    megakernel's two int8 planes, x = d (256 q1 + q2)), and back."""
     x = x.bfloat16().float()
-    units = x.reshape(*x.shape[:-1], -1, 32)
+    units = x.reshape(*x.shape[:-1], -1, unit or x.shape[-1])
     d = units.abs().amax(-1, keepdim=True) / top
     q = torch.where(d > 0, torch.round(units / d.clamp_min(1e-30)), torch.zeros_like(units))
     return (q * d).reshape(x.shape)
@@ -91,16 +92,17 @@ def main() -> int:
             ),
         )
     ]
-    for label, top in (
-        ("two int8 planes (15 bits, the kernel's)", 32639),
-        ("one int8 plane (q8_1-like)", 127),
+    for label, top, unit in (
+        ("two int8 planes (15 bits, the kernel's) per 32", 32639, 32),
+        ("one int8 plane (q8_1-like) per 32", 127, 32),
+        ("two int8 planes per 128", 32639, 128),
+        ("two int8 planes per whole input row", 32639, 0),
     ):
+        transform = partial(quantize_units, top=top, unit=unit)
         rows.append(
             (
-                f"fp32, linear inputs in bf16 then {label} per 32",
-                run_kld(
-                    TransformedInputs(fp32, label, partial(quantize_units, top=top)), ref, tokens, args.ctx
-                ),
+                f"fp32, linear inputs in bf16 then {label}",
+                run_kld(TransformedInputs(fp32, label, transform), ref, tokens, args.ctx),
             )
         )
     bf16 = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")

@@ -1,8 +1,17 @@
-"""Issue 21 probe (GPU): candidate inner loops of the quantized GEMV, streaming a Q4_K matrix in the kernel's
-row-of-planes layout (per row: 16 bytes of nibbles per 32-element unit, then 16 bytes of scales per 256) at the
-27B input width. Prints GB/s per loop and tokens per launch next to a plain read of the same bytes:
-  plain read | mma: bf16 levels (magic number) on mma.m16n8k16, 16-row items, scales applied per unit |
-  dp4a2: the inputs as two int8 planes per 32 (x = d (q1 + q2 / 256)), 4-row items, one lane per unit."""
+"""Issue 21 probe (GPU): candidate inner loops of the quantized GEMV, streaming a Q4_K matrix at the 27B input width
+(17408 x 8 rows of 5120: 91.9 MB). Prints, per tokens per launch, GB/s per loop next to a plain read of the same bytes:
+  mma: bf16 levels (magic number) on mma.m16n8k16, 16-row items, rows of planes (per row: 16 bytes of nibbles per
+       32-element unit, then 16 bytes of scales per 256), scales applied per unit;
+  dp4a2: the inputs as two int8 planes per 32 (x = d (q1 + q2 / 256)), 4-row items, one lane per unit (the
+       megakernel's loop today, less its ring and butterfly);
+  imma: the same two planes on the int8 tensor cores, mma.m16n8k32.s8, with the weights in fragment order: per
+       16-row tile and unit, lane (g, t) holds 4 bytes of row g and 4 of row g + 8, each byte's low nibble the
+       level at k = 4t + i, its high nibble k = 16 + 4t + i, so the A fragment is two masks per row. The
+       B columns are (token, plane) pairs, so up to 4 tokens take one mma and its epilogue per lane is one token
+       of two rows, whatever T is up to 4;
+  immai: imma with the inputs quantized per 256 instead of 32 (one d per super-block and token), so the sub-block
+       scales and mins multiply in integers and the floats come once per super-block.
+Usage: python3 tools/gpu/qmma_probe.py [T ...]   (default: 1 2 4; the staged inputs are static shared memory, so T <= 4)."""
 
 import sys
 
@@ -144,38 +153,193 @@ extern "C" __global__ void __launch_bounds__(384,1) dp4a2(const unsigned char* w
   }
   if(tot==1.2345f) out[0]=tot;
 }
+// ---- imma: warp item = one 16-row tile, steps of one super-block double-buffered ---------------------------
+// Tile layout per super-block: 8 units x 256 bytes of fragments (lane l: 8 bytes at 8 l), then the 16 rows' 16-byte
+// scales (the rows-of-planes scale bytes, as mmaq reads them).
+#define TSB (8 * 256 + 16 * 16)
+struct IStep { uint2 a[8]; uint4 sa, sb; };
+__device__ __forceinline__ uint2 ldcs64(const void* p){uint2 r; asm volatile("ld.global.cs.v2.u32 {%0,%1},[%2];":"=r"(r.x),"=r"(r.y):"l"(p)); return r;}
+__device__ __forceinline__ void iload(const unsigned char* tile, int sb, int lane, int g, IStep& s){
+  const unsigned char* b=tile+(long)sb*TSB;
+  #pragma unroll
+  for(int j=0;j<8;++j) s.a[j]=ldcs64(b+j*256+8*lane);
+  s.sa=ldcs128(b+8*256+g*16); s.sb=ldcs128(b+8*256+(g+8)*16);
+}
+__device__ __forceinline__ void imma(int (&d)[4], u32 a0,u32 a1,u32 a2,u32 a3,u32 b0,u32 b1){
+ asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3},{%4,%5,%6,%7},{%8,%9},{%0,%1,%2,%3};"
+  :"+r"(d[0]),"+r"(d[1]),"+r"(d[2]),"+r"(d[3]):"r"(a0),"r"(a1),"r"(a2),"r"(a3),"r"(b0),"r"(b1));}
+#define NG ((NT + 3) / 4)  // token groups of 4: one mma each
+extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w, int rows, float* out){
+  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
+  const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
+  __shared__ u32 x8[NT][NUN][2][8];  // per token and unit: plane 1, plane 2 (32 int8 each)
+  __shared__ float2 xd[NT][NUN];     // per token and unit: d, sum x
+  for(int i=threadIdx.x;i<NT*NUN*16;i+=384) (&x8[0][0][0][0])[i]=0x01020304u*i;
+  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xd[0][0])[i]=make_float2(0.01f*i, 1.0f);
+  __syncthreads();
+  int btok[NG], etok[NG];  // the token whose plane this lane's B column holds; the token of its C columns
+  #pragma unroll
+  for(int q=0;q<NG;++q){ btok[q]=min(4*q+(g>>1), NT-1); etok[q]=min(4*q+t, NT-1); }
+  const u32 M=0x0F0F0F0Fu;
+  float tot=0.f;
+  for(int tile=wid; tile<rows/16; tile+=warps){
+    const unsigned char* base=w+(long)tile*16*ROWB;
+    float acc[NG][2];
+    #pragma unroll
+    for(int q=0;q<NG;++q){ acc[q][0]=0.f; acc[q][1]=0.f; }
+    IStep s[2];
+    iload(base,0,lane,g,s[0]);
+    #pragma unroll 1
+    for(int sb=0; sb<K/256; sb+=2){
+      #pragma unroll
+      for(int h=0;h<2;++h){
+        if(sb+h+1<K/256) iload(base,sb+h+1,lane,g,s[h^1]);
+        const IStep& c=s[h];
+        #pragma unroll
+        for(int j=0;j<8;++j){
+          const int v=(sb+h)*8+j;
+          const u32 a0=c.a[j].x&M, a2=(c.a[j].x>>4)&M, a1=c.a[j].y&M, a3=(c.a[j].y>>4)&M;
+          float ag,bg,a8,b8;
+          switch(j){
+#define IS(J) case J: kscale<J>(c.sa,ag,bg); kscale<J>(c.sb,a8,b8); break;
+            IS(0) IS(1) IS(2) IS(3) IS(4) IS(5) IS(6) IS(7)
+          }
+          #pragma unroll
+          for(int q=0;q<NG;++q){
+            const u32* xb=x8[btok[q]][v][g&1];
+            int d[4]={0,0,0,0};
+            imma(d, a0, a1, a2, a3, xb[t], xb[4+t]);
+            const float2 dd=xd[etok[q]][v];
+            const float sg=(float)(d[0]*256+d[1]), s8=(float)(d[2]*256+d[3]);
+            acc[q][0]=fmaf(ag*dd.x, sg, fmaf(-bg, dd.y, acc[q][0]));
+            acc[q][1]=fmaf(a8*dd.x, s8, fmaf(-b8, dd.y, acc[q][1]));
+          }
+        }
+      }
+    }
+    #pragma unroll
+    for(int q=0;q<NG;++q) tot+=acc[q][0]+acc[q][1];
+  }
+  if(tot==1.2345f) out[0]=tot;
+}
+// ---- immai: immaq with the inputs quantized per 256 (one d per super-block and token), so the sub-block scales
+// and mins multiply in integers and the floats come once per super-block. The scale bytes as mmaq reads them:
+// bytes 4..11 hold sc (low 6 bits) and m's low 2 bits (high 2), bytes 12..15 m's high 4 bits as nibbles.
+__device__ __forceinline__ u32 byte_of(u32 w, int j){ u32 r; asm("prmt.b32 %0,%1,0,%2;":"=r"(r):"r"(w),"r"(0x4440u|j)); return r; }
+extern "C" __global__ void __launch_bounds__(384,1) immai(const unsigned char* w, int rows, float* out){
+  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
+  const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
+  __shared__ uint2 x8[NT][NUN][2][4];  // per token and unit: planes 1 and 2 in B-fragment order (lane t: 8 bytes)
+  __shared__ int xq[NT][NUN];         // per token and unit: sum (256 q1 + q2)
+  __shared__ float xd[NT][K/256];     // per token and super-block: d
+  for(int i=threadIdx.x;i<NT*NUN*8;i+=384) (&x8[0][0][0][0])[i]=make_uint2(0x01020304u*i, 0x7f010203u+i);
+  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xq[0][0])[i]=i*17-900;
+  for(int i=threadIdx.x;i<NT*K/256;i+=384) (&xd[0][0])[i]=0.01f*i;
+  __syncthreads();
+  int btok[NG], etok[NG];
+  #pragma unroll
+  for(int q=0;q<NG;++q){ btok[q]=min(4*q+(g>>1), NT-1); etok[q]=min(4*q+t, NT-1); }
+  const u32 M=0x0F0F0F0Fu;
+  float tot=0.f;
+  for(int tile=wid; tile<rows/16; tile+=warps){
+    const unsigned char* base=w+(long)tile*16*ROWB;
+    float acc[NG][2];
+    #pragma unroll
+    for(int q=0;q<NG;++q){ acc[q][0]=0.f; acc[q][1]=0.f; }
+    IStep s[2];
+    iload(base,0,lane,g,s[0]);
+    #pragma unroll 1
+    for(int sb=0; sb<K/256; sb+=2){
+      #pragma unroll
+      for(int h=0;h<2;++h){
+        if(sb+h+1<K/256) iload(base,sb+h+1,lane,g,s[h^1]);
+        const IStep& c=s[h];
+        // sc bytes and m bytes of the 8 units, per row (g: sa, g + 8: sb)
+        const u32 scg0=c.sa.y&0x3F3F3F3Fu, scg1=c.sa.z&0x3F3F3F3Fu, sc80=c.sb.y&0x3F3F3F3Fu, sc81=c.sb.z&0x3F3F3F3Fu;
+        u32 mg[2], m8[2];
+        #pragma unroll
+        for(int r=0;r<2;++r){
+          const uint4& sv=r?c.sb:c.sa; u32* mm=r?m8:mg;
+          #pragma unroll
+          for(int half=0;half<2;++half){
+            const u32 lo=((half?sv.z:sv.y)>>6)&0x03030303u, nib=(sv.w>>(16*half))&0xFFFFu;
+            const u32 spread=((nib&0xFu)|((nib&0xF0u)<<4)|((nib&0xF00u)<<8)|((nib&0xF000u)<<12));
+            mm[half]=lo|(spread<<2);
+          }
+        }
+        int pi[NG][4], mi[NG][2];
+        #pragma unroll
+        for(int q=0;q<NG;++q){ pi[q][0]=pi[q][1]=pi[q][2]=pi[q][3]=0; mi[q][0]=mi[q][1]=0; }
+        #pragma unroll
+        for(int j=0;j<8;++j){
+          const int v=(sb+h)*8+j;
+          const u32 a0=c.a[j].x&M, a2=(c.a[j].x>>4)&M, a1=c.a[j].y&M, a3=(c.a[j].y>>4)&M;
+          const int scg=(int)byte_of(j<4?scg0:scg1, j&3), sc8=(int)byte_of(j<4?sc80:sc81, j&3);
+          const int mgj=(int)byte_of(mg[j>>2], j&3), m8j=(int)byte_of(m8[j>>2], j&3);
+          #pragma unroll
+          for(int q=0;q<NG;++q){
+            const uint2 xb=x8[btok[q]][v][g&1][t];
+            int d[4]={0,0,0,0};
+            imma(d, a0, a1, a2, a3, xb.x, xb.y);
+            pi[q][0]+=scg*d[0]; pi[q][1]+=scg*d[1]; pi[q][2]+=sc8*d[2]; pi[q][3]+=sc8*d[3];
+            const int qs=xq[etok[q]][v];
+            mi[q][0]+=mgj*qs; mi[q][1]+=m8j*qs;
+          }
+        }
+        const float dg=h2f(c.sa.x&0xFFFF), dmg=h2f(c.sa.x>>16), d8=h2f(c.sb.x&0xFFFF), dm8=h2f(c.sb.x>>16);
+        #pragma unroll
+        for(int q=0;q<NG;++q){
+          const float dx=xd[etok[q]][sb+h];
+          const float sg=fmaf((float)pi[q][0], 256.f, (float)pi[q][1]), s8=fmaf((float)pi[q][2], 256.f, (float)pi[q][3]);
+          acc[q][0]=fmaf(dg*dx, sg, fmaf(-dmg*dx, (float)mi[q][0], acc[q][0]));
+          acc[q][1]=fmaf(d8*dx, s8, fmaf(-dm8*dx, (float)mi[q][1], acc[q][1]));
+        }
+      }
+    }
+    #pragma unroll
+    for(int q=0;q<NG;++q) tot+=acc[q][0]+acc[q][1];
+  }
+  if(tot==1.2345f) out[0]=tot;
+}
 """
 
 
 def main() -> None:
-    nt = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    tokens = [int(a) for a in sys.argv[1:]] or [1, 2, 4]
     rows = 17408 * 8
     rowb = 5120 // 32 * 16 + 5120 // 256 * 16
-    src = f"#define NT {nt}\n" + SRC
-    mod = cp.RawModule(code=src, options=("--std=c++17",))
     w = cp.random.randint(0, 2**31, size=rows * rowb // 4, dtype=cp.int32).view(cp.uint8)
     out = cp.zeros(4, cp.float32)
     nbytes = w.nbytes
+    print(f"{torch_free_name()}: {rows} rows x 5120, {nbytes / 1e6:.1f} MB of Q4_K", flush=True)
 
-    def timeit(name, f):
+    def timeit(nt, name, f):
         f()
         cp.cuda.runtime.deviceSynchronize()
         ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
         ev0.record()
-        n = 10
+        n = 20
         for _ in range(n):
             f()
         ev1.record()
         ev1.synchronize()
         ms = cp.cuda.get_elapsed_time(ev0, ev1) / n
-        print(f"T={nt} {name}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+        print(f"T={nt} {name}: {ms:.4f} ms, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
 
-    for name in ("mmaq", "dp4a2"):
-        k = mod.get_function(name)
-        print(name, "regs", k.num_regs, "local", k.local_size_bytes)
-    timeit("plain read", lambda: mod.get_function("rd")((132,), (384,), (w, cp.int64(nbytes // 16), out)))
-    timeit("mma", lambda: mod.get_function("mmaq")((132,), (384,), (w, cp.int32(rows), out)))
-    timeit("dp4a2", lambda: mod.get_function("dp4a2")((132,), (384,), (w, cp.int32(rows), out)))
+    for nt in tokens:
+        mod = cp.RawModule(code=f"#define NT {nt}\n" + SRC, options=("--std=c++17",))
+        for name in ("mmaq", "dp4a2", "immaq", "immai"):
+            k = mod.get_function(name)
+            print(f"T={nt} {name}: regs {k.num_regs}, local {k.local_size_bytes} B", flush=True)
+        rd = mod.get_function("rd")
+        timeit(nt, "plain read", lambda rd=rd: rd((132,), (384,), (w, cp.int64(nbytes // 16), out)))
+        for name in ("mmaq", "dp4a2", "immaq", "immai"):
+            fn = mod.get_function(name)
+            timeit(nt, name, lambda fn=fn: fn((132,), (384,), (w, cp.int32(rows), out)))
+
+
+def torch_free_name() -> str:
+    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
 if __name__ == "__main__":
