@@ -35,10 +35,13 @@ def quantize_units(x: torch.Tensor, top: int, unit: int = 32) -> torch.Tensor:
     input row) with the unit's largest |x| at `top` (127: one int8 plane, as llama.cpp's q8_1; 32639: the
     megakernel's two int8 planes, x = d (256 q1 + q2)), and back."""
     x = x.bfloat16().float()
-    units = x.reshape(*x.shape[:-1], -1, unit or x.shape[-1])
+    width = x.shape[-1]
+    unit = unit or width
+    padded = F.pad(x, (0, -width % unit))  # a row that is not whole units ends in a shorter one
+    units = padded.reshape(*x.shape[:-1], -1, unit)
     d = units.abs().amax(-1, keepdim=True) / top
     q = torch.where(d > 0, torch.round(units / d.clamp_min(1e-30)), torch.zeros_like(units))
-    return (q * d).reshape(x.shape)
+    return (q * d).reshape(padded.shape)[..., :width]
 
 
 class TransformedInputs(ReferenceForward):
