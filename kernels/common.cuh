@@ -119,7 +119,7 @@ __device__ __forceinline__ void st_shared16(void* p, const vec16& v) {
 // An L2 policy that evicts streamed weights first (what the .cs register loads ask for).
 __device__ __forceinline__ u64 evict_first_policy() {
     u64 pol;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     return pol;
 }
 // 16 bytes from global `src` to shared `dst_smem` (a shared-window address), bypassing L1; registers stay free.
@@ -139,6 +139,23 @@ __device__ __forceinline__ void cp_async_small(u32 dst_smem, const void* src, u6
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3;" ::"r"(dst_smem), "l"(src), "n"(N),
                  "l"(policy)
                  : "memory");
+}
+// The same copies where `ok` alone (a predicated instruction, no branch; elsewhere the destination keeps its bytes).
+__device__ __forceinline__ void cp_async16_if(bool ok, u32 dst_smem, const void* src, u64 policy) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %3, 0; @p cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2; }" ::"r"(
+            dst_smem),
+        "l"(src), "l"(policy), "r"((int)ok)
+        : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_small_if(bool ok, u32 dst_smem, const void* src, u64 policy) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %4, 0; @p cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3; }" ::"r"(
+            dst_smem),
+        "l"(src), "n"(N), "l"(policy), "r"((int)ok)
+        : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

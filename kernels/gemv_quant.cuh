@@ -201,7 +201,7 @@ __device__ __forceinline__ QUnit q_row_unit(const unsigned char* row, int K, int
 
 // A format's ring slot. A unit takes QSlot::vecs 16-byte vectors of its lane's planes: the payload, then the high
 // bits, scales and offsets it alone has. Scales that 8 consecutive units share or hold in one aligned 16-byte
-// vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once, by lane v % 8 == 0,
+// vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once (q_issue_scales_f)
 // into the slot's scale planes after the units: (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the
 // warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12 (a third Q4_K item in
 // flight, which the ring would then hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes
@@ -222,37 +222,30 @@ __device__ __forceinline__ const unsigned char* q_word_of_half(const unsigned ch
 }
 __device__ __forceinline__ u32 q_half_of_word(u32 w, int i) { return i & 1 ? w >> 16 : w & 0xFFFFu; }
 
-// Start copying unit v of a row whose planes start at p[0..3] to the ring at shared address `dst` (plane 0), and
-// its super-block's scales to `sdst` where they are shared (QSlot::shared_scales: by lanes v % 8 == 0).
+// Start copying unit v's own bytes (not its shared scales: q_issue_scales_f) of a row whose planes start at p[0..3]
+// to the ring at shared address `dst` (plane 0), where `ok`: predicated copies, so that issuing an item takes no
+// branch (a lane or row without a unit leaves its vectors as they were, as before).
 template <int F>
-__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, u32 dst, u32 sdst,
-                                             u64 policy) {
+__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, bool ok, u32 dst, u64 policy) {
     constexpr u32 PB = QRING_PLANE_BYTES;
-    const bool first = (v & 7) == 0;  // the lane that copies the shared scales of units v .. v + 7
     if (F == QF_Q8_0) {
-        cp_async16(dst, p[0] + v * 32, policy);
-        cp_async16(dst + PB, p[0] + v * 32 + 16, policy);
-        if (first) cp_async16(sdst, p[1] + v * 2, policy);
+        cp_async16_if(ok, dst, p[0] + v * 32, policy);
+        cp_async16_if(ok, dst + PB, p[0] + v * 32 + 16, policy);
         return;
     }
-    cp_async16(dst, p[0] + v * 16, policy);
-    if (F == QF_Q4_K) {
-        if (first) cp_async16(sdst, p[1] + (v >> 3) * 16, policy);
-    } else if (F == QF_Q5_K) {
-        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
-        if (first) cp_async16(sdst, p[2] + (v >> 3) * 16, policy);
+    cp_async16_if(ok, dst, p[0] + v * 16, policy);
+    if (F == QF_Q5_K) {
+        cp_async_small_if<4>(ok, dst + PB, p[1] + v * 4, policy);
     } else if (F == QF_Q6_K) {
-        cp_async_small<8>(dst + PB, p[1] + v * 8, policy);
-        cp_async_small<4>(dst + PB + 8, q_word_of_half(p[2], v), policy);
-        cp_async_small<4>(dst + PB + 12, q_word_of_half(p[3], v >> 3), policy);
-    } else if (F == QF_Q4_0) {
-        if (first) cp_async16(sdst, p[1] + v * 2, policy);
+        cp_async_small_if<8>(ok, dst + PB, p[1] + v * 8, policy);
+        cp_async_small_if<4>(ok, dst + PB + 8, q_word_of_half(p[2], v), policy);
+        cp_async_small_if<4>(ok, dst + PB + 12, q_word_of_half(p[3], v >> 3), policy);
     } else if (F == QF_Q5_0) {
-        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
-        cp_async_small<4>(dst + PB + 4, q_word_of_half(p[2], v), policy);
-    } else {  // QF_Q5_1
-        cp_async_small<4>(dst + PB, p[1] + v * 4, policy);
-        cp_async_small<4>(dst + PB + 4, p[2] + v * 4, policy);
+        cp_async_small_if<4>(ok, dst + PB, p[1] + v * 4, policy);
+        cp_async_small_if<4>(ok, dst + PB + 4, q_word_of_half(p[2], v), policy);
+    } else if (F == QF_Q5_1) {
+        cp_async_small_if<4>(ok, dst + PB, p[1] + v * 4, policy);
+        cp_async_small_if<4>(ok, dst + PB + 4, p[2] + v * 4, policy);
     }
 }
 
@@ -762,10 +755,30 @@ __device__ __forceinline__ const unsigned char* q_row_at(const QRows& q, int r0,
     }
     return (const unsigned char*)(q.base[h] + (q.interleave ? (r0 >> 1) : r0) * q.stride);
 }
-// The shared address of vector `c` of a slot's shared-scale planes (QSlot), `slot` this lane's plane 0 of the slot.
+// Row r0 + h of an item, h a run-time value (selects: a register array indexed at run time is local memory).
+__device__ __forceinline__ const unsigned char* q_row_sel(const QRows& q, int r0, int h) {
+    if (MK_QROWS == 1) return q_row_at(q, r0, 0);
+    unsigned long long b = q.base[0];
+#pragma unroll
+    for (int k = 1; k < MK_QROWS; ++k) b = h == k ? q.base[k] : b;
+    return (const unsigned char*)(b + (q.interleave ? (r0 >> 1) : r0) * q.stride);
+}
+// Start copying an item's shared scales (QSlot::shared_scales) into its slot's scale planes: vector c = 4 (j MK_QROWS
+// + h) + s (unit j of row h, its chunk's super-block s: the 16 bytes units 8 s .. 8 s + 7 share) is copied by lane
+// c % 32, one predicated copy per lane and scale plane.
 template <int F>
-__device__ __forceinline__ u32 q_scale_vec(u32 slot, int lane, int c) {
-    return slot + (QSlot<F>::units * QSlot<F>::vecs + c / 32) * QRING_PLANE_BYTES + (c % 32 - lane) * 16;
+__device__ __forceinline__ void q_issue_scales_f(const QRows& q, const QPlan& p, int rs, int nr, int rg, int chunk,
+                                                 int lane, u32 slot, u64 policy) {
+    constexpr int plane = F == QF_Q5_K ? 2 : 1, vecs = 4 * QSlot<F>::units;
+#pragma unroll
+    for (int m = 0; m < QSlot<F>::scale_planes; ++m) {
+        const int c = lane + 32 * m, pair = c >> 2, j = pair / MK_QROWS, h = pair - j * MK_QROWS;
+        const int v0 = (chunk * p.u + j) * 32 + 8 * (c & 3);
+        const bool ok = c < vecs && j < p.u && rg * MK_QROWS + h < nr && v0 < p.nunits;
+        const unsigned char* row = q_row_sel(q, rs + rg * MK_QROWS, h);
+        cp_async16_if(ok, slot + (QSlot<F>::units * QSlot<F>::vecs + m) * QRING_PLANE_BYTES,
+                      row + q.off[plane] + (v0 >> 3) * 16, policy);
+    }
 }
 // Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
 // lane's plane 0 of the slot); unit j of row h goes to planes ((j * MK_QROWS + h) * QSlot::vecs) on.
@@ -774,8 +787,7 @@ __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, i
                                                int lane, u32 slot, u64 policy) {
 #pragma unroll
     for (int h = 0; h < MK_QROWS; ++h) {
-        const int i = rg * MK_QROWS + h;
-        if (i >= nr) continue;  // warp-uniform
+        const bool row_ok = rg * MK_QROWS + h < nr;
         const unsigned char* row = q_row_at(q, rs + rg * MK_QROWS, h);
         const unsigned char* rowp[4];
 #pragma unroll
@@ -783,12 +795,11 @@ __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, i
 #pragma unroll
         for (int j = 0; j < MK_QUMAX; ++j) {
             const int v = (chunk * p.u + j) * 32 + lane;
-            const int c = (j * MK_QROWS + h) * QSlot<F>::vecs;
-            if (j < p.u && v < p.nunits)
-                q_issue_unit<F>(rowp, v, slot + c * QRING_PLANE_BYTES,
-                                q_scale_vec<F>(slot, lane, 4 * (j * MK_QROWS + h) + lane / 8), policy);
+            q_issue_unit<F>(rowp, v, row_ok && j < p.u && v < p.nunits,
+                            slot + (j * MK_QROWS + h) * QSlot<F>::vecs * QRING_PLANE_BYTES, policy);
         }
     }
+    if (QSlot<F>::shared_scales) q_issue_scales_f<F>(q, p, rs, nr, rg, chunk, lane, slot, policy);
 }
 #endif
 
@@ -941,7 +952,8 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
         // and that lane's completed copy is seen only after the warp's barrier below.
         if (QSlot<F>::shared_scales) __syncwarp();
         if (kn < count)
-            q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane, q_slot_addr<F>(ring0, kn), policy);
+            q_issue_item_f<F>(rows, p, rs, nr, ahead.rg, c0 + ahead.chunk, lane, q_slot_addr<F>(ring0, kn),
+                              evict_first_policy());
         ahead.next();
         cp_async_commit();
         cp_async_wait<MK_STAGES - 1>();  // unit k's group is complete
