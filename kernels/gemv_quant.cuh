@@ -199,20 +199,26 @@ __device__ __forceinline__ QUnit q_row_unit(const unsigned char* row, int K, int
 // so a unit read back equals what q_load_unit loads.
 #define QRING_PLANE_BYTES (MK_THREADS * 16)
 
-// A format's ring slot. A unit takes QSlot::vecs 16-byte vectors of its lane's planes: the payload, then the high
-// bits, scales and offsets it alone has. Scales that 8 consecutive units share or hold in one aligned 16-byte
-// vector (a K-quant's super-block scales, the 2-byte d of 8 Q8_0 or Q4_0 units) are copied once (q_issue_scales_f)
-// into the slot's scale planes after the units: (unit j, row h) at vector 4 (j MK_QROWS + h) + lane / 8 of the
-// warp's. A 4-row Q4_K item then takes 5 planes instead of 8, and a Q8_0 one 9 instead of 12 (a third Q4_K item in
-// flight, which the ring would then hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes
-// mirrors `planes`.
+// A format's ring slot. Unit j of row h of an item (its pair c = j MK_QROWS + h) takes QSlot::vecs 16-byte vectors
+// of its lane's planes from plane c vecs on: the payload, then the high bits, scales and offsets it alone has; a
+// Q6_K unit's 8 bytes of high bits share a plane with the next pair's (half c % 2 of plane units + c / 2). Scales
+// that 8 consecutive units share or hold in one aligned 16-byte vector (a K-quant's super-block scales, the 2-byte d
+// of 8 Q8_0 or Q4_0 units, the 2-byte scales of 8 Q6_K units) are copied once (q_issue_scales_f) into the slot's
+// scale planes after those: pair c's at vector 4 c + lane / 8 of the warp's, and a Q6_K pair's 16 bytes holding its
+// super-block's d (8 super-blocks' d) at vector 4 units + c. A 4-row Q4_K item then takes 5 planes instead of 8, a
+// Q8_0 one 9 instead of 12 and a Q6_K one 7 instead of 8 (a third Q4_K item in flight, which the ring would then
+// hold, measured no faster: docs/benchmarks.md). plan.py quant_slot_planes mirrors `planes`.
 template <int F>
 struct QSlot {
-    static constexpr bool shared_scales = F == QF_Q4_K || F == QF_Q5_K || F == QF_Q8_0 || F == QF_Q4_0;
+    static constexpr bool shared_scales =
+        F == QF_Q4_K || F == QF_Q5_K || F == QF_Q8_0 || F == QF_Q4_0 || F == QF_Q6_K;
     static constexpr int units = MK_QUMAX * MK_QROWS;
-    static constexpr int vecs = F == QF_Q4_K || F == QF_Q4_0 ? 1 : 2;
-    static constexpr int scale_planes = shared_scales ? (units * 4 + 31) / 32 : 0;
-    static constexpr int planes = units * vecs + scale_planes;
+    static constexpr int vecs = F == QF_Q4_K || F == QF_Q4_0 || F == QF_Q6_K ? 1 : 2;
+    static constexpr int high_planes = F == QF_Q6_K ? (units + 1) / 2 : 0;
+    static constexpr int scale_vecs = shared_scales ? units * (F == QF_Q6_K ? 5 : 4) : 0;
+    static constexpr int scale_plane0 = units * vecs + high_planes;  // the first scale plane
+    static constexpr int scale_planes = (scale_vecs + 31) / 32;
+    static constexpr int planes = scale_plane0 + scale_planes;
     static_assert(planes <= MK_RING_PLANES, "a ring slot holds an item of every format");
 };
 
@@ -223,11 +229,13 @@ __device__ __forceinline__ const unsigned char* q_word_of_half(const unsigned ch
 __device__ __forceinline__ u32 q_half_of_word(u32 w, int i) { return i & 1 ? w >> 16 : w & 0xFFFFu; }
 
 // Start copying unit v's own bytes (not its shared scales: q_issue_scales_f) of a row whose planes start at p[0..3]
-// to the ring at shared address `dst` (plane 0), where `ok`: predicated copies, so that issuing an item takes no
-// branch (a lane or row without a unit leaves its vectors as they were, as before).
+// to pair c's planes of the ring slot at shared address `slot` (this lane's plane 0), where `ok`: predicated copies,
+// so that issuing an item takes no branch (a lane or row without a unit leaves its vectors as they were).
 template <int F>
-__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, bool ok, u32 dst, u64 policy) {
+__device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4], int v, bool ok, u32 slot, int c,
+                                             u64 policy) {
     constexpr u32 PB = QRING_PLANE_BYTES;
+    const u32 dst = slot + c * QSlot<F>::vecs * PB;
     if (F == QF_Q8_0) {
         cp_async16_if(ok, dst, p[0] + v * 32, policy);
         cp_async16_if(ok, dst + PB, p[0] + v * 32 + 16, policy);
@@ -237,9 +245,7 @@ __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4],
     if (F == QF_Q5_K) {
         cp_async_small_if<4>(ok, dst + PB, p[1] + v * 4, policy);
     } else if (F == QF_Q6_K) {
-        cp_async_small_if<8>(ok, dst + PB, p[1] + v * 8, policy);
-        cp_async_small_if<4>(ok, dst + PB + 8, q_word_of_half(p[2], v), policy);
-        cp_async_small_if<4>(ok, dst + PB + 12, q_word_of_half(p[3], v >> 3), policy);
+        cp_async_small_if<8>(ok, slot + (QSlot<F>::units + c / 2) * PB + (c & 1) * 8, p[1] + v * 8, policy);
     } else if (F == QF_Q5_0) {
         cp_async_small_if<4>(ok, dst + PB, p[1] + v * 4, policy);
         cp_async_small_if<4>(ok, dst + PB + 4, q_word_of_half(p[2], v), policy);
@@ -249,32 +255,54 @@ __device__ __forceinline__ void q_issue_unit(const unsigned char* const (&p)[4],
     }
 }
 
-// Unit v as q_load_unit gives it, from its ring planes at `src` (plane 0; plane i at + i * MK_THREADS) and its
-// shared scales at `ssrc` (QSlot::shared_scales).
+// Loads at shared-window addresses: an item's reads back from the ring are its slot's address plus constants and
+// per-lane offsets, which then fold into the instructions' immediates.
+__device__ __forceinline__ vec16 lds16(u32 a) {
+    vec16 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+    return r;
+}
+__device__ __forceinline__ void lds8(u32 a, u32& x, u32& y) {
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(x), "=r"(y) : "r"(a));
+}
+__device__ __forceinline__ u32 lds4(u32 a) {
+    u32 r;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
+    return r;
+}
+// Unit v (of pair c, in lane `lane`) as q_load_unit gives it, from the ring slot at shared address `slot` (this
+// lane's plane 0).
 template <int F>
-__device__ __forceinline__ void q_read_unit(const vec16* src, const vec16* ssrc, int v, QUnit& q) {
-    // Unit v's 2-byte d in a shared vector of 8 (Q8_0, Q4_0): the aligned word that holds it.
-    auto shared_half = [&]() { return q_half_of_word(ld_shared4((const unsigned char*)ssrc + (v & 6) * 2), v); };
-    const vec16 n = ld_shared16(src);
+__device__ __forceinline__ void q_read_unit(u32 slot, int c, int lane, int v, QUnit& q) {
+    constexpr u32 PB = QRING_PLANE_BYTES;
+    const u32 src = slot + c * QSlot<F>::vecs * PB;
+    // Scale vector 4 c + lane / 8 of the warp's (plane c / 8 of the scale planes: 4 c % 32 + lane / 8 < 32).
+    const u32 ssrc = slot + (QSlot<F>::scale_plane0 + c / 8) * PB + ((4 * c) % 32 + lane / 8 - lane) * 16;
+    // The 2-byte field of unit v in a shared vector of 8 (Q8_0's and Q4_0's d, Q6_K's two scales): the aligned word
+    // that holds it.
+    auto shared_half = [&]() { return q_half_of_word(lds4(ssrc + (v & 6) * 2), v); };
+    const vec16 n = lds16(src);
     q.w[0] = n.x, q.w[1] = n.y, q.w[2] = n.z, q.w[3] = n.w;
     if (F == QF_Q8_0) {
-        const vec16 b = ld_shared16(src + MK_THREADS);
+        const vec16 b = lds16(src + PB);
         q.w[4] = b.x, q.w[5] = b.y, q.w[6] = b.z, q.w[7] = b.w;
         q.s[0] = shared_half();
     } else if (F == QF_Q4_K || F == QF_Q5_K) {
-        const vec16 h = ld_shared16(ssrc);
+        const vec16 h = lds16(ssrc);
         q.s[0] = h.x, q.s[1] = h.y, q.s[2] = h.z, q.s[3] = h.w;
-        if (F == QF_Q5_K) q.w[4] = ld_shared4(src + MK_THREADS);
+        if (F == QF_Q5_K) q.w[4] = lds4(src + PB);
     } else if (F == QF_Q6_K) {
-        const vec16 h = ld_shared16(src + MK_THREADS);
-        q.w[4] = h.x, q.w[5] = h.y;
-        q.s[0] = q_half_of_word(h.z, v);
-        q.s[1] = q_half_of_word(h.w, v >> 3);
+        lds8(slot + (QSlot<F>::units + c / 2) * PB + (c & 1) * 8, q.w[4], q.w[5]);
+        q.s[0] = shared_half();
+        // Super-block v / 8's d among the 8 of the pair's d vector (4 units + c of the warp's).
+        const int dv = 4 * QSlot<F>::units + c;
+        const u32 d = slot + (QSlot<F>::scale_plane0 + dv / 32) * PB + (dv % 32 - lane) * 16;
+        q.s[1] = q_half_of_word(lds4(d + ((v >> 3) & 6) * 2), v >> 3);
     } else if (F == QF_Q4_0) {
         q.s[0] = shared_half();
     } else {  // QF_Q5_0, QF_Q5_1
         u32 a, b;
-        ld_shared8(src + MK_THREADS, a, b);
+        lds8(src + PB, a, b);
         q.w[4] = a;
         q.s[0] = F == QF_Q5_0 ? q_half_of_word(b, v) : b;
     }
@@ -487,8 +515,8 @@ __device__ __forceinline__ void q_levels8(const QUnit& q, u32& lo, u32& hi) {
         hi |= od << 4;
     }
     if (F == QF_Q6_K) {  // bits 2 i + 16 (G & 1) of w[4 + G / 2]: element i's two high bits
-        u32 x = (q.w[4 + (G >> 1)] >> (16 * (G & 1))) & 0xFFFFu;
-        x = (x | (x << 8)) & 0x00FF00FFu;
+        // The group's two bytes to bytes 0 and 2 (one byte permute), then a nibble per byte.
+        u32 x = __byte_perm(q.w[4 + (G >> 1)], 0u, G & 1 ? 0x4342 : 0x4140);
         x = (x | (x << 4)) & 0x0F0F0F0Fu;  // byte j: elements 2j (bits 0-1) and 2j + 1 (bits 2-3)
         lo |= (x & 0x03030303u) << 4;
         hi |= (x & 0x0C0C0C0Cu) << 2;
@@ -763,21 +791,23 @@ __device__ __forceinline__ const unsigned char* q_row_sel(const QRows& q, int r0
     for (int k = 1; k < MK_QROWS; ++k) b = h == k ? q.base[k] : b;
     return (const unsigned char*)(b + (q.interleave ? (r0 >> 1) : r0) * q.stride);
 }
-// Start copying an item's shared scales (QSlot::shared_scales) into its slot's scale planes: vector c = 4 (j MK_QROWS
-// + h) + s (unit j of row h, its chunk's super-block s: the 16 bytes units 8 s .. 8 s + 7 share) is copied by lane
-// c % 32, one predicated copy per lane and scale plane.
+// Start copying an item's shared scales (QSlot::shared_scales) into its slot's scale planes, one predicated copy per
+// lane and scale plane: vector c = 4 (j MK_QROWS + h) + s (unit j of row h, its chunk's 8 units from 8 s: the 16
+// bytes they share) by lane c % 32, and a Q6_K pair's d vector 4 units + pair likewise.
 template <int F>
 __device__ __forceinline__ void q_issue_scales_f(const QRows& q, const QPlan& p, int rs, int nr, int rg, int chunk,
                                                  int lane, u32 slot, u64 policy) {
-    constexpr int plane = F == QF_Q5_K ? 2 : 1, vecs = 4 * QSlot<F>::units;
+    constexpr int plane = F == QF_Q5_K || F == QF_Q6_K ? 2 : 1, per8 = 4 * QSlot<F>::units;
 #pragma unroll
     for (int m = 0; m < QSlot<F>::scale_planes; ++m) {
-        const int c = lane + 32 * m, pair = c >> 2, j = pair / MK_QROWS, h = pair - j * MK_QROWS;
-        const int v0 = (chunk * p.u + j) * 32 + 8 * (c & 3);
-        const bool ok = c < vecs && j < p.u && rg * MK_QROWS + h < nr && v0 < p.nunits;
+        const int c = lane + 32 * m;
+        const bool d_vec = F == QF_Q6_K && c >= per8;  // 8 super-blocks' d: 64 units
+        const int pair = d_vec ? c - per8 : c >> 2, j = pair / MK_QROWS, h = pair - j * MK_QROWS;
+        const int v0 = (chunk * p.u + j) * 32 + (d_vec ? 0 : 8 * (c & 3));
+        const bool ok = c < QSlot<F>::scale_vecs && j < p.u && rg * MK_QROWS + h < nr && v0 < p.nunits;
         const unsigned char* row = q_row_sel(q, rs + rg * MK_QROWS, h);
-        cp_async16_if(ok, slot + (QSlot<F>::units * QSlot<F>::vecs + m) * QRING_PLANE_BYTES,
-                      row + q.off[plane] + (v0 >> 3) * 16, policy);
+        const unsigned char* src = d_vec ? row + q.off[3] + (v0 >> 6) * 16 : row + q.off[plane] + (v0 >> 3) * 16;
+        cp_async16_if(ok, slot + (QSlot<F>::scale_plane0 + m) * QRING_PLANE_BYTES, src, policy);
     }
 }
 // Start copying the lane's units of one item (q_load_item_f's) into the ring slot at shared address `slot` (this
@@ -795,8 +825,7 @@ __device__ __forceinline__ void q_issue_item_f(const QRows& q, const QPlan& p, i
 #pragma unroll
         for (int j = 0; j < MK_QUMAX; ++j) {
             const int v = (chunk * p.u + j) * 32 + lane;
-            q_issue_unit<F>(rowp, v, row_ok && j < p.u && v < p.nunits,
-                            slot + (j * MK_QROWS + h) * QSlot<F>::vecs * QRING_PLANE_BYTES, policy);
+            q_issue_unit<F>(rowp, v, row_ok && j < p.u && v < p.nunits, slot, j * MK_QROWS + h, policy);
         }
     }
     if (QSlot<F>::shared_scales) q_issue_scales_f<F>(q, p, rs, nr, rg, chunk, lane, slot, policy);
@@ -937,7 +966,7 @@ struct QUnitWalk {
 template <int F>
 __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int start, const QPlan& p, int rs, int nr,
                                               int c0, int nkq, int count, int k0, int lane, int warp, u32 ring0,
-                                              const vec16* mine, const vec16* xs, const float* xsum, float* part,
+                                              const vec16* xs, const float* xsum, float* part,
                                               u64 policy) {
     float acc[MK_QROWS][MK_NT];
 #pragma unroll
@@ -962,16 +991,12 @@ __device__ __forceinline__ void q_ring_pass_f(const GemvDesc& d, int s, int star
         // Every unit of the slot is read back: those past the round's rows or the row's units hold stale bytes,
         // which rows past the round multiply without storing and units past the row are skipped by.
         QItem it;
-        const vec16* slot = mine + (k % MK_STAGES) * QSlot<F>::planes * MK_THREADS;
-        const vec16* scales = slot - lane + QSlot<F>::units * QSlot<F>::vecs * MK_THREADS;  // vector 0 of the warp's
+        const u32 slot = q_slot_addr<F>(ring0, k);
 #pragma unroll
         for (int h = 0; h < MK_QROWS; ++h)
 #pragma unroll
-            for (int j = 0; j < MK_QUMAX; ++j) {
-                const int c = 4 * (j * MK_QROWS + h) + lane / 8;
-                q_read_unit<F>(slot + (j * MK_QROWS + h) * QSlot<F>::vecs * MK_THREADS,
-                               scales + (c / 32) * MK_THREADS + c % 32, (chunk * p.u + j) * 32 + lane, it.u[j][h]);
-            }
+            for (int j = 0; j < MK_QUMAX; ++j)
+                q_read_unit<F>(slot, j * MK_QROWS + h, lane, (chunk * p.u + j) * 32 + lane, it.u[j][h]);
         q_consume_item_f<F>(p, it, chunk, lane, xs, xsum, k0, acc);
         q_store_item(p, acc, cur.rg, chunk, nr, lane, part);
         cur.next();
@@ -998,7 +1023,6 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
     const int fmt = qf_code(d.seg[d.interleave ? 0 : s]);
 #if MK_STAGES > 0
     const u32 ring0 = smem_addr(ring + warp * 32 + lane);  // this lane's plane 0 of slot 0
-    const vec16* mine = ring + warp * 32 + lane;
 #endif
     int rs = a, nr = min(p.round, b - a);
     while (nr > 0) {
@@ -1025,8 +1049,8 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
             }
 #if MK_STAGES > 0
 #define QF_PASS(F)                                                                                               \
-    q_ring_pass_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, c0, nkq, count, k0, lane, warp, ring0, mine, xs, \
-                                            xsum, part, policy)
+    q_ring_pass_f<(QF_ON(F) ? F : QF_Q4_K)>(d, s, start, p, rs, nr, c0, nkq, count, k0, lane, warp, ring0, xs, xsum, \
+                                            part, policy)
             QF_DISPATCH(fmt, QF_PASS)
 #undef QF_PASS
 #else

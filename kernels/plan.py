@@ -659,17 +659,20 @@ def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
 
 # Formats whose 8 consecutive units share one 16-byte vector of scales in the ring (gemv_quant.cuh QSlot), and
 # those whose unit takes one vector (its payload) besides.
-_SHARED_SCALES = {WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q8_0, WeightFormat.Q4_0}
-_ONE_VECTOR = {WeightFormat.Q4_K, WeightFormat.Q4_0}
+_SHARED_SCALES = {WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q6_K}
+_ONE_VECTOR = {WeightFormat.Q4_K, WeightFormat.Q4_0, WeightFormat.Q6_K}
 
 
 def quant_slot_planes(code: int, units: int) -> int:
     """Ring planes (16-byte vectors per thread) of a quantized item of `units` units per lane in the format of this
-    code (MK_QFMTS codes): the units' vectors, then the shared scales, 4 vectors per unit and warp. Mirrors
-    gemv_quant.cuh QSlot::planes, which checks that a ring slot holds the item."""
+    code (MK_QFMTS codes): the units' vectors (Q6_K: and its 8-byte high bits, two units per plane), then the
+    shared scales, 4 vectors per unit and warp (Q6_K: 5, its super-blocks' d besides). Mirrors gemv_quant.cuh
+    QSlot::planes, which checks that a ring slot holds the item."""
     fmt = next(f for f, c in WEIGHT_FORMAT_CODES.items() if c == code)
-    shared = -(-units * 4 // 32) if fmt in _SHARED_SCALES else 0
-    return units * (1 if fmt in _ONE_VECTOR else 2) + shared
+    q6k = fmt is WeightFormat.Q6_K
+    shared = -(-units * (5 if q6k else 4) // 32) if fmt in _SHARED_SCALES else 0
+    high = -(-units // 2) if q6k else 0
+    return units * (1 if fmt in _ONE_VECTOR else 2) + high + shared
 
 
 def quant_chunk_width(k: int, units: int) -> int:

@@ -63,20 +63,23 @@ def test_a_quantized_plan_names_its_formats_per_kind() -> None:
     q4, q6 = 1 << FORMAT_CODES[QuantType.Q4_K], 1 << FORMAT_CODES[QuantType.Q6_K]
     assert d["MK_WFMT_MLP_DOWN"] == q4 | q6 and d["MK_WFMT_MLP_IN"] == q4 and d["MK_WFMT_LM_HEAD"] == q4 | q6
     assert d["MK_QFMTS"] == q4 | q6
-    # No kind holds bf16: the bf16 GEMV is left out; a ring slot holds the largest quantized item (4 rows of 2
-    # vectors per lane: Q6_K units), and the window holds every input.
+    # No kind holds bf16: the bf16 GEMV is left out; a ring slot holds the largest quantized item (4 rows of Q6_K
+    # units: a payload plane each, their high bits in 2 planes, their shared scales in 1), and the window holds
+    # every input.
     assert d["MK_GEMV_BF16"] == 0 and plan.window == config_27b().intermediate_size
-    assert plan.stages == 2 and d["MK_RING_PLANES"] == plan.quant_rows * 2 == 8
+    assert plan.stages == 2 and plan.quant_rows == 4 and d["MK_RING_PLANES"] == 4 + 2 + 1
     src = assemble_source(plan)
     assert "#define MK_QFMTS " in src and "gemv_run_quant" in src
 
 
 def test_quantized_items_take_their_formats_ring_planes() -> None:
-    """An item's ring planes per format (gemv_quant.cuh QSlot): a vector per unit of Q4_K and Q4_0, two of the
-    others, and one vector of shared scales per 8 units of Q4_K, Q5_K, Q8_0 and Q4_0 (4 per unit and warp)."""
+    """An item's ring planes per format (gemv_quant.cuh QSlot): a vector per unit of Q4_K, Q4_0 and Q6_K (whose 8
+    bytes of high bits take half a vector more), two of the others, and one vector of shared scales per 8 units of
+    Q4_K, Q5_K, Q8_0, Q4_0 and Q6_K (4 per unit and warp; Q6_K one more per unit, its super-blocks' d)."""
     code = {f: WEIGHT_FORMAT_CODES[f] for f in W if f is not W.BF16}
     planes = {f.name: quant_slot_planes(c, 4) for f, c in code.items()}
-    assert planes == {"Q4_K": 5, "Q5_K": 9, "Q6_K": 8, "Q8_0": 9, "Q4_0": 5, "Q5_0": 8, "Q5_1": 8}
+    assert planes == {"Q4_K": 5, "Q5_K": 9, "Q6_K": 7, "Q8_0": 9, "Q4_0": 5, "Q5_0": 8, "Q5_1": 8}
+    assert quant_slot_planes(code[W.Q6_K], 1) == 3 and quant_slot_planes(code[W.Q6_K], 2) == 4
     assert quant_slot_planes(code[W.Q4_K], 1) == 2 and quant_slot_planes(code[W.Q4_K], 8) == 9
     assert quant_slot_planes(code[W.Q4_K], 16) == 16 + 2
 
