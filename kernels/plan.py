@@ -659,7 +659,13 @@ def gemv_chunk_width_of(k: int, tuning: Tuning) -> int:
 
 # Formats whose 8 consecutive units share one 16-byte vector of scales in the ring (gemv_quant.cuh QSlot), and
 # those whose unit takes one vector (its payload) besides.
-_SHARED_SCALES = {WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q6_K}
+_SHARED_SCALES = {
+    WeightFormat.Q4_K,
+    WeightFormat.Q5_K,
+    WeightFormat.Q8_0,
+    WeightFormat.Q4_0,
+    WeightFormat.Q6_K,
+}
 _ONE_VECTOR = {WeightFormat.Q4_K, WeightFormat.Q4_0, WeightFormat.Q6_K}
 
 
