@@ -101,27 +101,28 @@ def export_tree(ref: str, into: Path) -> Path:
     return into
 
 
-def emit_sources(tree: Path, work: Path) -> dict[str, str]:
-    """The generated CUDA text of every build, by that tree's own build code: {build name: arch}."""
+def run_in_tree(tree: Path, work: Path, script: str, *args: str) -> str:
+    """Run `script` with that tree's own package (its folders linked under work/pkg, no $ONESTREAM_MK_* settings):
+    its standard output."""
     pkg = work / "pkg"
     shutil.copytree(tree / "onestream", pkg / "onestream")
     for part in PACKAGE_PARTS:
         if (tree / part).is_dir():
             os.symlink(tree / part, pkg / "onestream" / part)
-    src = work / "src"
-    src.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONESTREAM_MK_")}
     env["PYTHONPATH"] = str(pkg)
-    proc = subprocess.run(
-        [sys.executable, "-c", EMIT, str(src), json.dumps(ARCHS)],
-        cwd=pkg,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=pkg, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: generating the sources failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout
+
+
+def emit_sources(tree: Path, work: Path) -> dict[str, str]:
+    """The generated CUDA text of every build, by that tree's own build code: {build name: arch}."""
+    src = work / "src"
+    src.mkdir()
+    out = run_in_tree(tree, work, EMIT, str(src), json.dumps(ARCHS))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def nvcc_ptx(source: Path, arch: str, cache: Path) -> Path:

@@ -17,11 +17,8 @@ import argparse
 import collections
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -54,21 +51,11 @@ print("ok")
 
 
 def emit(tree: Path, work: Path, formats: list[str], tokens: list[int], arch: str) -> Path:
-    pkg = work / "pkg"
-    shutil.copytree(tree / "onestream", pkg / "onestream")
-    for part in cb.PACKAGE_PARTS:
-        if (tree / part).is_dir():
-            os.symlink(tree / part, pkg / "onestream" / part)
+    """The CUDA text of every (format, tokens per launch) build, by that tree's own build code, in work/src."""
     src = work / "src"
     src.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ONESTREAM_MK_")}
-    env["PYTHONPATH"] = str(pkg)
     args = [str(src), json.dumps(formats), json.dumps(tokens), arch, json.dumps(cb.ARCHS[arch])]
-    proc = subprocess.run(
-        [sys.executable, "-c", EMIT, *args], cwd=pkg, env=env, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{tree}: generating the sources failed:\n{proc.stderr}")
+    cb.run_in_tree(tree, work, EMIT, *args)
     return src
 
 
