@@ -120,7 +120,7 @@ def run_in_tree(tree: Path, work: Path, script: str, *args: str) -> str:
 def emit_sources(tree: Path, work: Path) -> dict[str, str]:
     """The generated CUDA text of every build, by that tree's own build code: {build name: arch}."""
     src = work / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     out = run_in_tree(tree, work, EMIT, str(src), json.dumps(ARCHS))
     return json.loads(out.strip().splitlines()[-1])
 

@@ -53,7 +53,7 @@ print("ok")
 def emit(tree: Path, work: Path, formats: list[str], tokens: list[int], arch: str) -> Path:
     """The CUDA text of every (format, tokens per launch) build, by that tree's own build code, in work/src."""
     src = work / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     args = [str(src), json.dumps(formats), json.dumps(tokens), arch, json.dumps(cb.ARCHS[arch])]
     cb.run_in_tree(tree, work, EMIT, *args)
     return src
