@@ -39,6 +39,7 @@ AUTO_STAGES = 2
 # 0.12 ms per step.
 SMEM_OVER_BREAKS = 100
 STAGE_FALLBACKS = (AUTO_STAGES, 0)  # tried in order when shared memory is short (many tokens per launch)
+STATIC_SMEM = 256  # the kernels' static shared memory at most (the block state: ptxas reports 240 bytes)
 MIN_PART_ROWS = 256  # GEMV partial-sum rows per round are halved down to this before the ring is shrunk
 WINDOW_STEP = (
     2048  # staged-input window widths tried: the widest input, then multiples of this (a whole chunk)
@@ -309,6 +310,11 @@ class KernelPlan:
         return self._fitted[2]
 
     @property
+    def dynamic_smem_limit(self) -> int:
+        """The opt-in limit less the kernels' static shared memory, which a launch adds to the carve."""
+        return self.smem_limit - STATIC_SMEM
+
+    @property
     def part_rows(self) -> int:
         """GEMV partial-sum rows per round: the tuning's, halved
         while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
@@ -340,7 +346,7 @@ class KernelPlan:
                 rows = top
                 while rows >= least:
                     smem = self._carve(rows, stages, window).total
-                    if self._scratch_fits(rows) and smem <= self.smem_limit:
+                    if self._scratch_fits(rows) and smem <= self.dynamic_smem_limit:
                         over = smem > self.tuning.smem_prefer
                         score = self._breaks(rows, window) + (SMEM_OVER_BREAKS if over else 0)
                         fits.append((score, -window, -rows))

@@ -36,7 +36,7 @@ from .layout import (
     L,
     ctrl_slots,
 )
-from .plan import KernelPlan, att_partial_floats, scratch_shapes
+from .plan import STATIC_SMEM, KernelPlan, att_partial_floats, scratch_shapes
 from .quant_weights import DeviceReader, DeviceWeights
 from .tuning import Tuning
 
@@ -174,10 +174,10 @@ class MegakernelRunner:
             dn_out_tiled=self.weights.dn_out_tiled,
             embed_format=self.weights.embed_format,
         )
-        if plan.smem_bytes > plan.smem_limit:
+        if plan.smem_bytes > plan.dynamic_smem_limit:
             raise MegakernelError(
                 f"the kernel needs {plan.smem_bytes} bytes of shared memory per block for {n_tokens} token(s) "
-                f"per launch; {self.props.name} allows {plan.smem_limit}"
+                f"per launch besides its static {STATIC_SMEM}; {self.props.name} allows {plan.smem_limit}"
             )
         with torch.cuda.device(self.device):
             built = compile_module(plan)
