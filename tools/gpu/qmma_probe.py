@@ -169,18 +169,12 @@ __device__ __forceinline__ void imma(int (&d)[4], u32 a0,u32 a1,u32 a2,u32 a3,u3
  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3},{%4,%5,%6,%7},{%8,%9},{%0,%1,%2,%3};"
   :"+r"(d[0]),"+r"(d[1]),"+r"(d[2]),"+r"(d[3]):"r"(a0),"r"(a1),"r"(a2),"r"(a3),"r"(b0),"r"(b1));}
 #define NG ((NT + 3) / 4)  // token groups of 4: one mma each
-extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w, int rows, float* out){
-  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
+// Each warp's tiles, every super-block of a tile in order with the next one loading: step(c, sb, acc) adds super-block
+// sb (its loaded bytes c) to the lane's sums of rows g and g + 8, acc[token group][row]. Returns the lane's total.
+template <class Step>
+__device__ __forceinline__ float tile_walk(const unsigned char* w, int rows, Step step){
+  const int lane=threadIdx.x&31, g=lane>>2;
   const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
-  __shared__ u32 x8[NT][NUN][2][8];  // per token and unit: plane 1, plane 2 (32 int8 each)
-  __shared__ float2 xd[NT][NUN];     // per token and unit: d, sum x
-  for(int i=threadIdx.x;i<NT*NUN*16;i+=384) (&x8[0][0][0][0])[i]=0x01020304u*i;
-  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xd[0][0])[i]=make_float2(0.01f*i, 1.0f);
-  __syncthreads();
-  int btok[NG], etok[NG];  // the token whose plane this lane's B column holds; the token of its C columns
-  #pragma unroll
-  for(int q=0;q<NG;++q){ btok[q]=min(4*q+(g>>1), NT-1); etok[q]=min(4*q+t, NT-1); }
-  const u32 M=0x0F0F0F0Fu;
   float tot=0.f;
   for(int tile=wid; tile<rows/16; tile+=warps){
     const unsigned char* base=w+(long)tile*16*ROWB;
@@ -194,10 +188,29 @@ extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w
       #pragma unroll
       for(int h=0;h<2;++h){
         if(sb+h+1<K/256) iload(base,sb+h+1,lane,g,s[h^1]);
-        const IStep& c=s[h];
+        step(s[h], sb+h, acc);
+      }
+    }
+    #pragma unroll
+    for(int q=0;q<NG;++q) tot+=acc[q][0]+acc[q][1];
+  }
+  return tot;
+}
+extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w, int rows, float* out){
+  const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
+  __shared__ u32 x8[NT][NUN][2][8];  // per token and unit: plane 1, plane 2 (32 int8 each)
+  __shared__ float2 xd[NT][NUN];     // per token and unit: d, sum x
+  for(int i=threadIdx.x;i<NT*NUN*16;i+=384) (&x8[0][0][0][0])[i]=0x01020304u*i;
+  for(int i=threadIdx.x;i<NT*NUN;i+=384) (&xd[0][0])[i]=make_float2(0.01f*i, 1.0f);
+  __syncthreads();
+  int btok[NG], etok[NG];  // the token whose plane this lane's B column holds; the token of its C columns
+  #pragma unroll
+  for(int q=0;q<NG;++q){ btok[q]=min(4*q+(g>>1), NT-1); etok[q]=min(4*q+t, NT-1); }
+  const u32 M=0x0F0F0F0Fu;
+  const float tot=tile_walk(w, rows, [&](const IStep& c, int sb, float (&acc)[NG][2]){
         #pragma unroll
         for(int j=0;j<8;++j){
-          const int v=(sb+h)*8+j;
+          const int v=sb*8+j;
           const u32 a0=c.a[j].x&M, a2=(c.a[j].x>>4)&M, a1=c.a[j].y&M, a3=(c.a[j].y>>4)&M;
           float ag,bg,a8,b8;
           switch(j){
@@ -215,11 +228,7 @@ extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w
             acc[q][1]=fmaf(a8*dd.x, s8, fmaf(-b8, dd.y, acc[q][1]));
           }
         }
-      }
-    }
-    #pragma unroll
-    for(int q=0;q<NG;++q) tot+=acc[q][0]+acc[q][1];
-  }
+  });
   if(tot==1.2345f) out[0]=tot;
 }
 // ---- immai: immaq with the inputs quantized per 256 (one d per super-block and token), so the sub-block scales
@@ -228,7 +237,6 @@ extern "C" __global__ void __launch_bounds__(384,1) immaq(const unsigned char* w
 __device__ __forceinline__ u32 byte_of(u32 w, int j){ u32 r; asm("prmt.b32 %0,%1,0,%2;":"=r"(r):"r"(w),"r"(0x4440u|j)); return r; }
 extern "C" __global__ void __launch_bounds__(384,1) immai(const unsigned char* w, int rows, float* out){
   const int lane=threadIdx.x&31, g=lane>>2, t=lane&3;
-  const int warps=gridDim.x*12, wid=blockIdx.x*12+(threadIdx.x>>5);
   __shared__ uint2 x8[NT][NUN][2][4];  // per token and unit: planes 1 and 2 in B-fragment order (lane t: 8 bytes)
   __shared__ int xq[NT][NUN];         // per token and unit: sum (256 q1 + q2)
   __shared__ float xd[NT][K/256];     // per token and super-block: d
@@ -240,20 +248,7 @@ extern "C" __global__ void __launch_bounds__(384,1) immai(const unsigned char* w
   #pragma unroll
   for(int q=0;q<NG;++q){ btok[q]=min(4*q+(g>>1), NT-1); etok[q]=min(4*q+t, NT-1); }
   const u32 M=0x0F0F0F0Fu;
-  float tot=0.f;
-  for(int tile=wid; tile<rows/16; tile+=warps){
-    const unsigned char* base=w+(long)tile*16*ROWB;
-    float acc[NG][2];
-    #pragma unroll
-    for(int q=0;q<NG;++q){ acc[q][0]=0.f; acc[q][1]=0.f; }
-    IStep s[2];
-    iload(base,0,lane,g,s[0]);
-    #pragma unroll 1
-    for(int sb=0; sb<K/256; sb+=2){
-      #pragma unroll
-      for(int h=0;h<2;++h){
-        if(sb+h+1<K/256) iload(base,sb+h+1,lane,g,s[h^1]);
-        const IStep& c=s[h];
+  const float tot=tile_walk(w, rows, [&](const IStep& c, int sb, float (&acc)[NG][2]){
         // sc bytes and m bytes of the 8 units, per row (g: sa, g + 8: sb)
         const u32 scg0=c.sa.y&0x3F3F3F3Fu, scg1=c.sa.z&0x3F3F3F3Fu, sc80=c.sb.y&0x3F3F3F3Fu, sc81=c.sb.z&0x3F3F3F3Fu;
         u32 mg[2], m8[2];
@@ -272,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(384,1) immai(const unsigned char* w
         for(int q=0;q<NG;++q){ pi[q][0]=pi[q][1]=pi[q][2]=pi[q][3]=0; mi[q][0]=mi[q][1]=0; }
         #pragma unroll
         for(int j=0;j<8;++j){
-          const int v=(sb+h)*8+j;
+          const int v=sb*8+j;
           const u32 a0=c.a[j].x&M, a2=(c.a[j].x>>4)&M, a1=c.a[j].y&M, a3=(c.a[j].y>>4)&M;
           const int scg=(int)byte_of(j<4?scg0:scg1, j&3), sc8=(int)byte_of(j<4?sc80:sc81, j&3);
           const int mgj=(int)byte_of(mg[j>>2], j&3), m8j=(int)byte_of(m8[j>>2], j&3);
@@ -289,16 +284,12 @@ extern "C" __global__ void __launch_bounds__(384,1) immai(const unsigned char* w
         const float dg=h2f(c.sa.x&0xFFFF), dmg=h2f(c.sa.x>>16), d8=h2f(c.sb.x&0xFFFF), dm8=h2f(c.sb.x>>16);
         #pragma unroll
         for(int q=0;q<NG;++q){
-          const float dx=xd[etok[q]][sb+h];
+          const float dx=xd[etok[q]][sb];
           const float sg=fmaf((float)pi[q][0], 256.f, (float)pi[q][1]), s8=fmaf((float)pi[q][2], 256.f, (float)pi[q][3]);
           acc[q][0]=fmaf(dg*dx, sg, fmaf(-dmg*dx, (float)mi[q][0], acc[q][0]));
           acc[q][1]=fmaf(d8*dx, s8, fmaf(-dm8*dx, (float)mi[q][1], acc[q][1]));
         }
-      }
-    }
-    #pragma unroll
-    for(int q=0;q<NG;++q) tot+=acc[q][0]+acc[q][1];
-  }
+  });
   if(tot==1.2345f) out[0]=tot;
 }
 """
@@ -311,7 +302,7 @@ def main() -> None:
     w = cp.random.randint(0, 2**31, size=rows * rowb // 4, dtype=cp.int32).view(cp.uint8)
     out = cp.zeros(4, cp.float32)
     nbytes = w.nbytes
-    print(f"{torch_free_name()}: {rows} rows x 5120, {nbytes / 1e6:.1f} MB of Q4_K", flush=True)
+    print(f"{device_name()}: {rows} rows x 5120, {nbytes / 1e6:.1f} MB of Q4_K", flush=True)
 
     def timeit(nt, name, f):
         f()
@@ -338,7 +329,7 @@ def main() -> None:
             timeit(nt, name, lambda fn=fn: fn((132,), (384,), (w, cp.int32(rows), out)))
 
 
-def torch_free_name() -> str:
+def device_name() -> str:
     return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
