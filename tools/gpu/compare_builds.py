@@ -111,7 +111,9 @@ def run_in_tree(tree: Path, work: Path, script: str, *args: str) -> str:
             os.symlink(tree / part, pkg / "onestream" / part)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONESTREAM_MK_")}
     env["PYTHONPATH"] = str(pkg)
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=pkg, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=pkg, env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: generating the sources failed:\n{proc.stderr}")
     return proc.stdout
