@@ -144,7 +144,8 @@ class RandomModelSource:
         reference runs fp32 faster). `on_load_progress` hears nothing: drawing takes seconds, not a load."""
         import torch
         from onestream.kernels.random_model import random_model
-        from onestream.worker.engine import Engine, parse_dtype
+        from onestream.worker.drafting.policy import DEFAULT_MODE
+        from onestream.worker.engine import DEFAULT_SPEC_K, Engine, draft_source, parse_dtype
 
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
@@ -156,9 +157,15 @@ class RandomModelSource:
         wanted = parse_dtype(dtype)
         if wanted is not None and wanted != torch.bfloat16:
             model = model.to(wanted)
-        engine_backend = _random_backend(model, backend, torch.device(device))
+        options = dict(options or {})
+        drafts = draft_source(
+            options.get("drafting", DEFAULT_MODE),
+            options.get("spec_k", DEFAULT_SPEC_K),
+            options.get("lookup_k"),
+        )
+        engine_backend = _random_backend(model, backend, torch.device(device), drafts)
         # Engine(None): the embedded checkpoint's tokenizer, EOS ids and generation defaults.
-        return Engine(None, backend=engine_backend, **dict(options or {}))
+        return Engine(None, backend=engine_backend, **options)
 
     def model_info(self, engine: Any) -> dict[str, Any]:
         info = _info_dict(engine.model_info())
@@ -166,19 +173,19 @@ class RandomModelSource:
         return info | {"model_name": self.label, "model_dir": "", "format": f"random {self.weights}"}
 
 
-def _random_backend(model: Any, backend: str, device: Any) -> Any:
-    """The back end of a random model: the megakernel on a GPU unless the reference is asked for. No quiet
-    fall-back to the reference under `auto` (create_backend's): a benchmark must time what it names."""
-    from onestream.worker.backend import ReferenceBackend
+def _random_backend(model: Any, backend: str, device: Any, drafts: str | None) -> Any:
+    """The back end of a random model: the megakernel on a GPU unless the reference is asked for, its build as a
+    card's for an engine drafting from `drafts` (create_backend's). No quiet fall-back to the reference under
+    `auto`: a benchmark must time what it names."""
+    from onestream.worker.backend import ReferenceBackend, megakernel_tuning
 
     if backend == "reference" or device.type != "cuda":
         if backend == "megakernel":
             raise ValueError(f"backend 'megakernel' runs on a CUDA device, not {device}")
         return ReferenceBackend(model, prefill="reference" if backend == "reference" else "auto")
     from onestream.kernels.backend import MegakernelBackend
-    from onestream.kernels.tuning import tuning_from_env
 
-    return MegakernelBackend(model, tuning=tuning_from_env())
+    return MegakernelBackend(model, tuning=megakernel_tuning(model, drafts))
 
 
 @dataclass(frozen=True)

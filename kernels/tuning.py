@@ -19,22 +19,26 @@ FP32_ACT_ENV = "ONESTREAM_MK_FP32_ACT"
 GEMV_ENV = "ONESTREAM_MK_GEMV"
 
 
-def tuning_from_env(environ: Mapping[str, str] | None = None, **fields: Any) -> Tuning:
+def tuning_from_env(
+    environ: Mapping[str, str] | None = None, *, speculative: bool = False, **fields: Any
+) -> Tuning:
     """The Tuning an operator's $ONESTREAM_MK_* settings select, with `fields` set over them. Read at the edge (the
     back-end creation, the CLI commands), never in a Tuning default: $ONESTREAM_MK_FP32_ACT "0" (or "false")
-    selects the bf16 numerics, $ONESTREAM_MK_GEMV "tensor" the tensor-core GEMV (for deployments that decode
-    speculatively nearly always: plain and verify launches then share that summation order). A value outside
-    those raises ValueError naming the variable."""
+    selects the bf16 numerics; $ONESTREAM_MK_GEMV "scalar" or "tensor" the GEMV, and "auto" (the default) the one
+    whose cost is least for the engine's launches: the tensor cores where the engine verifies drafts
+    (`speculative`: its cycle of verify and drafts costs less there, docs/benchmarks.md, while the scalar GEMV's
+    single step is the faster one), the scalar GEMV otherwise. Plain and verify launches share one summation order
+    either way. A value outside those raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     fp32_act = env.get(FP32_ACT_ENV, "1").strip().lower()
     if fp32_act not in ("0", "1", "true", "false", ""):
         raise ValueError(f"{FP32_ACT_ENV} must be 0 or 1, got {fp32_act!r}")
-    gemv = env.get(GEMV_ENV, "scalar").strip().lower()
-    if gemv not in ("scalar", "tensor", ""):
-        raise ValueError(f"{GEMV_ENV} must be scalar or tensor, got {gemv!r}")
+    gemv = env.get(GEMV_ENV, "auto").strip().lower() or "auto"
+    if gemv not in ("auto", "scalar", "tensor"):
+        raise ValueError(f"{GEMV_ENV} must be auto, scalar or tensor, got {gemv!r}")
     chosen: dict[str, Any] = {
         "fp32_act": fp32_act not in ("0", "false"),
-        "mma": gemv == "tensor",
+        "mma": gemv == "tensor" or (gemv == "auto" and speculative),
     }
     return Tuning(**{**chosen, **fields})
 

@@ -283,6 +283,17 @@ def test_forcing_the_megakernel_without_a_gpu_is_a_clear_error(model_dir: Path) 
     with pytest.raises(BackendUnavailableError, match="backend must be one of"):
         create_backend(model_dir, kind="fast")
     assert create_backend(model_dir, kind="auto").name == "reference"  # auto falls back on the CPU
+    with pytest.raises(BackendUnavailableError, match="drafts must be None, 'mtp' or 'lookup'"):
+        create_backend(model_dir, drafts="ngram")
+
+
+def test_the_engine_tells_the_back_end_where_its_drafts_come_from() -> None:
+    """What create_backend hears (the megakernel's GEMV follows it: kernels/tuning.py tuning_from_env)."""
+    from onestream.worker.engine import draft_source
+
+    assert draft_source("combined", 2, None) == "mtp" and draft_source("mtp", 3, 0) == "mtp"
+    assert draft_source("combined", 0, None) is None  # MTP drafts off turns the combined mode's off
+    assert draft_source("lookup", 0, None) == "lookup" and draft_source("lookup", 2, 0) is None
 
 
 def test_errors_live_in_errors_and_keep_their_old_import_paths() -> None:

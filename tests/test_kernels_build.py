@@ -274,6 +274,11 @@ def test_environment_settings_are_read_at_the_edge_not_by_tuning(monkeypatch: py
     assert tuning_from_env(mma=False).mma is False  # fields named at the edge win over the environment
     assert tuning_from_env({}) == Tuning()
     assert tuning_from_env({GEMV_ENV: "scalar", FP32_ACT_ENV: "true"}) == Tuning()
+    # auto (the default): the tensor cores for an engine that verifies drafts, else the scalar GEMV
+    assert tuning_from_env({}, speculative=True) == Tuning(mma=True)
+    assert tuning_from_env({GEMV_ENV: "auto"}, speculative=False) == Tuning()
+    assert tuning_from_env({GEMV_ENV: "scalar"}, speculative=True) == Tuning()
+    assert tuning_from_env({GEMV_ENV: "tensor"}, speculative=False) == Tuning(mma=True)
     for env, name in (({FP32_ACT_ENV: "maybe"}, FP32_ACT_ENV), ({GEMV_ENV: "fast"}, GEMV_ENV)):
         with pytest.raises(ValueError, match=name):
             tuning_from_env(env)

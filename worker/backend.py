@@ -272,6 +272,7 @@ def create_backend(
     dtype: torch.dtype | None = None,
     progress: Any = None,
     prefill: str | None = None,
+    drafts: str | None = None,
 ) -> Backend:
     """Load `model` (a checkpoint path in any format, or an opened `Checkpoint`) and wrap it in the chosen
     back end.
@@ -282,8 +283,14 @@ def create_backend(
 
     prefill (default `$ONESTREAM_PREFILL`, else auto): auto runs prompts on the fast prefill path on a CUDA
     device, except for kind="reference", which stays the ground truth throughout; reference or fast force it.
+
+    drafts: where the engine's speculative drafts come from ("mtp": the model's MTP head, "lookup": the context;
+    None: it decodes plainly); the megakernel's GEMV follows it ($ONESTREAM_MK_GEMV auto: kernels/tuning.py).
     """
     from .loading import load_model
+
+    if drafts not in (None, "mtp", "lookup"):
+        raise BackendUnavailableError(f"drafts must be None, 'mtp' or 'lookup', got {drafts!r}")
 
     if kind not in BACKEND_CHOICES:
         raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {kind!r}")
@@ -303,12 +310,19 @@ def create_backend(
         return ReferenceBackend(loaded, prefill="reference" if prefill == "auto" else prefill)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
-        from onestream.kernels.tuning import tuning_from_env  # type: ignore[import-not-found]
 
-        # the operator's $ONESTREAM_MK_* settings
-        return MegakernelBackend(loaded, tuning=tuning_from_env(), prefill=prefill)
+        return MegakernelBackend(loaded, tuning=megakernel_tuning(loaded, drafts), prefill=prefill)
     except Exception as e:  # auto falls back on any build failure, and says why
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
         log.warning("megakernel back end unavailable (%s); using the reference back end", e)
         return ReferenceBackend(loaded, prefill=prefill)
+
+
+def megakernel_tuning(model: Any, drafts: str | None) -> Any:
+    """The megakernel build for `model` under the operator's $ONESTREAM_MK_* settings, its GEMV by whether the engine
+    will verify drafts (`drafts`: create_backend's; MTP drafts need the model's MTP head)."""
+    from onestream.kernels.tuning import tuning_from_env  # type: ignore[import-not-found]
+
+    speculative = drafts == "lookup" or (drafts == "mtp" and bool(model.config.has_mtp))
+    return tuning_from_env(speculative=speculative)

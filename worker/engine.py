@@ -139,6 +139,7 @@ class Engine:
                 device=device,
                 dtype=parse_dtype(dtype),
                 progress=LoadProgress(self.checkpoint.stored_sizes(), on_update=on_load_progress),
+                drafts=draft_source(drafting, DEFAULT_SPEC_K if spec_k is None else spec_k, lookup_k),
             )
         else:
             self.backend = backend
@@ -631,3 +632,11 @@ class Engine:
         if len(seq) > 0:
             session.add_checkpoint(self._sessions.max_checkpoints)  # end of prompt minus its last token
         return seq.feed(prompt[-1:])
+
+
+def draft_source(drafting: str, spec_k: int, lookup_k: int | None) -> str | None:
+    """Where an engine of these settings takes drafts from, as create_backend asks (draft_settings decides per
+    request once the model is loaded: the MTP modes draft only with an MTP head)."""
+    if drafting == "lookup":
+        return None if lookup_k == 0 else "lookup"
+    return "mtp" if spec_k > 0 else None
