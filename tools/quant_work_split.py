@@ -5,9 +5,9 @@
 Mirrors gemv_quant.cuh: rows go to the blocks by `row_range_of` (multiples of the descriptor's alignment), a block
 walks its rows in rounds of `qplan`'s round, and a round's items (a row group by a chunk of 32 units per lane load)
 go to its warps in turn (`gemv_units`). A warp's work is the weight rows it streams (rows past a round load nothing);
-the figure per GEMV is the ideal (every warp the same) over the busiest warp's, for: the lanes' 4-row items, 16-row
-tiles of whole chunks (wip/qtile), and 16-row tiles of one super-block per item. A phase takes as long as its busiest
-warp, so 0.85 means 15 % of the phase's time is some warps waiting.
+the figure per GEMV is the ideal (every warp the same) over the busiest warp's, for: the lanes' 4-row items, and
+16-row tiles (wip/qtile) of whole chunks (4 super-blocks), of 2 super-blocks (its Tuning.qtile_chunk default) and of
+one. A phase takes as long as its busiest warp, so 0.85 means 15 % of the phase's time is some warps waiting.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def balance(
     chunk (qplan's chunks: one per 32 units a lane loads)."""
     chunks = math.ceil(g.k // 32 / 32)
     items_per_row_group = chunks * steps_per_chunk
-    round_rows = (part_rows // (chunks * steps_per_chunk)) // item_rows * item_rows & ~1
+    round_rows = max(item_rows, (part_rows // (chunks * steps_per_chunk)) // item_rows * item_rows & ~1)
     units = g.rows // align
     busiest = 0.0
     for b in range(sms):
@@ -67,15 +67,12 @@ def main() -> None:
     p.add_argument("--part-rows", type=int, default=4096)
     a = p.parse_args()
     kw = {"sms": a.sms, "warps": a.warps, "part_rows": a.part_rows}
-    print(
-        f"{'GEMV':9s} {'rows':>7s} {'K':>6s}  lanes' 4-row items  tiles of whole chunks  tiles of one super-block"
-    )
+    print(f"{'GEMV':9s} {'rows':>7s} {'K':>6s}  lanes' 4-row items  tiles of 4 / 2 / 1 super-blocks")
     for g in gemvs_27b():
         group = 16 if g.align == 2 else 8  # tiled weights go to the blocks in whole groups (phases.cuh)
         lanes = balance(g, 4, 1, g.align, **kw)
-        tiles = balance(g, 16, 1, group, **kw)
-        fine = balance(g, 16, 4, group, **kw)
-        print(f"{g.name:9s} {g.rows:7d} {g.k:6d}  {lanes:18.3f}  {tiles:21.3f}  {fine:24.3f}")
+        tiles = [balance(g, 16, steps, group, **kw) for steps in (1, 2, 4)]
+        print(f"{g.name:9s} {g.rows:7d} {g.k:6d}  {lanes:18.3f}  " + " / ".join(f"{t:.3f}" for t in tiles))
 
 
 if __name__ == "__main__":
