@@ -144,8 +144,7 @@ class RandomModelSource:
         reference runs fp32 faster). `on_load_progress` hears nothing: drawing takes seconds, not a load."""
         import torch
         from onestream.kernels.random_model import random_model
-        from onestream.worker.drafting.policy import DEFAULT_MODE
-        from onestream.worker.engine import DEFAULT_SPEC_K, Engine, draft_source, parse_dtype
+        from onestream.worker.engine import Engine, draft_source, parse_dtype
 
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
@@ -158,11 +157,7 @@ class RandomModelSource:
         if wanted is not None and wanted != torch.bfloat16:
             model = model.to(wanted)
         options = dict(options or {})
-        drafts = draft_source(
-            options.get("drafting", DEFAULT_MODE),
-            options.get("spec_k", DEFAULT_SPEC_K),
-            options.get("lookup_k"),
-        )
+        drafts = draft_source(**{k: options[k] for k in ("drafting", "spec_k", "lookup_k") if k in options})
         engine_backend = _random_backend(model, backend, torch.device(device), drafts)
         # Engine(None): the embedded checkpoint's tokenizer, EOS ids and generation defaults.
         return Engine(None, backend=engine_backend, **options)

@@ -293,6 +293,7 @@ def test_the_engine_tells_the_back_end_where_its_drafts_come_from() -> None:
     """What create_backend hears (the megakernel's GEMV follows it: kernels/tuning.py tuning_from_env)."""
     from onestream.worker.engine import draft_source
 
+    assert draft_source() == "mtp"  # the engine's defaults draft
     assert draft_source("combined", 2, None) == "mtp" and draft_source("mtp", 3, 0) == "mtp"
     assert draft_source("combined", 0, None) is None  # MTP drafts off turns the combined mode's off
     assert draft_source("lookup", 0, None) == "lookup" and draft_source("lookup", 2, 0) is None

@@ -139,7 +139,7 @@ class Engine:
                 device=device,
                 dtype=parse_dtype(dtype),
                 progress=LoadProgress(self.checkpoint.stored_sizes(), on_update=on_load_progress),
-                drafts=draft_source(drafting, DEFAULT_SPEC_K if spec_k is None else spec_k, lookup_k),
+                drafts=draft_source(drafting, spec_k, lookup_k),
             )
         else:
             self.backend = backend
@@ -634,9 +634,12 @@ class Engine:
         return seq.feed(prompt[-1:])
 
 
-def draft_source(drafting: str, spec_k: int, lookup_k: int | None) -> str | None:
-    """Where an engine of these settings takes drafts from, as create_backend asks (draft_settings decides per
-    request once the model is loaded: the MTP modes draft only with an MTP head)."""
+def draft_source(
+    drafting: str = DEFAULT_MODE, spec_k: int | None = None, lookup_k: int | None = None
+) -> str | None:
+    """Where an engine of these settings (Engine's arguments, None for its defaults) takes drafts from, as
+    create_backend asks (draft_settings decides per request once the model is loaded: the MTP modes draft only with
+    an MTP head)."""
     if drafting == "lookup":
         return None if lookup_k == 0 else "lookup"
-    return "mtp" if spec_k > 0 else None
+    return "mtp" if (DEFAULT_SPEC_K if spec_k is None else spec_k) > 0 else None
