@@ -16,6 +16,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from onestream.kernels.random_model import config_27b
+
 
 @dataclass(frozen=True)
 class Gemv:
@@ -26,15 +28,20 @@ class Gemv:
 
 
 def gemvs_27b() -> list[Gemv]:
-    h, i, vocab = 5120, 17408, 248320
+    """The weight-streaming GEMVs of one step at the 27B shapes (kernels/random_model.config_27b)."""
+    c = config_27b()
+    h, i = c.hidden_size, c.intermediate_size
+    attn = c.num_attention_heads * c.head_dim
     return [
-        Gemv("dn_in", 10240 + 6144 + 48 + 48, h, 1),
-        Gemv("dn_out", h, 6144, 1),
-        Gemv("att_in", 12288 + 1024 + 1024, h, 1),
-        Gemv("att_out", h, 6144, 1),
-        Gemv("mlp_in", 2 * i, h, 2),
+        Gemv(
+            "dn_in", c.linear_qkv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads, h, 1
+        ),  # qkv | z | b | a
+        Gemv("dn_out", h, c.linear_value_dim, 1),
+        Gemv("att_in", 2 * attn + 2 * c.num_key_value_heads * c.head_dim, h, 1),  # q with its gate | k | v
+        Gemv("att_out", h, attn, 1),
+        Gemv("mlp_in", 2 * i, h, 2),  # gate / up pairs
         Gemv("mlp_down", h, i, 1),
-        Gemv("lm_head", vocab, h, 1),
+        Gemv("lm_head", c.vocab_size, h, 1),
     ]
 
 
