@@ -293,18 +293,19 @@ class CardRegistry:
                 )
                 if replacing is None or identity.incarnation != replacing:
                     break
-                raise ActorUnavailableError("the killed process still answers")
-            except ActorUnavailableError:  # restarting: try again shortly
-                if time.monotonic() > deadline:
-                    self._give_up(record, f"did not come back within {timeout_s:.0f}s")
-                    return
-                await asyncio.sleep(0.5)
+            except ActorUnavailableError:  # restarting
+                pass
             except RayError as e:  # died for good, or cannot be placed
                 self._give_up(record, f"died while starting: {_first_line(e)}")
                 return
             except asyncio.TimeoutError:
                 self._give_up(record, f"did not start within {timeout_s:.0f}s")
                 return
+            # Restarting, or the killed process answered before its kill landed: ask again shortly.
+            if time.monotonic() > deadline:
+                self._give_up(record, f"did not come back within {timeout_s:.0f}s")
+                return
+            await asyncio.sleep(0.5)
         if self.model_info is None:
             with contextlib.suppress(Exception):
                 self.model_info = await asyncio.wait_for(
@@ -396,13 +397,12 @@ class CardRegistry:
         record.restarts += 1
         self.scheduler.card_down(card_id)
         replacing = None
-        if hung:
-            with contextlib.suppress(Exception):
-                ray.kill(record.actor, no_restart=False)  # Ray restarts it (max_restarts)
-            if record.identity is not None:
-                replacing = record.identity.incarnation
-                # ray.kill asks the actor's own process to exit; a wedged process may never do so.
-                _kill_on_node(record.identity.node_id, record.identity.pid)
+        if hung and record.identity is not None:
+            # A signal ends a wedged or frozen process alike, and Ray restarts the actor (max_restarts).
+            # Not ray.kill as well: a frozen process never hears it, and when both land on a live one
+            # the two deaths can race in Ray's restart and leave the actor restarting for good.
+            replacing = record.identity.incarnation
+            _kill_on_node(record.identity.node_id, record.identity.pid)
         record.task = asyncio.create_task(
             self._bring_up(record, self.config.card_start_timeout_s, replacing=replacing)
         )
