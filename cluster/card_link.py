@@ -19,21 +19,11 @@ from typing import Any
 
 import grpc
 
-from .wire import MAX_MESSAGE_BYTES
+from .wire import channel_options, server_options
 
 SERVICE = "onestream.card.v1.CardLink"
 METHOD = f"/{SERVICE}/Generate"
 TOKEN_HEADER = "onestream-card-token"
-_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A long prefill sends nothing for seconds; keepalive notices a peer that vanished without a reset.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 # The card's side failed (a bug, a token mismatch): the request cannot succeed on a retry elsewhere.
 _FAILED_CODES = {
     grpc.StatusCode.UNKNOWN,
@@ -66,7 +56,7 @@ class LinkServer:
         self.token = token
         self._token = token.encode()
         self._items = items
-        self._server = grpc.aio.server(options=_OPTIONS)
+        self._server = grpc.aio.server(options=server_options())
         handler = grpc.method_handlers_generic_handler(
             SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(self._generate)}
         )
@@ -118,7 +108,7 @@ class CardLink:
 
     def __init__(self, endpoint: str, token: str) -> None:
         self.endpoint = endpoint
-        self._channel = grpc.aio.insecure_channel(endpoint, options=_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(endpoint, options=channel_options())
         self._generate = self._channel.unary_stream(METHOD)
         self._metadata = ((TOKEN_HEADER, token),)
 

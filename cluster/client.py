@@ -23,14 +23,7 @@ from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 from onestream.worker.api import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 
-from .wire import MAX_MESSAGE_BYTES
-
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+from .wire import channel_options
 
 
 def make_request(
@@ -81,7 +74,7 @@ class PoolClient:
         self.address = address
         self.timeout_s = timeout_s  # for the unary calls
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
-        self.channel = grpc.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=channel_options())
         self.stub = pb_grpc.OneStreamStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 

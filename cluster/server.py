@@ -37,16 +37,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OneStream"].full_name
-# Long generations may send nothing for a while: accept the clients' keepalive pings (as vLLM does).
-GRPC_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
-]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -102,7 +92,7 @@ class PoolServer:
         self.metrics_server = MetricsHTTPServer(
             metrics_host, metrics_port, self.metrics.registry, {"/sd": self._service_discovery}
         )
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=wire.server_options())
         wire.add_servicer(self.router, self.server, pb.DESCRIPTOR.services_by_name["OneStream"])
         self.health = HealthServicer()
         wire.add_health_and_reflection(self.server, self.health, [SERVICE_NAME])

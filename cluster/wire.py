@@ -25,6 +25,39 @@ log = logging.getLogger(__name__)
 # The largest message any of the pool's gRPC servers and channels sends or accepts: requests are bounded by
 # field (cluster/limits.py) well below it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A stream can be quiet for minutes (a long prefill, a queue wait): every channel pings its server this
+# often so that a peer that vanished without a reset is noticed.
+KEEPALIVE_TIME_MS = 20_000
+# How often a server lets a client ping. gRPC's default (5 minutes) counts each quicker ping on a quiet
+# connection as a strike and at the third answers GOAWAY too_many_pings, killing the streams in flight.
+MIN_PING_INTERVAL_MS = 1_000
+
+
+def server_options() -> list[tuple[str, int]]:
+    """Options for every gRPC server of the pool: message bounds, and pings accepted from clients."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for every gRPC channel to a pool server: message bounds, and keepalive pings even when
+    quiet (`KEEPALIVE_TIME_MS`, read when the channel is made)."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
 
 
 @dataclass(frozen=True)

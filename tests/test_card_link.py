@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from onestream.cluster import wire
 from onestream.cluster.card_link import (
     METHOD,
     CardLink,
@@ -27,14 +28,18 @@ from onestream.worker.api import Finished, GenerateRequest, Timings, TokenChunk,
 class Card:
     """What a card's `_items` does, recorded: requests seen, generations ended."""
 
-    def __init__(self, chunks: int = 3, fail_after: int | None = None, forever: bool = False) -> None:
+    def __init__(
+        self, chunks: int = 3, fail_after: int | None = None, forever: bool = False, pause_s: float = 0.0
+    ) -> None:
         self.chunks, self.fail_after, self.forever = chunks, fail_after, forever
+        self.pause_s = pause_s  # before the first item: a long prefill
         self.requests: list[Any] = []
         self.ended = asyncio.Event()
 
     async def items(self, request: Any) -> AsyncIterator[object]:
         self.requests.append(request)
         try:
+            await asyncio.sleep(self.pause_s)
             i = 0
             while self.forever or i < self.chunks:
                 if self.fail_after is not None and i == self.fail_after:
@@ -162,5 +167,18 @@ def test_a_request_the_card_cannot_read_is_link_failed_and_the_card_serves_on() 
                 await LinkCall(bad).next()
             items = await drain(link.generate(GenerateRequest(prompt=[1])))
             assert isinstance(items[-1], Finished)
+
+    run(test)
+
+
+def test_a_stream_quiet_for_many_keepalive_pings_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server that counts the router's keepalive pings as strikes ends a quiet stream (a long prefill)
+    # with GOAWAY too_many_pings after the third; pings every second make that happen in 3 s.
+    monkeypatch.setattr(wire, "KEEPALIVE_TIME_MS", 1_000)
+
+    async def test() -> None:
+        async with linked(Card(chunks=2, pause_s=4.5)) as (_, link):
+            items = await drain(link.generate(GenerateRequest(prompt=[1])))
+        assert [i.token_ids for i in items[:-1]] == [[0], [1]]  # type: ignore[attr-defined]
 
     run(test)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
-from onestream.cluster.client import KEEPALIVE_OPTIONS
+from onestream.cluster.wire import channel_options
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 
@@ -26,7 +26,7 @@ def credentials(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 class RouterClient:
     def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
         self.stub = pb_grpc.OneStreamStub(self.channel)
 
     async def model_info(self, metadata: Metadata = ()) -> pb.ModelInfo:
