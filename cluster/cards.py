@@ -227,9 +227,7 @@ class CardRegistry:
             log.info("card slot %s/%d: adopting the running card %s", node_id[:NODE_ID_CHARS], slot, name)
         record = CardRecord(node_id=node_id, slot=slot, actor=actor, adopted=adopting is not None)
         self._records[record.key] = record
-        record.task = asyncio.create_task(
-            self._bring_up(record, self.config.card_start_timeout_s, adopting=adopting)
-        )
+        self._start_bring_up(record, adopting=adopting)
         self._changed()
 
     def adopting(self) -> bool:
@@ -272,6 +270,20 @@ class CardRegistry:
             )
             .remote(settings, self._load_board)
         )
+
+    def _start_bring_up(self, record: CardRecord, **how: Any) -> None:
+        """`_bring_up` in the background. Should it fail itself (a bug), the card is given up, so that its
+        slot is refilled rather than left down with nobody told."""
+        task = asyncio.create_task(self._bring_up(record, self.config.card_start_timeout_s, **how))
+        task.add_done_callback(lambda done: self._bring_up_ended(record, done))
+        record.task = task
+
+    def _bring_up_ended(self, record: CardRecord, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None or self._records.get(record.key) is not record:
+            return
+        error = task.exception()
+        log.error("card %s: bringing it up failed", record.card_id, exc_info=error)
+        self._give_up(record, f"could not be brought up ({type(error).__name__}: {error})")
 
     async def _bring_up(
         self,
@@ -403,9 +415,7 @@ class CardRegistry:
             # the two deaths can race in Ray's restart and leave the actor restarting for good.
             replacing = record.identity.incarnation
             _kill_on_node(record.identity.node_id, record.identity.pid)
-        record.task = asyncio.create_task(
-            self._bring_up(record, self.config.card_start_timeout_s, replacing=replacing)
-        )
+        self._start_bring_up(record, replacing=replacing)
         self._changed()
 
     async def check_health(self) -> None:

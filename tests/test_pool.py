@@ -400,6 +400,34 @@ def test_a_hung_card_is_restarted_and_its_stream_ends_unavailable(
     assert pool.call(pool.pool.registry.identity, card_id).pid != identity.pid
 
 
+def test_a_card_whose_bring_up_fails_on_a_bug_is_replaced_not_left_down(
+    pool: PoolThread, client: PoolClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    wait_for(lambda: idle(client), WAIT_S, "an idle pool")
+    registry = pool.pool.registry
+    card_id = client.cards()[0].card_id
+    before = pool.call(registry.identity, card_id)
+    real = registry._bring_up
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        registry._bring_up = real  # only this card's next bring-up breaks
+        raise RuntimeError("a bug in bring-up")
+
+    pool.call(setattr, registry, "_bring_up", broken)
+    ray.kill(pool.call(registry.actor, card_id), no_restart=False)
+
+    def replaced() -> bool:
+        state = {c.card_id: c.state for c in client.cards()}.get(card_id)
+        identity = pool.call(registry.identity, card_id)
+        return state == pb.CARD_STATE_FREE and identity.incarnation != before.incarnation
+
+    wait_for(replaced, WAIT_S, f"card {card_id} to be replaced")
+    assert any(
+        "could not be brought up (RuntimeError: a bug in bring-up)" in r.message for r in caplog.records
+    )
+    assert run_turn(client, make_request("def main():", max_tokens=2)).error is None
+
+
 def test_a_card_that_fails_before_the_first_token_is_retried_on_another_card(
     pool: PoolThread, client: PoolClient
 ) -> None:
