@@ -19,6 +19,7 @@ class PoolConfig:
     http_address: str | None = None  # the HTTP front door (OpenAI / Anthropic APIs); None: off
     http_max_body_bytes: int = 64 << 20  # larger request bodies get 413
     http_user_sessions: bool = False  # a request's `user` field pins its session (docs/http.md)
+    http_keepalive_s: float = 15.0  # a quiet event stream gets a comment line this often (frontdoor/sse.py)
     # Cards: one per GPU of every node; or, with `cpu_cards`, CPU engines where nodes advertise the
     # `onestream_cpu_card` resource (a locally started Ray node advertises `cpu_cards` of them).
     cpu_cards: int | None = None

@@ -123,6 +123,7 @@ class PoolServer:
             max_body_bytes=self.config.http_max_body_bytes,
             user_sessions=self.config.http_user_sessions,
             prefix_sharing=self.config.prefix_sharing,
+            keepalive_s=self.config.http_keepalive_s,
         )
         await self.frontdoor.start()
 

@@ -6,6 +6,7 @@ APIs through the router's own gRPC API. The pool opts in to sessions pinned by t
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 CARDS = 2
 MAX_CONTEXT = 1024
 MODEL = "default_model"
+KEEPALIVE_S = 0.5  # a quiet event stream's comment interval: short, so every stream here carries some
 WRITE_FILE = {
     "type": "function",
     "function": {
@@ -60,6 +62,7 @@ def pool_settings() -> dict[str, Any]:
         "http_user_sessions": True,
         "engine_options": {"max_context": MAX_CONTEXT},
         "home_wait_s": 0.5,
+        "http_keepalive_s": KEEPALIVE_S,
     }
 
 
@@ -452,6 +455,65 @@ def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_cli
     while grpc_client.pool_status().cards_busy and time.monotonic() < deadline:
         time.sleep(0.1)
     assert grpc_client.pool_status().cards_busy == 0
+
+
+def test_a_queued_stream_is_kept_alive_and_the_sdks_read_past_its_comments(
+    client: openai.OpenAI, claude: anthropic.Anthropic, base_url: str, grpc_client: PoolClient
+) -> None:
+    never_stop = {"0": -100, "2": -100}
+    busy = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"def f{i}():"}],
+            max_tokens=MAX_CONTEXT - 64,
+            temperature=0,
+            logit_bias=never_stop,
+            stream=True,
+        )
+        for i in range(CARDS)
+    ]
+    for stream in busy:
+        next(iter(stream))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    raw = urllib.request.urlopen(
+        urllib.request.Request(
+            base_url + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        ),
+        timeout=60,
+    )
+    answers: dict[str, str] = {}
+
+    def openai_stream() -> None:
+        stream = client.chat.completions.create(**{**body, "max_tokens": 4})
+        finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+        answers["openai"] = finishes[-1] or ""
+
+    def anthropic_stream() -> None:
+        request = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+        with claude.messages.stream(**request) as stream:
+            answers["anthropic"] = stream.get_final_message().stop_reason or ""
+
+    readers = [threading.Thread(target=openai_stream), threading.Thread(target=anthropic_stream)]
+    for reader in readers:
+        reader.start()
+    try:  # headers at once, then comments while every card is busy
+        assert raw.status == 200 and raw.headers["Content-Type"] == "text/event-stream"
+        comments, started = 0, time.monotonic()
+        while comments < 3:
+            line = raw.readline()
+            comments += line == b": keep-alive\n"
+            assert time.monotonic() - started < 30, "no keep-alive comments while queued"
+        assert grpc_client.pool_status().queue_depth == 3
+    finally:
+        for stream in busy:
+            stream.close()
+    events = [json.loads(line[6:]) for line in raw.read().splitlines() if line.startswith(b"data: {")]
+    raw.close()
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    for reader in readers:
+        reader.join(60)
+    assert answers.get("openai") in ("stop", "length")
+    assert answers.get("anthropic") in ("end_turn", "max_tokens")
 
 
 # ---- constrained answers (worker/constraints/: the cards enforce them token by token) ---------------

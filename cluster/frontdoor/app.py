@@ -16,7 +16,8 @@ from aiohttp import web
 from onestream.worker.checkpoints import open_checkpoint
 from onestream.worker.tokenizer import Tokenizer
 
-from . import anthropic_api, openai_api, responses_api
+from ..config import PoolConfig
+from . import anthropic_api, openai_api, responses_api, sse
 from .errors import ApiError
 from .params import object_body
 from .service import Service
@@ -56,6 +57,8 @@ async def errors_middleware(
     except Exception as error:  # a bug: logged here, named to the client, never a stack trace
         log.exception("%s %s failed", request.method, request.path)
         return error_response(request, ApiError(500, f"internal error ({type(error).__name__})"))
+    finally:
+        sse.stop_keepalive(request)
 
 
 def _post(
@@ -86,8 +89,9 @@ def _get(
     return wrapped
 
 
-def make_app(service: Service, max_body_bytes: int) -> web.Application:
+def make_app(service: Service, max_body_bytes: int, keepalive_s: float) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=max_body_bytes)
+    app[sse.KEEPALIVE_KEY] = keepalive_s
     app.router.add_post("/v1/chat/completions", _post(service, openai_api.chat_completions))
     app.router.add_post("/v1/completions", _post(service, openai_api.completions))
     app.router.add_get("/v1/models", _get(service, openai_api.list_models))
@@ -112,6 +116,7 @@ class FrontDoor:
         max_body_bytes: int,
         user_sessions: bool = False,
         prefix_sharing: str = "user",
+        keepalive_s: float = PoolConfig.http_keepalive_s,
     ) -> None:
         self.model = model
         self.model_dir = model_dir
@@ -120,6 +125,7 @@ class FrontDoor:
         self.max_body_bytes = max_body_bytes
         self.user_sessions = user_sessions
         self.prefix_sharing = prefix_sharing
+        self.keepalive_s = keepalive_s
         self._runner: web.AppRunner | None = None
         self._router: RouterClient | None = None
 
@@ -131,7 +137,9 @@ class FrontDoor:
         # handler_cancellation: a client that closes its connection cancels its handler, which cancels
         # the gRPC call, which frees the card at once.
         self._runner = web.AppRunner(
-            make_app(service, self.max_body_bytes), handler_cancellation=True, access_log=None
+            make_app(service, self.max_body_bytes, self.keepalive_s),
+            handler_cancellation=True,
+            access_log=None,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -71,8 +71,8 @@ def new_id(prefix: str) -> str:
 class Generation:
     """One turn through the router, its text run through the output parser.
 
-    `start()` returns once a card has the turn (errors surface as ApiError, before any response is
-    sent); `events()` yields the parsed events of each chunk; `finished` holds the final message. `close()`
+    `start()` returns once the router took the turn, queued or on a card (its refusals surface as ApiError,
+    before any response is sent); `events()` waits for the card, then yields the parsed events of each chunk; `finished` holds the final message. `close()`
     cancels the gRPC call (a client that went away frees its card at once)."""
 
     def __init__(
@@ -101,7 +101,7 @@ class Generation:
 
     async def start(self, prefill: str = "") -> list[Event]:
         self._turn = self._service.router.generate(self._request, self._metadata)
-        await self._turn.assigned()
+        await self._turn.admitted()
         if not prefill or self._parser is None:
             return []
         # The prefill's own text is the client's, not the answer; a call it starts is the answer's.
@@ -109,6 +109,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[list[Event]]:
         assert self._turn is not None
+        await self._turn.assigned()
         async for item in self._turn.events():
             if isinstance(item, pb.Finished):
                 self.finished = item

@@ -43,26 +43,35 @@ class RouterClient:
 
 
 class Turn:
-    """One Generate call. `assigned()` waits through the queue until a card took the turn, raising the
-    call's error as an ApiError (so that a stream can still answer with an HTTP status); iterating gives
-    the chunks and the final `finished`. `cancel()` ends the call at once (the card is freed)."""
+    """One Generate call. `admitted()` waits until the router took the turn (queued, or on a card) and
+    `assigned()` until a card has it, each raising the call's error as an ApiError (so that a stream can
+    still answer with an HTTP status); iterating gives the chunks and the final `finished`. `cancel()`
+    ends the call at once (the card is freed)."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
         self._held: list[pb.GenerateResponse] = []
+        self._queued = False
         self.assignment: pb.Assigned | None = None
 
+    async def admitted(self) -> None:
+        await self._advance(until_queued=True)
+
     async def assigned(self) -> None:
-        while self.assignment is None:
+        await self._advance(until_queued=False)
+
+    async def _advance(self, *, until_queued: bool) -> None:
+        while self.assignment is None and not self._held and not (until_queued and self._queued):
             message = await self._read()
             if message is None:
                 raise ApiError(502, "the router ended the turn without an answer")
             kind = message.WhichOneof("event")
             if kind == "assigned":
                 self.assignment = message.assigned
-            elif kind != "queued":
+            elif kind == "queued":
+                self._queued = True
+            else:
                 self._held.append(message)
-                return
 
     async def events(self) -> AsyncIterator[pb.TokenChunk | pb.Finished]:
         while True:
