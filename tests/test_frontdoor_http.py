@@ -19,6 +19,7 @@ import pytest
 from onestream.cluster.client import PoolClient
 from onestream.cluster.frontdoor.app import FrontDoor
 from onestream.cluster.server import PoolThread
+from onestream.cluster.testing import wait_for
 from onestream.worker.constraints import OutputConstraint
 from onestream.worker.constraints.decoding import grammar_for
 from onestream.worker.loading import default_model_dir
@@ -503,7 +504,7 @@ def test_a_queued_stream_is_kept_alive_and_the_sdks_read_past_its_comments(
             line = raw.readline()
             comments += line == b": keep-alive\n"
             assert time.monotonic() - started < 30, "no keep-alive comments while queued"
-        assert grpc_client.pool_status().queue_depth == 3
+        wait_for(lambda: grpc_client.pool_status().queue_depth == 3, 60, "both SDK streams queued too")
     finally:
         for stream in busy:
             stream.close()
