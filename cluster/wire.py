@@ -33,23 +33,9 @@ KEEPALIVE_TIME_MS = 20_000
 MIN_PING_INTERVAL_MS = 1_000
 
 
-def server_options() -> list[tuple[str, int]]:
-    """Options for every gRPC server of the pool: message bounds, and pings accepted from clients."""
-    return [
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
-        ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ]
-
-
 def channel_options() -> list[tuple[str, int]]:
-    """Options for every gRPC channel to a pool server: message bounds, and keepalive pings even when
-    quiet (`KEEPALIVE_TIME_MS`, read when the channel is made)."""
+    """Options for every gRPC channel of the pool: message bounds, and keepalive pings even when quiet
+    (`KEEPALIVE_TIME_MS`, read when the channel is made)."""
     return [
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -58,6 +44,11 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    """Options for every gRPC server of the pool: a channel's, and its clients' pings accepted."""
+    return [*channel_options(), ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
 
 
 @dataclass(frozen=True)

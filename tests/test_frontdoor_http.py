@@ -423,8 +423,9 @@ def test_a_second_turn_without_a_session_id_hits_the_cards_cache(client: openai.
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_client: PoolClient) -> None:
-    never_stop = {"0": -100, "2": -100}  # no end-of-sequence token: only closing the stream ends these
+def occupy_every_card(client: openai.OpenAI) -> list[Any]:
+    """A stream on every card that only closing it ends (no end-of-sequence token), its first chunk read."""
+    never_stop = {"0": -100, "2": -100}
     streams = [
         client.chat.completions.create(
             model=MODEL,
@@ -438,6 +439,11 @@ def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_cli
     ]
     for stream in streams:
         next(iter(stream))
+    return streams
+
+
+def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_client: PoolClient) -> None:
+    streams = occupy_every_card(client)
     assert grpc_client.pool_status().cards_busy == CARDS
     streams[0].close()
     closed_at = time.monotonic()
@@ -461,20 +467,7 @@ def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_cli
 def test_a_queued_stream_is_kept_alive_and_the_sdks_read_past_its_comments(
     client: openai.OpenAI, claude: anthropic.Anthropic, base_url: str, grpc_client: PoolClient
 ) -> None:
-    never_stop = {"0": -100, "2": -100}
-    busy = [
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": f"def f{i}():"}],
-            max_tokens=MAX_CONTEXT - 64,
-            temperature=0,
-            logit_bias=never_stop,
-            stream=True,
-        )
-        for i in range(CARDS)
-    ]
-    for stream in busy:
-        next(iter(stream))
+    busy = occupy_every_card(client)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
     raw = urllib.request.urlopen(
         urllib.request.Request(

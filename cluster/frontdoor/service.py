@@ -72,8 +72,9 @@ class Generation:
     """One turn through the router, its text run through the output parser.
 
     `start()` returns once the router took the turn, queued or on a card (its refusals surface as ApiError,
-    before any response is sent); `events()` waits for the card, then yields the parsed events of each chunk; `finished` holds the final message. `close()`
-    cancels the gRPC call (a client that went away frees its card at once)."""
+    before any response is sent); `events()` waits for the card, then yields the parsed events of each chunk;
+    `finished` holds the final message. `close()` cancels the gRPC call (a client that went away frees its
+    card at once)."""
 
     def __init__(
         self,

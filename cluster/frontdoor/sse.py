@@ -1,8 +1,8 @@
 """Server-sent events, as the OpenAI and Anthropic SDKs read them.
 
 A stream that says nothing for a while (a turn queued behind busy cards, a long prompt's prefill) gets a
-comment line every `keepalive_s` (the pool's `http_keepalive_s`): SSE readers, the SDKs' among them, skip comments, and proxies that close
-idle connections (nginx and most load balancers after 60 s) see traffic."""
+comment line every `keepalive_s` (the pool's `http_keepalive_s`): SSE readers, the SDKs' among them, skip
+comments, and proxies that close idle connections (nginx and most load balancers after 60 s) see traffic."""
 
 from __future__ import annotations
 
