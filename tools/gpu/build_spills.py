@@ -1,15 +1,21 @@
 """Spills per function of the 27B bf16 megakernel builds at chosen tokens per launch, without a GPU.
 
-    python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90]
+    python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90] [--where [N]]
 
 Each build's CUDA text comes from this tree's own build code (kernels/build.py, as tools/gpu/compare_builds.py
 does); `nvcc -Xptxas -v` compiles it, and every function with a stack frame or spills is printed: the check a
-wider launch must pass before it is worth timing on the GPU. Needs nvcc.
+wider launch must pass before it is worth timing on the GPU. ptxas counts a callee's spills once per kernel that
+calls it, and a callee may spill in one kernel and not in another (the values its caller keeps across the call
+take registers from it). `--where` also says where: the build compiled with line information, nvdisasm's
+spill marks counted per kernel and source function, and the N source lines with the most (a spill inside a loop
+over positions or weights costs every iteration; one in a prologue costs once). Needs nvcc; `--where` also
+nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import re
@@ -41,6 +47,10 @@ for t in tokens:
         (out / f"bf16-{gemv}-T{t}.cu").write_text(assemble_source(plan))
 """
 _FUNCTION = re.compile(r"Function properties for (\S+)")
+_ENTRY = re.compile(r"^(\w+):$")  # nvdisasm -c: a kernel's first line
+_LINE = re.compile(r'//## File "([^"]*)", line (\d+)')
+# A function definition in the generated text: its name is the last identifier before the parameter list.
+_DEFINITION = re.compile(r"^(?:template\s*<.*>\s*)?(?:extern \"C\"\s+)?(?:__\w+__\s+)+.*?\b(\w+)\s*\(")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -61,11 +71,72 @@ def spills(source: Path, arch: str, work: Path) -> list[tuple[str, int, int, int
     return found
 
 
+def enclosing_functions(text: str) -> list[str]:
+    """The function each line of the generated text (1-based: index 0 unused) lies in, by the last definition
+    at or above it."""
+    names, current = [""], "?"
+    for line in text.splitlines():
+        if names[-1] == "__launch_bounds__" and (m := re.match(r"\s*(\w+)\s*\(", line)):
+            current = names[-1] = m.group(1)  # a kernel's name follows its __launch_bounds__ line
+        elif (m := _DEFINITION.match(line)) and m.group(1) not in ("if", "for", "while", "switch"):
+            current = m.group(1)
+        names.append(current)
+    return names
+
+
+def spill_sites(source: Path, arch: str, work: Path) -> collections.Counter[tuple[str, str, int]]:
+    """Spill instructions (nvdisasm's SpillRefill marks) per (kernel, source function, generated line)."""
+    cubin = work / "lines.cubin"
+    subprocess.run(
+        ["nvcc", f"-arch={arch}", "-cubin", "-lineinfo", "-o", str(cubin), str(source)], check=True
+    )
+    sass = subprocess.run(
+        [cb.tool("nvdisasm"), "-g", "-c", str(cubin)], capture_output=True, text=True, check=True
+    )
+    functions = enclosing_functions(source.read_text())
+    found: collections.Counter[tuple[str, str, int]] = collections.Counter()
+    kernel, line = "?", 0
+    for text in sass.stdout.splitlines():
+        if m := _ENTRY.match(text):
+            kernel = m.group(1)
+        elif m := _LINE.search(text):
+            line = int(m.group(2)) if m.group(1) == str(source) else 0
+        elif '"SpillRefill"' in text:
+            found[(kernel, functions[line] if 0 < line < len(functions) else "?", line)] += 1
+    return found
+
+
+def print_sites(sites: collections.Counter[tuple[str, str, int]], source: Path, top: int) -> None:
+    lines = source.read_text().splitlines()
+    per_function: collections.Counter[tuple[str, str]] = collections.Counter()
+    for (kernel, function, _), n in sites.items():
+        per_function[(kernel, function)] += n
+    for kernel in sorted({k for k, _ in per_function}):
+        total = sum(n for (k, _), n in per_function.items() if k == kernel)
+        print(f"  {kernel}: {total} spill instructions")
+        for (k, function), n in per_function.most_common():
+            if k == kernel:
+                print(f"    {n:5d}  {function}")
+        worst = sorted(((n, line) for (k, _, line), n in sites.items() if k == kernel), reverse=True)[:top]
+        for n, line in worst:
+            text = lines[line - 1].strip() if 0 < line <= len(lines) else "?"
+            print(f"    {n:5d}  line {line}: {text[:100]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--gemv", nargs="+", choices=["scalar", "tensor"], default=["tensor"])
     ap.add_argument("--arch", choices=sorted(cb.ARCHS), default="sm_90")
+    ap.add_argument(
+        "--where",
+        type=int,
+        nargs="?",
+        const=12,
+        default=0,
+        metavar="N",
+        help="also count spill instructions per kernel and source function, and list the N worst lines",
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work, src = Path(tmp), Path(tmp) / "src"
@@ -83,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{cu.stem}:")
             for function, frame, stores, loads in spills(cu, args.arch, work):
                 print(f"  {function}: stack {frame} B, spill stores {stores} B, loads {loads} B")
+            if args.where:
+                print_sites(spill_sites(cu, args.arch, work), cu, args.where)
     return 0
 
 

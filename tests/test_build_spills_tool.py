@@ -1,0 +1,39 @@
+"""tools/gpu/build_spills.py's attribution of machine code to source functions (no nvcc needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from onestream.kernels.build import assemble_source
+from onestream.kernels.plan import KernelPlan
+from onestream.worker.testing import tiny_config
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "gpu" / "build_spills.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("build_spills", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_line_of_a_build_is_given_its_enclosing_function() -> None:
+    text = assemble_source(KernelPlan(tiny_config(), num_sms=132, tokens_per_launch=4))
+    names = _tool().enclosing_functions(text)
+    lines = text.splitlines()
+    assert len(names) == len(lines) + 1
+
+    def function_at(fragment: str, after: str) -> str:
+        start = next(i for i, line in enumerate(lines) if after in line)
+        at = next(i for i in range(start, len(lines)) if fragment in lines[i])
+        return names[at + 1]
+
+    # A kernel's name follows its __launch_bounds__ line; a body's lines belong to the function they are in,
+    # a lambda's to the function that holds it.
+    assert function_at("read_step(tb, bs)", "mk_decode(const") == "mk_decode"
+    assert function_at("s[r] *= decay;", "bool phase_dn_rec(") == "phase_dn_rec"
+    assert function_at("auto att_step = [&]", "bool attention_items(") == "attention_items"
+    assert "__launch_bounds__" not in names
