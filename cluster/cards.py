@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 STARTING, UP, RECOVERING = "starting", "up", "recovering"
 RECREATE_BACKOFF_S = 10.0  # before refilling a slot whose actor died for good
 REPLACE_BACKOFF_S = 2.0  # before refilling a slot whose running card could not be adopted
+# A killed card's process still answering, or nothing answering, this long after the kill may mean the signal
+# was lost (its task never ran on the node): it is sent again, a few times only (pids are reused, in the end).
+KILL_RESEND_S = 10.0
+KILL_RESENDS = 3
 
 
 class LoadBoard:
@@ -290,20 +294,25 @@ class CardRegistry:
         record: CardRecord,
         timeout_s: float,
         *,
-        replacing: str | None = None,
+        replacing: CardIdentity | None = None,
         adopting: CardSettings | None = None,
     ) -> None:
         """Wait for the (re)started actor to answer `ready`, then put the card in the scheduler. With
         `replacing` (the incarnation of a process we killed), only a new incarnation counts: the old
-        process may still answer for a moment before the kill lands. With `adopting` (the settings this
-        router would start the card with), a card a previous router left running is taken over."""
+        process may still answer for a moment before the kill lands. Should it still answer, or nothing
+        answer, KILL_RESEND_S after the kill, the kill is sent again (KILL_RESENDS times at most): a lost
+        signal must not leave the card down until the deadline. With `adopting` (the settings this router would
+        start the card with), a card a previous router left running is taken over."""
         deadline = time.monotonic() + timeout_s
+        killed_at, resends = time.monotonic(), 0
         while True:
+            left = deadline - time.monotonic()
             try:
                 identity: CardIdentity = await asyncio.wait_for(
-                    record.actor.ready.remote(), max(deadline - time.monotonic(), 0.1)
+                    record.actor.ready.remote(),
+                    max(min(left, KILL_RESEND_S) if replacing is not None else left, 0.1),
                 )
-                if replacing is None or identity.incarnation != replacing:
+                if replacing is None or identity.incarnation != replacing.incarnation:
                     break
             except ActorUnavailableError:  # restarting
                 pass
@@ -311,12 +320,25 @@ class CardRegistry:
                 self._give_up(record, f"died while starting: {_first_line(e)}")
                 return
             except asyncio.TimeoutError:
-                self._give_up(record, f"did not start within {timeout_s:.0f}s")
-                return
+                if replacing is None or time.monotonic() > deadline:
+                    self._give_up(record, f"did not start within {timeout_s:.0f}s")
+                    return
+                # No answer: a new process loading its model, or the old one frozen with its kill lost.
             # Restarting, or the killed process answered before its kill landed: ask again shortly.
             if time.monotonic() > deadline:
                 self._give_up(record, f"did not come back within {timeout_s:.0f}s")
                 return
+            if (
+                replacing is not None
+                and resends < KILL_RESENDS
+                and time.monotonic() - killed_at > KILL_RESEND_S
+            ):
+                # Harmless where the old process is gone: there is no such process.
+                log.info(
+                    "card %s: not back %.0fs after its kill; sending it again", record.card_id, KILL_RESEND_S
+                )
+                _kill_on_node(replacing.node_id, replacing.pid)
+                killed_at, resends = time.monotonic(), resends + 1
             await asyncio.sleep(0.5)
         if self.model_info is None:
             with contextlib.suppress(Exception):
@@ -413,7 +435,7 @@ class CardRegistry:
             # A signal ends a wedged or frozen process alike, and Ray restarts the actor (max_restarts).
             # Not ray.kill as well: a frozen process never hears it, and when both land on a live one
             # the two deaths can race in Ray's restart and leave the actor restarting for good.
-            replacing = record.identity.incarnation
+            replacing = record.identity
             _kill_on_node(record.identity.node_id, record.identity.pid)
         self._start_bring_up(record, replacing=replacing)
         self._changed()

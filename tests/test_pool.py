@@ -511,6 +511,51 @@ def test_a_card_that_stops_progressing_is_down_within_5s_and_a_slow_prefill_is_n
     )
 
 
+def test_a_hung_card_whose_kill_is_lost_is_killed_again(
+    pool: PoolThread, client: PoolClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal that ends a hung card runs as a task on its node; should that task never run, the card would
+    stay down until card_start_timeout_s (15 minutes). The router sends it again."""
+    from onestream.cluster import cards
+
+    sent: list[int] = []
+    real_kill = cards._kill_on_node
+
+    def first_kill_lost(node_id: str, pid: int) -> None:
+        sent.append(pid)
+        if len(sent) > 1:
+            real_kill(node_id, pid)
+
+    monkeypatch.setattr(cards, "_kill_on_node", first_kill_lost)
+    monkeypatch.setattr(cards, "KILL_RESEND_S", 2.0)
+
+    def wedge_the_model(card: Any) -> None:
+        import threading
+
+        backend = card._engine.backend
+        for name in ("decode", "draft", "verify_greedy"):
+            setattr(backend, name, lambda *args, **kwargs: threading.Event().wait())
+
+    session = new_session()
+    victim = start_turn(client, long_request(session))
+    assert victim.first_chunk.wait(WAIT_S) and victim.error is None
+    home = victim.card_id
+    pid = pool.call(pool.pool.registry.identity, home).pid
+    ray.get(pool.call(pool.pool.registry.actor, home).__ray_call__.remote(wedge_the_model), timeout=WAIT_S)
+    assert victim.done.wait(60)
+    assert victim.error is not None and victim.error.code() == grpc.StatusCode.UNAVAILABLE
+    lost = time.monotonic()
+    wait_for(
+        lambda: {c.card_id: c.state for c in client.cards()}.get(home) == pb.CARD_STATE_FREE,
+        WAIT_S,
+        f"card {home} to be restarted after its lost kill",
+    )
+    print(f"card back {time.monotonic() - lost:.1f}s after its kill was lost")
+    assert sent[:2] == [pid, pid], sent
+    assert pool.call(pool.pool.registry.identity, home).pid != pid
+    assert run_turn(client, make_request("def f():", max_tokens=2)).error is None
+
+
 def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
     cluster: Cluster, pool: PoolThread, client: PoolClient
 ) -> None:
