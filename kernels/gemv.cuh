@@ -303,6 +303,23 @@ __device__ __forceinline__ void gemv_consume_regs(const GemvPlan& p, const vec16
     }
 }
 
+// A round's row sums, each row's chunk partials added in chunk order (the same whichever blocks computed them), into
+// rowval [MK_NT][round]; then every thread runs the epilogue on them, between block barriers.
+template <class Finish>
+__device__ __forceinline__ void gemv_round_finish(const float* part, float* rowval, int rs, int nr, int nk, int round,
+                                                  Finish finish) {
+    for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
+        const int t = e / nr, r = e - t * nr;
+        const float* pp = part + t * MK_PART_ROWS + r * nk;
+        float s = 0.0f;
+        for (int c = 0; c < nk; ++c) s += pp[c];
+        rowval[t * round + r] = s;
+    }
+    __syncthreads();
+    finish(rs, nr, rowval, round);
+    __syncthreads();
+}
+
 #if MK_QFMTS
 #include "gemv_quant.cuh"
 #endif
@@ -538,16 +555,7 @@ __device__ void gemv_run(const GemvDesc& d, const bf16_t* xs_in, float* part, fl
             pre = true;
         }
 #endif
-        for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
-            const int t = e / nr, r = e - t * nr;
-            const float* pp = part + t * MK_PART_ROWS + r * p.nk;
-            float s = 0.0f;
-            for (int c = 0; c < p.nk; ++c) s += pp[c];
-            rowval[t * p.round + r] = s;
-        }
-        __syncthreads();
-        finish(rs, nr, rowval, p.round);
-        __syncthreads();
+        gemv_round_finish(part, rowval, rs, nr, p.nk, p.round, finish);
         rs = next_rs;
         nr = next_nr;
     }

@@ -1086,16 +1086,7 @@ __device__ __forceinline__ void gemv_quant_rows(const GemvDesc& d, int a, int b,
 #ifdef MK_PHASE_TIMING
         if (tid_x() == 0) mk_gemv_t[1] = global_timer_ns();
 #endif
-        for (int e = tid_x(); e < nr * MK_NT; e += MK_THREADS) {
-            const int t = e / nr, r = e - t * nr;
-            const float* pp = part + t * MK_PART_ROWS + r * p.nk;
-            float sum = 0.0f;
-            for (int c = 0; c < p.nk; ++c) sum += pp[c];
-            rowval[t * p.round + r] = sum;
-        }
-        __syncthreads();
-        finish(rs, nr, rowval, p.round);
-        __syncthreads();
+        gemv_round_finish(part, rowval, rs, nr, p.nk, p.round, finish);
         rs = next_rs;
         nr = next_nr;
     }
