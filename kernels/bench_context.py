@@ -134,13 +134,12 @@ def format_contexts(ceilings: Ceilings, rows: list[ContextResult], title: str) -
         f"{'%read':>6s} {'x shortest':>10s} {'bytes allow':>11s}",
     ]
     for r in rows:
-        base = _shortest(rows, r)
-        bound = byte_bound(rows, r)
-        allow = f"{bound:11.3f}" if bound else f"{'-':>11s}"
         if r.tok_s is None:
             lines.append(f"   {r.weights:8s} {r.build[:12]:12s} {r.context:8d} {'-':>8s} {'-':>8s}  {r.note}")
             continue
-        ratio = f"{r.tok_s / base.tok_s:10.3f}" if base and base.tok_s else f"{'-':>10s}"
+        base, bound = _shortest(rows, r), byte_bound(rows, r)
+        ratio = f"{r.tok_s / base.tok_s:10.3f}" if base else f"{'-':>10s}"  # base: timed, by _shortest
+        allow = f"{bound:11.3f}" if bound else f"{'-':>11s}"
         lines.append(
             f"   {r.weights:8s} {r.build[:12]:12s} {r.context:8d} {r.tok_s:8.1f} {r.ms_per_token:8.3f} "
             f"{r.bytes_per_token / 1e9:9.3f} {100 * (r.read_share(ceilings) or 0.0):6.1f} {ratio} {allow}"

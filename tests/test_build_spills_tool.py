@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from deploy_scripts import load_module
 from onestream.kernels.build import assemble_source
 from onestream.kernels.plan import KernelPlan
 from onestream.worker.testing import tiny_config
@@ -13,11 +13,7 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "gpu" / "build_spills.
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("build_spills", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(TOOL)
 
 
 def test_every_line_of_a_build_is_given_its_enclosing_function() -> None:

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from deploy_scripts import load_module
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "kv_cache_kld.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("kv_cache_kld", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(TOOL)
 
 
 def test_roundings_keep_each_vector_within_its_formats_step(tool) -> None:
