@@ -1,6 +1,7 @@
-"""Spills per function of the 27B bf16 megakernel builds at chosen tokens per launch, without a GPU.
+"""Spills per function of the 27B megakernel builds (bf16, or --formats) at chosen tokens per launch, without a GPU.
 
     python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90] [--where [N]]
+        [--formats q4_k q6_k] [--threads 640]
 
 Each build's CUDA text comes from this tree's own build code (kernels/build.py, as tools/gpu/compare_builds.py
 does); `nvcc -Xptxas -v` compiles it, and every function with a stack frame or spills is printed: the check a
@@ -34,17 +35,21 @@ import json, sys
 sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 from pathlib import Path
 from onestream.kernels.build import assemble_source
-from onestream.kernels.plan import KernelPlan
+from onestream.kernels.plan import WEIGHT_KINDS, KernelPlan, WeightFormat, weight_formats_of
 from onestream.kernels.random_model import config_27b
 from onestream.kernels.tuning import Tuning
 
 out, tokens, gemvs = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sms, smem = json.loads(sys.argv[4])
+formats, threads = json.loads(sys.argv[5]), json.loads(sys.argv[6])
+kinds = weight_formats_of({k: {WeightFormat(f) for f in formats} for k in WEIGHT_KINDS}) if formats else ()
+name = "-".join(formats) or "bf16"
 for t in tokens:
     for gemv in gemvs:
-        plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, tokens_per_launch=t,
-                          tuning=Tuning(mma=gemv == "tensor"))
-        (out / f"bf16-{gemv}-T{t}.cu").write_text(assemble_source(plan))
+        tuning = Tuning(mma=gemv == "tensor", **({"threads": threads} if threads else {}))
+        plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, tokens_per_launch=t, tuning=tuning,
+                          weight_formats=kinds)
+        (out / (f"{name}-{gemv}-T{t}" + (f"-t{threads}" if threads else "") + ".cu")).write_text(assemble_source(plan))
 """
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _ENTRY = re.compile(r"^(\w+):$")  # nvdisasm -c: a kernel's first line
@@ -129,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemv", nargs="+", choices=["scalar", "tensor"], default=["tensor"])
     ap.add_argument("--arch", choices=sorted(cb.ARCHS), default="sm_90")
     ap.add_argument(
+        "--formats",
+        nargs="*",
+        default=[],
+        metavar="FORMAT",
+        help="quantized weight formats every GEMV kind holds (e.g. q4_k q6_k, the Q4_K_M mix); default bf16",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="threads per block (default: the Tuning's)")
+    ap.add_argument(
         "--where",
         type=int,
         nargs="?",
@@ -149,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(args.tokens),
             json.dumps(args.gemv),
             json.dumps(cb.ARCHS[args.arch]),
+            json.dumps(args.formats),
+            json.dumps(args.threads),
         )
         for cu in sorted(src.glob("*.cu")):
             print(f"{cu.stem}:")
