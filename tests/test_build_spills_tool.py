@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from deploy_scripts import load_module
 from onestream.kernels.build import assemble_source
 from onestream.kernels.plan import KernelPlan
@@ -33,3 +34,16 @@ def test_every_line_of_a_build_is_given_its_enclosing_function() -> None:
     assert function_at("s[r] *= decay;", "bool phase_dn_rec(") == "phase_dn_rec"
     assert function_at("auto att_step = [&]", "bool attention_items(") == "attention_items"
     assert "__launch_bounds__" not in names
+
+
+def test_tuning_fields_are_python_literals_and_a_bad_one_names_itself() -> None:
+    tool = _tool()
+    assert tool.tuning_fields(["att_v_ahead=True", "qunits=2", "qrows=None"]) == {
+        "att_v_ahead": True,
+        "qunits": 2,
+        "qrows": None,
+    }
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        tool.tuning_fields(["att_v_ahead"])
+    with pytest.raises(SystemExit, match="qunits"):
+        tool.tuning_fields(["qunits=two"])

@@ -1,7 +1,7 @@
 """Spills per function of the 27B megakernel builds (bf16, or --formats) at chosen tokens per launch, without a GPU.
 
     python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90] [--where [N]]
-        [--formats q4_k q6_k] [--threads 640]
+        [--formats q4_k q6_k] [--threads 640] [--tuning att_v_ahead=True]
 
 Each build's CUDA text comes from this tree's own build code (kernels/build.py, as tools/gpu/compare_builds.py
 does); `nvcc -Xptxas -v` compiles it, and every function with a stack frame or spills is printed: the check a
@@ -16,6 +16,7 @@ nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import importlib.util
 import json
@@ -41,15 +42,16 @@ from onestream.kernels.tuning import Tuning
 
 out, tokens, gemvs = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sms, smem = json.loads(sys.argv[4])
-formats, threads = json.loads(sys.argv[5]), json.loads(sys.argv[6])
+formats, fields = json.loads(sys.argv[5]), json.loads(sys.argv[6])
 kinds = weight_formats_of({k: {WeightFormat(f) for f in formats} for k in WEIGHT_KINDS}) if formats else ()
 name = "-".join(formats) or "bf16"
 for t in tokens:
     for gemv in gemvs:
-        tuning = Tuning(mma=gemv == "tensor", **({"threads": threads} if threads else {}))
+        tuning = Tuning(mma=gemv == "tensor", **fields)
         plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, tokens_per_launch=t, tuning=tuning,
                           weight_formats=kinds)
-        (out / (f"{name}-{gemv}-T{t}" + (f"-t{threads}" if threads else "") + ".cu")).write_text(assemble_source(plan))
+        suffix = "".join(f"-{k}={v}" for k, v in sorted(fields.items()))
+        (out / f"{name}-{gemv}-T{t}{suffix}.cu").write_text(assemble_source(plan))
 """
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _ENTRY = re.compile(r"^(\w+):$")  # nvdisasm -c: a kernel's first line
@@ -128,6 +130,20 @@ def print_sites(sites: collections.Counter[tuple[str, str, int]], source: Path, 
             print(f"    {n:5d}  line {line}: {text[:100]}")
 
 
+def tuning_fields(items: list[str]) -> dict[str, object]:
+    """{"field": value} from FIELD=VALUE words, each value a Python literal."""
+    fields = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--tuning takes FIELD=VALUE, got {item!r}")
+        try:
+            fields[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--tuning {key}: {value!r} is not a Python literal") from None
+    return fields
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
@@ -142,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--threads", type=int, default=0, help="threads per block (default: the Tuning's)")
     ap.add_argument(
+        "--tuning",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="other Tuning fields of the builds (Python literals: att_v_ahead=True, qunits=2)",
+    )
+    ap.add_argument(
         "--where",
         type=int,
         nargs="?",
@@ -151,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also count spill instructions per kernel and source function, and list the N worst lines",
     )
     args = ap.parse_args(argv)
+    fields = tuning_fields(args.tuning) | ({"threads": args.threads} if args.threads else {})
     with tempfile.TemporaryDirectory() as tmp:
         work, src = Path(tmp), Path(tmp) / "src"
         src.mkdir()
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(args.gemv),
             json.dumps(cb.ARCHS[args.arch]),
             json.dumps(args.formats),
-            json.dumps(args.threads),
+            json.dumps(fields),
         )
         for cu in sorted(src.glob("*.cu")):
             print(f"{cu.stem}:")
