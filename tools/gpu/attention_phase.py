@@ -1,0 +1,130 @@
+"""The decode attention phase alone, per context: how fast it reads the KV cache (issue 24's long-context decode).
+
+A random 27B-shaped model of 4 layers (layer 3 is full attention), its KV cache filled with random keys and values
+up to each context, and the megakernel's attention phase of that layer launched alone (`DiagnosticRunner.run_phase`,
+the phase the per-phase tests check against the reference), CUDA events around each launch. Per context: the
+phase's time, the key and value bytes it must read (kv heads x positions x head dim x 2 x 2 bytes) over that time,
+as a share of the read ceiling measured in the same run, and the items the plan cuts it into; then the marginal
+rate between the two longest contexts (the time per extra byte, which leaves out the phase's fixed cost). Each
+`--tuning` names a build to time beside the default one (KEY=VALUE[,KEY=VALUE]).
+
+run (GPU machine, from the link tree of tools/gpu/env.sh):
+    python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--tuning va:att_v_ahead=1] [--launches 9]
+Under `ncu --kernel-name mk_phase --launch-skip N` it is also the launch to profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def kv_bytes(config: Any, positions: int) -> int:
+    """Key and value bytes of one attention layer's cache over `positions` (bf16)."""
+    return 2 * config.num_key_value_heads * positions * config.head_dim * 2
+
+
+def marginal_gbs(rows: list[dict[str, Any]]) -> float | None:
+    """GB/s of the extra bytes between the two longest contexts of one build (None with fewer than two)."""
+    if len(rows) < 2:
+        return None
+    a, b = sorted(rows, key=lambda r: r["context"])[-2:]
+    extra_s = (b["us"] - a["us"]) * 1e-6
+    return (b["bytes"] - a["bytes"]) / extra_s / 1e9 if extra_s > 0 else None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from onestream.commands.bench import tuning_changes
+
+    def build(text: str) -> tuple[str, dict[str, Any]]:
+        label, sep, fields = text.partition(":")
+        if not sep or not label:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL:KEY=VALUE,...")
+        return label, tuning_changes(fields)
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", default="512,32768,131072", help="comma-separated context lengths")
+    p.add_argument("--tuning", type=build, action="append", default=[], metavar="LABEL:KEY=VALUE,...")
+    p.add_argument("--launches", type=int, default=9, help="timed launches per (build, context); the median")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    from onestream.kernels.benchmark import measure_ceilings
+    from onestream.kernels.diagnostics import DiagnosticRunner
+    from onestream.kernels.layout import Phase
+    from onestream.kernels.random_model import config_27b, random_model
+    from onestream.kernels.tuning import Tuning
+
+    contexts = [int(x) for x in args.context.split(",") if x.strip()]
+    config = config_27b(4)
+    layer = config.full_attention_layers[0]
+    model = random_model(config, seed=11)
+    ceilings = measure_ceilings()
+    print(f"device: {torch.cuda.get_device_name()}; read ceiling {ceilings.read_gbs:.0f} GB/s", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    builds = {"default": {}, **dict(args.tuning)}
+    results: dict[str, Any] = {"read_gbs": ceilings.read_gbs, "layer": layer, "builds": {}}
+    for label, fields in builds.items():
+        runner = DiagnosticRunner(model, tuning=Tuning(**fields))
+        rows = []
+        for ctx in contexts:
+            state = model.new_state(ctx + 8)
+            cache = state.kv[layer]
+            cache.reserve(ctx + 1)
+            shape = (config.num_key_value_heads, ctx, config.head_dim)
+            cache.k[:, :ctx] = torch.randn(shape, device="cuda", generator=g).to(cache.k.dtype)
+            cache.v[:, :ctx] = torch.randn(shape, device="cuda", generator=g).to(cache.v.dtype)
+            runner.buf["qkv_att"].normal_(generator=g)
+            times = []
+            for i in range(args.launches + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runner.run_phase(Phase.ATT, layer, state, pos=ctx, tokens=[0])
+                end.record()
+                end.synchronize()
+                if i:  # the first loads the module
+                    times.append(start.elapsed_time(end) * 1e3)
+            us = statistics.median(times)
+            nbytes = kv_bytes(config, ctx + 1)
+            split = runner.plan.att_split(ctx + 1)
+            row = {
+                "context": ctx,
+                "us": us,
+                "bytes": nbytes,
+                "gbs": nbytes / us / 1e3,
+                "share_of_read": nbytes / us / 1e3 / ceilings.read_gbs,
+                "split": split._asdict(),
+            }
+            rows.append(row)
+            print(
+                f"{label:>12s} context {ctx:>7d}: {us:9.1f} us, {nbytes / 1e6:8.1f} MB of keys and values, "
+                f"{row['gbs']:7.1f} GB/s ({100 * row['share_of_read']:5.1f} % of read); items: {split}",
+                flush=True,
+            )
+            del state, cache
+        marginal = marginal_gbs(rows)
+        if marginal is not None:
+            print(
+                f"{label:>12s} marginal rate between the two longest contexts: {marginal:.0f} GB/s "
+                f"({100 * marginal / ceilings.read_gbs:.1f} % of read)",
+                flush=True,
+            )
+        results["builds"][label] = {"tuning": fields, "rows": rows, "marginal_gbs": marginal}
+        del runner
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_phase.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
