@@ -91,3 +91,14 @@ def test_a_trace_without_a_verify_has_no_cycles() -> None:
     tool = load_module(TOOL)
     device, host = tool.label_device_spans({"traceEvents": []})
     assert tool.cycle_timeline(device, host).summary()["cycles"] == 0
+
+
+def test_a_kernel_no_labelled_call_queued_goes_by_its_name_and_shared_memory() -> None:
+    tool = load_module(TOOL)
+    trace = _trace(1)
+    trace["traceEvents"].append(
+        {"ph": "X", "cat": "kernel", "name": "mk_decode", "tid": 7, "ts": 5.0, "dur": 1.0,
+         "args": {"shared memory": 166272}}
+    )  # fmt: skip
+    device, _ = tool.label_device_spans(trace)
+    assert "mk_decode (166272 B smem)" in {s.label for s in device}

@@ -4,7 +4,8 @@ copy records and the runtime calls that queued them), cut into cycles at the ver
 
 Per cycle: the device's wall time, the time it was busy and idle, the idle time by the pair of launches around
 each gap (`verify -> draft` is the host's turn between a verify and the next cycle's first draft), the launches
-by what queued them (`draft`, `verify`, `rollback`, ... : the back-end call around the runtime call), and the
+by what queued them (`draft`, `verify`, `rollback`, ... : the back-end call around the runtime call; a kernel no
+labelled call is found for goes by its name and shared memory, copies as `copies`), and the
 runtime calls the host was in while the device idled (a wait on an event is the host waiting; what is left of a
 gap is Python). Issue 23 asks for a cycle through the engine within 3 % of its launches on the device.
 
@@ -101,10 +102,12 @@ def label_device_spans(trace: dict[str, Any]) -> tuple[list[Span], list[Span]]:
                 calls[corr] = e
             host.append(Span(e["name"], e["ts"], e["ts"] + e["dur"], e["name"], e["cat"]))
 
-    def label_of(call: dict[str, Any] | None) -> str:
+    def label_of(call: dict[str, Any] | None, event: dict[str, Any]) -> str:
+        # Without a labelled call around its launch (CuPy's launches of the megakernel reach CUPTI without a
+        # runtime call kineto correlates), a kernel is told by its name and shared memory (one per build).
+        best, width = fallback_label(event), float("inf")
         if call is None:
-            return "other"
-        best, width = "other", float("inf")
+            return best
         for a in annotations:
             if (
                 a.get("tid") == call.get("tid")
@@ -118,10 +121,18 @@ def label_device_spans(trace: dict[str, Any]) -> tuple[list[Span], list[Span]]:
     for e in events:
         if e.get("cat") in DEVICE_CATEGORIES:
             call = calls.get(e.get("args", {}).get("correlation"))
-            device.append(Span(e["name"], e["ts"], e["ts"] + e["dur"], label_of(call), e["cat"]))
+            device.append(Span(e["name"], e["ts"], e["ts"] + e["dur"], label_of(call, e), e["cat"]))
     device.sort(key=lambda s: s.start)
     host.sort(key=lambda s: s.start)
     return device, host
+
+
+def fallback_label(event: dict[str, Any]) -> str:
+    """A device span's label when no labelled call queued it: a kernel's name and shared memory, else the name."""
+    smem = event.get("args", {}).get("shared memory")
+    if event.get("cat") == "kernel" and smem is not None:
+        return f"{event['name']} ({smem} B smem)"
+    return event["name"] if event.get("cat") == "kernel" else "copies"
 
 
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
