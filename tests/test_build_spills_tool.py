@@ -36,14 +36,14 @@ def test_every_line_of_a_build_is_given_its_enclosing_function() -> None:
     assert "__launch_bounds__" not in names
 
 
-def test_tuning_fields_are_python_literals_and_a_bad_one_names_itself() -> None:
+def test_tuning_fields_take_the_bench_syntax_and_a_bad_one_names_itself(capsys) -> None:
     tool = _tool()
-    assert tool.tuning_fields(["att_v_ahead=True", "qunits=2", "qrows=None"]) == {
-        "att_v_ahead": True,
-        "qunits": 2,
-        "qrows": None,
-    }
-    with pytest.raises(SystemExit, match="FIELD=VALUE"):
-        tool.tuning_fields(["att_v_ahead"])
-    with pytest.raises(SystemExit, match="qunits"):
-        tool.tuning_fields(["qunits=two"])
+    args = tool.parse_args(["--tuning", "att_group=8,qunits=2,mma=true", "--threads", "640"])
+    assert tool.build_fields(args) == {"att_group": 8, "qunits": 2, "mma": True, "threads": 640}
+    assert tool.build_fields(tool.parse_args([])) == {}
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--tuning", "qunits=two"])
+    assert "qunits takes an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--tuning", "no_such_field=1"])
+    assert "no_such_field" in capsys.readouterr().err

@@ -102,3 +102,41 @@ def test_a_kernel_no_labelled_call_queued_goes_by_its_name_and_shared_memory() -
     )  # fmt: skip
     device, _ = tool.label_device_spans(trace)
     assert "mk_decode (166272 B smem)" in {s.label for s in device}
+
+
+def test_a_verify_call_that_queues_several_kernels_still_ends_one_cycle() -> None:
+    """A second kernel of the verify call (an argmax after the launch) right behind the first: one cut, after it."""
+    tool = load_module(TOOL)
+    trace = _trace(3)
+    extra = []
+    for i, e in enumerate(list(trace["traceEvents"])):
+        if e["cat"] == "kernel" and e["dur"] == 300.0:  # the verify launch
+            corr = 1000 + i
+            extra.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "tid": 1,
+                    "ts": e["ts"] - 70.0,
+                    "dur": 1.0,
+                    "args": {"correlation": corr},
+                }
+            )
+            extra.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": "argmax",
+                    "tid": 7,
+                    "ts": e["ts"] + 300.0,
+                    "dur": 0.1,
+                    "args": {"correlation": corr},
+                }
+            )
+    trace["traceEvents"] += extra  # fmt: skip
+    device, host = tool.label_device_spans(trace)
+    assert sum(s.name == "argmax" and s.label == "verify_greedy" for s in device) == 4
+    s = tool.cycle_timeline(device, host).summary()
+    assert s["cycles"] == 3
+    assert s["wall_us"] == pytest.approx(500.0)

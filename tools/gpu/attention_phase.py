@@ -2,14 +2,15 @@
 
 A random 27B-shaped model of 4 layers (layer 3 is full attention), its KV cache filled with random keys and values
 up to each context, and the megakernel's attention phase of that layer launched alone (`DiagnosticRunner.run_phase`,
-the phase the per-phase tests check against the reference), CUDA events around each launch. Per context: the
-phase's time, the key and value bytes it must read (kv heads x positions x head dim x 2 x 2 bytes) over that time,
-as a share of the read ceiling measured in the same run, and the items the plan cuts it into; then the marginal
-rate between the two longest contexts (the time per extra byte, which leaves out the phase's fixed cost). Each
-`--tuning` names a build to time beside the default one (KEY=VALUE[,KEY=VALUE]).
+the phase the per-phase tests check against the reference), CUDA events around each call, which also uploads the
+control block and reads it back. Per context: the phase's time, the key and value bytes it must read (kv heads x
+positions x head dim x 2 x 2 bytes) over that time, as a share of the read ceiling measured in the same run, and the
+items the plan cuts it into; then the marginal rate between the two longest contexts (the time per extra byte, which
+leaves out the fixed part: the launch, the control block's round trip, the phase's set-up). Each `--tuning` names a
+build to time beside the default one (KEY=VALUE[,KEY=VALUE]).
 
 run (GPU machine, from the link tree of tools/gpu/env.sh):
-    python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--tuning va:att_v_ahead=1] [--launches 9]
+    python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--tuning g8:att_group=8] [--launches 9]
 Under `ncu --kernel-name mk_phase --launch-skip N` it is also the launch to profile.
 """
 

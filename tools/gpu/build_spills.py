@@ -1,7 +1,7 @@
 """Spills per function of the 27B megakernel builds (bf16, or --formats) at chosen tokens per launch, without a GPU.
 
     python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90] [--where [N]]
-        [--formats q4_k q6_k] [--threads 640] [--tuning att_v_ahead=True]
+        [--formats q4_k q6_k] [--threads 640] [--tuning att_group=8,qunits=2]
 
 Each build's CUDA text comes from this tree's own build code (kernels/build.py, as tools/gpu/compare_builds.py
 does); `nvcc -Xptxas -v` compiles it, and every function with a stack frame or spills is printed: the check a
@@ -16,7 +16,6 @@ nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import importlib.util
 import json
@@ -24,6 +23,8 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+
+from onestream.commands.bench import tuning_changes
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("compare_builds", HERE / "compare_builds.py")
@@ -130,21 +131,12 @@ def print_sites(sites: collections.Counter[tuple[str, str, int]], source: Path, 
             print(f"    {n:5d}  line {line}: {text[:100]}")
 
 
-def tuning_fields(items: list[str]) -> dict[str, object]:
-    """{"field": value} from FIELD=VALUE words, each value a Python literal."""
-    fields = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise SystemExit(f"--tuning takes FIELD=VALUE, got {item!r}")
-        try:
-            fields[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--tuning {key}: {value!r} is not a Python literal") from None
-    return fields
+def build_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The Tuning fields of the builds: --tuning's (the syntax of `bench --tuning`), then --threads."""
+    return {**args.tuning, **({"threads": args.threads} if args.threads else {})}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--gemv", nargs="+", choices=["scalar", "tensor"], default=["tensor"])
@@ -159,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="threads per block (default: the Tuning's)")
     ap.add_argument(
         "--tuning",
-        nargs="*",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="other Tuning fields of the builds (Python literals: att_v_ahead=True, qunits=2)",
+        type=tuning_changes,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="other Tuning fields of the builds (as `bench --tuning`: att_group=8,qunits=2)",
     )
     ap.add_argument(
         "--where",
@@ -173,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="also count spill instructions per kernel and source function, and list the N worst lines",
     )
-    args = ap.parse_args(argv)
-    fields = tuning_fields(args.tuning) | ({"threads": args.threads} if args.threads else {})
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    fields = build_fields(args)
     with tempfile.TemporaryDirectory() as tmp:
         work, src = Path(tmp), Path(tmp) / "src"
         src.mkdir()

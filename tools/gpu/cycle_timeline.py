@@ -51,7 +51,6 @@ class Span:
 class CycleTimeline:
     """Device time of the cycles between consecutive verify launches (from the end of one to the end of the next)."""
 
-    cycles: int = 0
     wall_us: list[float] = field(default_factory=list)
     busy_us: list[float] = field(default_factory=list)
     idle_by_pair: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # summed over cycles
@@ -59,6 +58,10 @@ class CycleTimeline:
     launches_by_label: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # The host's runtime calls while the device idled, summed over cycles.
     host_in_idle: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def cycles(self) -> int:
+        return len(self.wall_us)
 
     def per_cycle(self, totals: dict[str, float] | dict[str, int]) -> dict[str, float]:
         return (
@@ -103,8 +106,8 @@ def label_device_spans(trace: dict[str, Any]) -> tuple[list[Span], list[Span]]:
             host.append(Span(e["name"], e["ts"], e["ts"] + e["dur"], e["name"], e["cat"]))
 
     def label_of(call: dict[str, Any] | None, event: dict[str, Any]) -> str:
-        # Without a labelled call around its launch (CuPy's launches of the megakernel reach CUPTI without a
-        # runtime call kineto correlates), a kernel is told by its name and shared memory (one per build).
+        # Without a labelled call around its launch (the megakernel's CuPy launches found none in the H100 run
+        # of session 27), a kernel is told by its name and shared memory (one per build).
         best, width = fallback_label(event), float("inf")
         if call is None:
             return best
@@ -140,14 +143,18 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 
 
 def cycle_timeline(device: Sequence[Span], host: Iterable[Span], mark: str = CYCLE_MARK) -> CycleTimeline:
-    """Cut the device timeline at the end of every kernel queued by a `mark` call and account each whole cycle
-    between two such ends."""
-    marks = sorted(s.end for s in device if s.label == mark and s.kind == "kernel")
+    """Cut the device timeline after each run of kernels queued by `mark` calls (a verify call may queue several)
+    and account each whole cycle between two such cuts."""
+    kernels = [s for s in device if s.kind == "kernel"]
+    marks = [
+        s.end
+        for s, after in itertools.pairwise([*kernels, None])
+        if s.label == mark and (after is None or after.label != mark)
+    ]
     host = list(host)
     out = CycleTimeline()
     for c0, c1 in itertools.pairwise(marks):
         spans = [s for s in device if s.end > c0 and s.start < c1]
-        out.cycles += 1
         out.wall_us.append(c1 - c0)
         busy, at, prev = 0.0, c0, None
         for s in spans:
@@ -163,7 +170,7 @@ def cycle_timeline(device: Sequence[Span], host: Iterable[Span], mark: str = CYC
                         if h.start < start and h.end > at:
                             out.host_in_idle[h.name] += _overlap(at, start, h.start, h.end)
                 else:
-                    out.idle_by_pair["(spacing under 0.5 us)"] += gap
+                    out.idle_by_pair[f"(spacing under {GAP_FLOOR_US} us)"] += gap
             if end > at:
                 busy += end - max(start, at)
                 at = end
@@ -175,21 +182,19 @@ def cycle_timeline(device: Sequence[Span], host: Iterable[Span], mark: str = CYC
 
 
 def format_timeline(title: str, t: CycleTimeline, unprofiled_ms: float | None) -> str:
-    s = summary = t.summary()
+    s = t.summary()
     lines = [
         f"{title}: {s['cycles']} cycles, device wall {s['wall_us'] / 1e3:.3f} ms per cycle (unprofiled through the "
         f"engine: {'-' if unprofiled_ms is None else f'{unprofiled_ms:.3f}'} ms), busy {s['busy_us'] / 1e3:.3f} ms, "
         f"idle {s['idle_us']:.1f} us ({100 * s['idle_share']:.2f} %)",
         "  idle per cycle, by the launches around it (us):",
     ]
-    lines += [f"    {k:34s} {v:9.1f}" for k, v in summary["idle_by_pair_us"].items()]
+    lines += [f"    {k:34s} {v:9.1f}" for k, v in s["idle_by_pair_us"].items()]
     lines.append("  busy per cycle by what queued it (us), launches per cycle:")
-    launches = summary["launches_by_label"]
-    lines += [
-        f"    {k:34s} {v:9.1f}  {launches.get(k, 0):5.1f}" for k, v in summary["busy_by_label_us"].items()
-    ]
+    launches = s["launches_by_label"]
+    lines += [f"    {k:34s} {v:9.1f}  {launches.get(k, 0):5.1f}" for k, v in s["busy_by_label_us"].items()]
     lines.append("  the host's runtime calls while the device idled (us per cycle):")
-    lines += [f"    {k:34s} {v:9.1f}" for k, v in list(summary["host_calls_in_idle_us"].items())[:8]]
+    lines += [f"    {k:34s} {v:9.1f}" for k, v in list(s["host_calls_in_idle_us"].items())[:8]]
     return "\n".join(lines)
 
 
