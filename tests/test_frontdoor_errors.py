@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from onestream.cluster.frontdoor.errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_METADATA, from_grpc
+from onestream.cluster.frontdoor.errors import (
+    DEFAULT_RETRY_AFTER_S,
+    RETRY_AFTER_METADATA,
+    ApiError,
+    anthropic_context_error,
+    chat_context_error,
+    from_grpc,
+    responses_context_error,
+)
+from onestream.cluster.frontdoor.service import output_budget
 from onestream.cluster.frontdoor.upstream import credentials
 
 
@@ -62,3 +71,44 @@ def test_credentials_travel_as_a_bearer_token() -> None:
     assert credentials({"Authorization": "Bearer k1"}) == [("authorization", "Bearer k1")]
     assert credentials({"x-api-key": "k2"}) == [("authorization", "Bearer k2")]  # Anthropic's header
     assert credentials({}) == []
+
+
+@pytest.mark.parametrize(
+    ("prompt", "requested", "budget"),
+    [
+        (100, None, 924),  # no limit asked: everything that fits
+        (100, 64, 64),
+        (100, 32000, 924),  # more than fits: cut, as llama-server does
+        (1023, None, 1),  # the last token of the context
+        (1023, 8, 1),
+    ],
+)
+def test_the_output_budget_is_what_fits_beside_the_prompt(
+    prompt: int, requested: int | None, budget: int
+) -> None:
+    assert output_budget(prompt, 1024, requested, chat_context_error) == budget
+
+
+@pytest.mark.parametrize("prompt", [1024, 5000])
+def test_a_prompt_that_leaves_no_room_is_each_apis_context_error(prompt: int) -> None:
+    with pytest.raises(ApiError) as raised:
+        output_budget(prompt, 1024, None, chat_context_error)
+    assert raised.value.status == 400
+    assert raised.value.openai_body()["error"] == {
+        "message": (
+            f"This model's maximum context length is 1024 tokens. However, your messages resulted in {prompt} "
+            "tokens. Please reduce the length of the messages."
+        ),
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    responses = responses_context_error(prompt, 1024).openai_body()["error"]
+    assert (responses["code"], responses["param"]) == ("context_length_exceeded", "input")
+    assert anthropic_context_error(prompt, 1024).anthropic_body() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": f"prompt is too long: {prompt} tokens > 1024 maximum",
+        },
+    }

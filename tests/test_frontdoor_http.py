@@ -6,6 +6,7 @@ APIs through the router's own gRPC API. The pool opts in to sessions pinned by t
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -30,6 +31,7 @@ CARDS = 2
 MAX_CONTEXT = 1024
 MODEL = "default_model"
 KEEPALIVE_S = 0.5  # a quiet event stream's comment interval: short, so every stream here carries some
+NEVER_STOP = {"0": -100, "2": -100}  # the embedded model's end tokens banned: a turn runs to its limit
 WRITE_FILE = {
     "type": "function",
     "function": {
@@ -425,14 +427,13 @@ def test_a_second_turn_without_a_session_id_hits_the_cards_cache(client: openai.
 
 def occupy_every_card(client: openai.OpenAI) -> list[Any]:
     """A stream on every card that only closing it ends (no end-of-sequence token), its first chunk read."""
-    never_stop = {"0": -100, "2": -100}
     streams = [
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": f"def f{i}():"}],
             max_tokens=MAX_CONTEXT - 64,
             temperature=0,
-            logit_bias=never_stop,
+            logit_bias=NEVER_STOP,
             stream=True,
         )
         for i in range(CARDS)
@@ -695,6 +696,72 @@ def test_the_user_field_pins_a_session(client: openai.OpenAI, base_url: str, grp
         )
 
 
+# ---- the context window: output limits, prompts that do not fit ---------------------------------------
+def lines(count: int) -> str:
+    """A prompt of about 5 tokens a line."""
+    return "x = 1\n" * count
+
+
+def test_a_turn_without_a_limit_may_fill_the_context(client: openai.OpenAI) -> None:
+    """No max_tokens (Aider, Cline, Codex send none): everything that fits beside the prompt."""
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": lines(120)}], temperature=0, logit_bias=NEVER_STOP
+    )
+    used = completion.usage
+    assert used is not None and completion.choices[0].finish_reason == "length"
+    assert used.completion_tokens > 256 and used.prompt_tokens + used.completion_tokens == MAX_CONTEXT
+
+
+def test_a_responses_turn_without_max_output_tokens_is_not_refused(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input=lines(190), temperature=0)
+    assert response.usage is not None and response.usage.input_tokens > MAX_CONTEXT - 256
+    total = response.usage.input_tokens + response.usage.output_tokens
+    assert total == MAX_CONTEXT if response.status == "incomplete" else total < MAX_CONTEXT
+
+
+def test_a_limit_past_the_context_is_cut_to_what_fits(
+    client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Claude Code asks for 32000 output tokens whatever the window, opencode too: cut, never refused."""
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": lines(190)}], temperature=0,
+        max_completion_tokens=MAX_CONTEXT * 2, logit_bias=NEVER_STOP,
+    )  # fmt: skip
+    assert completion.usage is not None and completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens + completion.usage.completion_tokens == MAX_CONTEXT
+    message = claude.messages.create(
+        model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": lines(190)}]
+    )
+    used = message.usage
+    total = used.input_tokens + (used.cache_read_input_tokens or 0) + used.output_tokens
+    assert total == MAX_CONTEXT if message.stop_reason == "max_tokens" else total < MAX_CONTEXT
+
+
+def test_a_prompt_past_the_context_gets_each_apis_context_error(client: openai.OpenAI, base_url: str) -> None:
+    """The wording and code each API's clients recognise (and compact their history on)."""
+    too_long = [{"role": "user", "content": lines(220)}]
+    status, _, answer = post(base_url, "/chat/completions", {"model": MODEL, "messages": too_long})
+    error = answer["error"]
+    assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert re.fullmatch(
+        f"This model's maximum context length is {MAX_CONTEXT} tokens. However, your messages resulted in "
+        r"\d+ tokens. Please reduce the length of the messages.",
+        error["message"],
+    ), error
+    with pytest.raises(openai.BadRequestError) as raised:  # streamed: refused before the stream opens
+        client.chat.completions.create(model=MODEL, messages=too_long, stream=True)  # type: ignore[arg-type]
+    assert raised.value.code == "context_length_exceeded"
+    status, _, answer = post(base_url, "/messages", {"model": MODEL, "max_tokens": 8, "messages": too_long})
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert re.fullmatch(
+        rf"prompt is too long: \d+ tokens > {MAX_CONTEXT} maximum", answer["error"]["message"]
+    )
+    status, _, answer = post(base_url, "/responses", {"model": MODEL, "input": lines(220)})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    status, _, answer = post(base_url, "/completions", {"model": MODEL, "prompt": [5] * MAX_CONTEXT})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 MESSAGES = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -726,7 +793,6 @@ BAD_INPUT = [
     ("/chat/completions", CHAT | {"top_p": 0}, 400, "top_p"),
     ("/chat/completions", CHAT | {"seed": -1}, 400, "seed"),
     ("/chat/completions", CHAT | {"max_tokens": 0}, 400, "max_tokens"),
-    ("/chat/completions", CHAT | {"max_completion_tokens": MAX_CONTEXT * 2}, 400, "max_tokens"),
     ("/chat/completions", CHAT | {"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/chat/completions", CHAT | {"logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("/chat/completions", CHAT | {"stop": [1]}, 400, "stop[0]"),

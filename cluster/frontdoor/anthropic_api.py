@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from . import params, sse
-from .errors import ApiError, bad_field
+from .errors import ApiError, anthropic_context_error, bad_field
 from .events import Block, Blocks, Step
 from .openai_api import template_call, tool_choice
 from .service import Generation, Service, TurnSpec, new_id
@@ -197,9 +197,10 @@ def _content(block: Block, tool_ids: dict[int, str]) -> dict[str, Any]:
 
 async def messages(service: Service, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     prompt, parallel = await _prompt(service, request, body)
+    requested = params.positive_int(body, "max_tokens", required=True)
     spec = TurnSpec(
         prompt.token_ids,
-        params.positive_int(body, "max_tokens", required=True),
+        await service.output_budget(request, len(prompt.token_ids), requested, anthropic_context_error),
         params.stop_strings(body, "stop_sequences"),
         params.sampling(body, ("temperature", "top_p", "top_k")),
         prompt.constraint,

@@ -22,7 +22,7 @@ from .errors import ApiError
 from .params import object_body
 from .service import Service
 from .template import ChatTemplate
-from .upstream import RouterClient, credentials
+from .upstream import RouterClient
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Service, web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -68,7 +68,7 @@ def _post(
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if local:
-            await service.router.model_info(credentials(request.headers))
+            await service.model_info(request)
         raw = await request.read()
         try:
             body = object_body(json.loads(raw))
@@ -83,7 +83,7 @@ def _get(
     service: Service, handler: Callable[[Service, web.Request], Awaitable[web.StreamResponse]]
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        await service.router.model_info(credentials(request.headers))  # answered here: check the key
+        await service.model_info(request)  # answered here: the router checks the key
         return await handler(service, request)
 
     return wrapped

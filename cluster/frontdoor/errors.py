@@ -40,16 +40,24 @@ ANTHROPIC_TYPES = OPENAI_TYPES | {413: "request_too_large", 503: "overloaded_err
 
 
 class ApiError(Exception):
-    """An answer other than success: its HTTP status, a message naming what was wrong, the field (`param`)."""
+    """An answer other than success: its HTTP status, a message naming what was wrong, the field (`param`),
+    and OpenAI's machine-readable `code` where clients act on one (context_length_exceeded)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, retry_after_s: int | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.code = code
 
     @property
     def headers(self) -> dict[str, str]:
@@ -59,7 +67,7 @@ class ApiError(Exception):
         kind = OPENAI_TYPES.get(
             self.status, "server_error" if self.status >= 500 else "invalid_request_error"
         )
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = ANTHROPIC_TYPES.get(
@@ -71,6 +79,35 @@ class ApiError(Exception):
 def bad_field(field: str, message: str) -> ApiError:
     """400 for one request field: the message starts with the field's path."""
     return ApiError(400, f"{field}: {message}", param=field)
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+# A prompt that leaves no room for an answer, in the words each API's clients look for: agents compact
+# their history on these (OpenAI's code and vLLM's message; Anthropic's "prompt is too long").
+def chat_context_error(prompt_tokens: int, max_context: int, *, what: str = "messages") -> ApiError:
+    message = (
+        f"This model's maximum context length is {max_context} tokens. However, your {what} resulted in "
+        f"{prompt_tokens} tokens. Please reduce the length of the {what}."
+    )
+    return ApiError(400, message, param=what, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def completion_context_error(prompt_tokens: int, max_context: int) -> ApiError:
+    return chat_context_error(prompt_tokens, max_context, what="prompt")
+
+
+def responses_context_error(prompt_tokens: int, max_context: int) -> ApiError:
+    message = (
+        f"Your input exceeds the context window of this model ({prompt_tokens} tokens; the window holds "
+        f"{max_context}). Please adjust your input and try again."
+    )
+    return ApiError(400, message, param="input", code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def anthropic_context_error(prompt_tokens: int, max_context: int) -> ApiError:
+    return ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {max_context} maximum")
 
 
 def from_grpc(error: grpc.aio.AioRpcError) -> ApiError:

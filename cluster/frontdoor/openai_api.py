@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from . import params, sse
-from .errors import ApiError, bad_field
+from .errors import ApiError, bad_field, chat_context_error, completion_context_error
 from .events import Collected, Event, Reasoning, Text, ToolCallArguments, ToolCallBegin
 from .service import Generation, Service, TurnSpec, new_id
 from .template import REQUIRED, Tool
@@ -211,9 +211,10 @@ async def chat_completions(
     )
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)
+    requested = max_tokens(body, "max_completion_tokens", "max_tokens")
     spec = TurnSpec(
         prompt.token_ids,
-        max_tokens(body, "max_completion_tokens", "max_tokens"),
+        await service.output_budget(request, len(prompt.token_ids), requested, chat_context_error),
         params.stop_strings(body, "stop"),
         sampling,
         prompt.constraint,
@@ -331,9 +332,10 @@ async def completions(service: Service, request: web.Request, body: dict[str, An
     prompt_ids = await _completion_prompt(service, body.get("prompt"))
     sampling = params.sampling(body)
     params.logit_bias(body, sampling)
-    spec = TurnSpec(
-        prompt_ids, max_tokens(body, "max_tokens") or 16, params.stop_strings(body, "stop"), sampling
-    )
+    # 16 when unset, as OpenAI's Completions API does.
+    requested = max_tokens(body, "max_tokens") or 16
+    budget = await service.output_budget(request, len(prompt_ids), requested, completion_context_error)
+    spec = TurnSpec(prompt_ids, budget, params.stop_strings(body, "stop"), sampling)
     generation = Generation(service, request, spec, None, user=params.get(body, "user", str))
     completion_id = new_id("cmpl-")
 

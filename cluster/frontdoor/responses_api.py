@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from . import params, sse
-from .errors import ApiError, bad_field
+from .errors import ApiError, bad_field, responses_context_error
 from .events import Block, Blocks, Step
 from .openai_api import (
     arguments_object,
@@ -169,9 +169,10 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         parallel_calls=parallel,
         memo_scope=service.memo_scope(request),
     )
+    requested = params.positive_int(body, "max_output_tokens")
     spec = TurnSpec(
         prompt.token_ids,
-        params.positive_int(body, "max_output_tokens"),
+        await service.output_budget(request, len(prompt.token_ids), requested, responses_context_error),
         [],
         params.sampling(body, ("temperature", "top_p")),
         prompt.constraint,
@@ -252,7 +253,9 @@ async def _stream(
             await send(blocks.feed(events))
         await send(blocks.close())
     except ApiError as error:  # after the headers: the error goes in the stream
-        await event("error", {"code": str(error.status), "message": error.message, "param": error.param})
+        await event(
+            "error", {"code": error.code or str(error.status), "message": error.message, "param": error.param}
+        )
         return response
     final = answer.finish(generation, [_item(b, ids, "completed") for b in blocks.blocks])
     await event(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -13,13 +13,25 @@ from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import MAX_ID_CHARS
 from onestream.worker.prefixes import TEAM_SCOPE
 
-from .errors import bad_field
+from .errors import ApiError, bad_field
 from .events import Event, Reasoning, Text
 from .reasoning import OutputParser
 from .template import ChatTemplate
 from .upstream import RouterClient, Turn, credentials
 
 SESSION_HEADER = "x-session-id"
+# Builds the API's own error for a prompt that leaves no room (prompt tokens, the context).
+ContextError = Callable[[int, int], ApiError]
+
+
+def output_budget(prompt_tokens: int, max_context: int, requested: int | None, overflow: ContextError) -> int:
+    """The most tokens a turn may generate: what the client asked for, cut to what fits beside the prompt
+    (as llama-server does: agents ask for 32K-64K whatever the window), or, when it asked for no limit,
+    everything that fits. A prompt that leaves not one token is the API's context-length error."""
+    room = max_context - prompt_tokens
+    if room < 1:
+        raise overflow(prompt_tokens, max_context)
+    return room if requested is None else min(requested, room)
 
 
 @dataclass
@@ -33,6 +45,25 @@ class Service:
     user_sessions: bool = False
     # The pool's `--prefix-sharing`: who may profit from what one caller's prompt leaves behind.
     prefix_sharing: str = "user"
+    # The cards' context length, from the router's model info (the first request asks for it).
+    _max_context: int | None = field(default=None, init=False, repr=False)
+
+    async def model_info(self, request: web.Request) -> pb.ModelInfo:
+        """The router's model info, with the caller's key (which the router checks)."""
+        info = await self.router.model_info(credentials(request.headers))
+        self._max_context = info.max_context or None
+        return info
+
+    async def output_budget(
+        self, request: web.Request, prompt_tokens: int, requested: int | None, overflow: ContextError
+    ) -> int | None:
+        """`output_budget` against the cards' context (see there); the client's limit as it is where the
+        model reports no context (the cards then apply their own default)."""
+        if self._max_context is None:
+            await self.model_info(request)
+        if self._max_context is None:
+            return requested
+        return output_budget(prompt_tokens, self._max_context, requested, overflow)
 
     def memo_scope(self, request: web.Request) -> str:
         """Where the tokenizer remembers a caller's prompt segments (worker/segment_encoding.py): per key, as the
