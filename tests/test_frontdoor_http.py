@@ -649,6 +649,62 @@ def test_responses_tool_choice_required_is_a_function_call(client: openai.OpenAI
     assert call.name == "set_flags" and set(json.loads(call.arguments)) == {"verbose", "level"}
 
 
+# What Codex declares in every request: functions, the freeform apply_patch, an MCP server's namespace, and
+# tools only OpenAI's servers run (left out here).
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'},
+}
+CODEX_TOOLS: list[Any] = [
+    {"type": "function", "name": "shell", "parameters": LIST_DIR["function"]["parameters"]},
+    APPLY_PATCH,
+    {"type": "namespace", "name": "mcp__flags__", "description": "Flags.",
+     "tools": [{"type": "function", "name": "set_flags", "parameters": SET_FLAGS_SCHEMA}]},
+    {"type": "web_search"},
+    {"type": "local_shell"},
+]  # fmt: skip
+
+
+def test_codex_custom_tools_round_trip_as_custom_tool_calls(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "model": MODEL, "input": "Fix the bug.", "tools": CODEX_TOOLS,
+        "tool_choice": {"type": "custom", "name": "apply_patch"}, "parallel_tool_calls": False,
+        "max_output_tokens": 16, "temperature": 0, "store": False,
+    }  # fmt: skip
+    response = client.responses.create(**request)
+    (call,) = [item for item in response.output if item.type == "custom_tool_call"]
+    assert call.name == "apply_patch" and call.call_id and isinstance(call.input, str)
+    events = list(client.responses.create(**request, stream=True))
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == call.input
+    assert "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta") == call.input
+    (item,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert item.type == "custom_tool_call" and item.input == call.input
+    # The call and its output go back in the next request's input, as Codex sends them.
+    history = [
+        {"role": "user", "content": "Fix the bug."},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"},
+    ]
+    followed = client.responses.create(
+        **request | {"input": history, "tool_choice": "auto", "max_output_tokens": 4}
+    )
+    assert followed.usage is not None and followed.usage.input_tokens > response.usage.input_tokens
+
+
+def test_a_namespaced_tools_call_names_its_namespace(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL, input="Turn on verbose output.", tools=CODEX_TOOLS,
+        tool_choice={"type": "function", "name": "set_flags"}, parallel_tool_calls=False,
+        max_output_tokens=96, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("set_flags", "mcp__flags__")
+    assert set(json.loads(call.arguments)) == {"verbose", "level"}
+
+
 def test_unsupported_formats_are_a_400_naming_the_field(client: openai.OpenAI) -> None:
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError, match=r"response_format\.type"):
@@ -831,6 +887,9 @@ BAD_INPUT = [
     ("/messages/count_tokens", {"model": MODEL}, 400, "messages"),
     ("/responses", {"model": MODEL}, 400, "input"),
     ("/responses", RESPONSES | {"input": [{"type": "web_search_call"}]}, 400, "input[0].type"),
+    ("/responses", RESPONSES | {"tools": [{"type": "custom"}]}, 400, "tools[0].name"),
+    ("/responses", RESPONSES | {"tools": [{"type": "namespace", "name": "n"}]}, 400, "tools[0].tools"),
+    ("/responses", RESPONSES | {"tool_choice": {"type": "custom", "name": "nope"}}, 400, "tool_choice"),
     ("/responses", RESPONSES | {"previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("/responses", RESPONSES | {"text": {"format": {"type": "json_schema"}}}, 400, "text.format"),
     ("/nowhere", {}, 404, "/v1/nowhere"),

@@ -91,9 +91,22 @@ def _history_call(call: Any, path: str) -> dict[str, Any]:
     return template_call(str(call.get("id") or ""), name, arguments)
 
 
-def function_tools(raw: Any, *, nested: bool = True) -> list[Tool]:
-    """OpenAI function tools: {"type": "function", "function": {name, description, parameters}} (Chat
-    Completions) or, `nested=False`, the Responses API's flat {"type": "function", name, ...}."""
+def function_tool(spec: dict[str, Any], where: str) -> Tool:
+    """A function's {name, description, parameters}; `where` is the path its fields' errors name."""
+    name = params.get(spec, "name", str, path=where, required=True)
+    schema = params.get(spec, "parameters", dict, path=where) or {"type": "object", "properties": {}}
+    return Tool(name, params.get(spec, "description", str, path=where) or "", schema)
+
+
+def add_tool(tools: dict[str, Tool], tool: Tool, where: str) -> None:
+    if tool.name in tools:
+        raise bad_field(f"{where}name", f"tool {tool.name!r} is declared twice")
+    tools[tool.name] = tool
+
+
+def function_tools(raw: Any) -> list[Tool]:
+    """Chat Completions' tools: {"type": "function", "function": {name, description, parameters}}; any other
+    type is a 400, as OpenAI answers for a type it does not know."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -104,13 +117,8 @@ def function_tools(raw: Any, *, nested: bool = True) -> list[Tool]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise bad_field(f"{path}.type", f"only function tools are supported, got {kind!r}")
-        spec = params.get(tool, "function", dict, path=f"{path}.", required=True) if nested else tool
-        where = f"{path}.function." if nested else f"{path}."
-        name = params.get(spec, "name", str, path=where, required=True)
-        if name in tools:
-            raise bad_field(f"{where}name", f"tool {name!r} is declared twice")
-        schema = params.get(spec, "parameters", dict, path=where) or {"type": "object", "properties": {}}
-        tools[name] = Tool(name, params.get(spec, "description", str, path=where) or "", schema)
+        spec = params.get(tool, "function", dict, path=f"{path}.", required=True)
+        add_tool(tools, function_tool(spec, f"{path}.function."), f"{path}.function.")
     return list(tools.values())
 
 
@@ -126,12 +134,16 @@ def tool_choice(
         raise bad_field("tool_choice", f"{raw!r} needs tools")
     if raw == "required":
         return tools, REQUIRED
-    if isinstance(raw, dict) and raw.get("type") == "function":
+    # The Responses API names a custom tool as it names a function (`nested=False`).
+    kinds = ("function",) if nested else ("function", "custom")
+    if isinstance(raw, dict) and raw.get("type") in kinds:
         spec = raw.get("function") if nested else raw
         name = spec.get("name") if isinstance(spec, dict) else None
-        if name not in {tool.name for tool in tools}:
+        custom = raw["type"] == "custom"
+        named = [t.name for t in tools if name in (t.name, t.client_name) and t.custom == custom]
+        if not named:
             raise bad_field("tool_choice", f"names no declared tool: {name!r}")
-        return tools, name
+        return tools, named[0]
     raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, got {raw!r}")
 
 

@@ -1,10 +1,15 @@
-"""The Responses API, the subset Codex CLI uses: input items (messages, function calls and their outputs,
-reasoning), function tools, and the streaming events. Nothing is stored: every request carries the whole
-conversation (Codex sends `store: false`); `prompt_cache_key` keeps a conversation on its card."""
+"""The Responses API, the subset Codex CLI uses: input items (messages, function and custom tool calls and
+their outputs, reasoning), function, custom and namespace tools, and the streaming events. Nothing is
+stored: every request carries the whole conversation (Codex sends `store: false`); `prompt_cache_key` keeps
+a conversation on its card."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -13,18 +18,100 @@ from . import params, sse
 from .errors import ApiError, bad_field, responses_context_error
 from .events import Block, Blocks, Step
 from .openai_api import (
+    add_tool,
     arguments_object,
-    function_tools,
+    function_tool,
     json_format,
     template_call,
     text_content,
     tool_choice,
 )
 from .service import Generation, Service, TurnSpec, new_id
+from .template import Tool
 
+log = logging.getLogger(__name__)
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+CUSTOM_INPUT = "input"  # the one parameter a custom tool is shown with: its input text
+CALL_KINDS = ("function", "custom")
+_skipped_logged: set[str] = set()
 
 
+# ---- tools --------------------------------------------------------------------------------------------
+def declared_tools(raw: Any) -> list[Tool]:
+    """The tools the model can call: functions, custom (freeform) tools and the members of namespaces.
+    Tools the server would run itself (web_search, local_shell, file_search, ...) cannot run here: they are
+    left out, logged, rather than the request refused (Codex declares web_search in every request)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_field("tools", "must be an array of tools")
+    tools: dict[str, Tool] = {}
+    skipped: list[str] = []
+    for i, tool in enumerate(raw):
+        path = f"tools[{i}]."
+        if not isinstance(tool, dict):
+            raise bad_field(f"tools[{i}]", f"must be an object, got {type(tool).__name__}")
+        kind = tool.get("type")
+        if kind == "namespace":
+            for member in _namespace_tools(tool, path, skipped):
+                add_tool(tools, member, path)
+        elif kind in CALL_KINDS:
+            add_tool(tools, _call_tool(tool, path), path)
+        else:
+            skipped.append(str(kind))
+    _log_skipped(skipped)
+    return list(tools.values())
+
+
+def _call_tool(spec: dict[str, Any], where: str) -> Tool:
+    if spec.get("type") == "function":
+        return function_tool(spec, where)
+    name = params.get(spec, "name", str, path=where, required=True)
+    text = {"type": "string", "description": _input_description(params.get(spec, "format", dict, path=where))}
+    schema = {"type": "object", "properties": {CUSTOM_INPUT: text}, "required": [CUSTOM_INPUT]}
+    return Tool(name, params.get(spec, "description", str, path=where) or "", schema, custom=True)
+
+
+def _input_description(format_: dict[str, Any] | None) -> str:
+    """What a custom tool's input must be: its grammar where it gives one (apply_patch's Lark grammar)."""
+    spec = format_ or {}
+    definition = spec.get("definition")
+    if spec.get("type") == "grammar" and isinstance(definition, str):
+        return f"The input as raw text, in this {spec.get('syntax') or 'given'} grammar:\n{definition}"
+    return "The input as raw text."
+
+
+def _namespace_tools(spec: dict[str, Any], path: str, skipped: list[str]) -> list[Tool]:
+    """A namespace's function and custom tools, each named `namespace` + `name` for the model (Codex's
+    MCP tools: mcp__server__ and tool make mcp__server__tool), their calls named back in two fields."""
+    namespace = params.get(spec, "name", str, path=path, required=True)
+    members = []
+    for j, tool in enumerate(params.get(spec, "tools", list, path=path, required=True)):
+        where = f"{path}tools[{j}]."
+        if not isinstance(tool, dict):
+            raise bad_field(where.rstrip("."), f"must be an object, got {type(tool).__name__}")
+        if tool.get("type") not in CALL_KINDS:
+            skipped.append(f"{namespace}/{tool.get('type')}")
+            continue
+        member = _call_tool(tool, where)
+        name = namespaced_name(namespace, member.name)
+        members.append(replace(member, name=name, namespace=namespace, call_name=member.name))
+    return members
+
+
+def namespaced_name(namespace: str, name: str) -> str:
+    return f"{namespace}{name}" if namespace.endswith("__") else f"{namespace}__{name}"
+
+
+def _log_skipped(kinds: list[str]) -> None:
+    """Once per kind and process: Codex declares the same tools in every request."""
+    new = sorted(set(kinds) - _skipped_logged)
+    if new:
+        _skipped_logged.update(new)
+        log.info("responses: tools of type %s cannot run here; left out of the prompt", ", ".join(new))
+
+
+# ---- input --------------------------------------------------------------------------------------------
 def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """`instructions` and `input` as the template's messages."""
     messages: list[dict[str, Any]] = []
@@ -51,20 +138,15 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
-        elif kind == "function_call":
-            name = params.get(item, "name", str, path=f"{path}.", required=True)
-            call_id = params.get(item, "call_id", str, path=f"{path}.", required=True)
-            call = template_call(
-                call_id, name, arguments_object(item.get("arguments", "{}"), f"{path}.arguments")
-            )
+        elif kind in ("function_call", "custom_tool_call"):
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or "tool_calls" not in last:
                 last = {"role": "assistant", "content": "", "tool_calls": []}
                 messages.append(last)
             if reasoning:
                 last["reasoning_content"], reasoning = reasoning, ""
-            last["tool_calls"].append(call)
-        elif kind == "function_call_output":
+            last["tool_calls"].append(_history_call(item, f"{path}."))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = params.get(item, "call_id", str, path=f"{path}.", required=True)
             output = item.get("output", "")
             text = output if isinstance(output, str) else text_content(output, f"{path}.output")
@@ -77,6 +159,21 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def _history_call(item: dict[str, Any], path: str) -> dict[str, Any]:
+    """An earlier call as the template renders it, under the name the model was shown; a custom tool's
+    input becomes its one argument."""
+    name = params.get(item, "name", str, path=path, required=True)
+    call_id = params.get(item, "call_id", str, path=path, required=True)
+    namespace = params.get(item, "namespace", str, path=path)
+    if namespace:
+        name = namespaced_name(namespace, name)
+    if item["type"] == "custom_tool_call":
+        arguments = {CUSTOM_INPUT: params.get(item, CUSTOM_INPUT, str, path=path) or ""}
+    else:
+        arguments = arguments_object(item.get("arguments", "{}"), f"{path}arguments")
+    return template_call(call_id, name, arguments)
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     reasoning = params.get(body, "reasoning", dict)
     if reasoning is None or reasoning.get("effort") is None:
@@ -84,29 +181,60 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": reasoning["effort"] not in ("none", "minimal")}
 
 
-def _item(block: Block, ids: dict[int, tuple[str, str]], status: str) -> dict[str, Any]:
-    item_id, call_id = ids.setdefault(
-        block.index,
-        (new_id({"reasoning": "rs_", "text": "msg_", "tool": "fc_"}[block.kind]), new_id("call_")),
-    )
-    if block.kind == "reasoning":
-        return {
-            "type": "reasoning",
-            "id": item_id,
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": block.text}],
-        }
-    if block.kind == "text":
-        part = {"type": "output_text", "text": block.text, "annotations": []}
-        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": block.name,
-        "arguments": block.text,
-        "status": status,
-    }
+# ---- output -------------------------------------------------------------------------------------------
+class _Items:
+    """The output items of a turn's blocks: the ids each keeps across its stream events, and which tool
+    each call names (a custom tool's call is a custom_tool_call with its input text; a namespace member's
+    carries its namespace)."""
+
+    def __init__(self, tools: Mapping[str, Tool]) -> None:
+        self.tools = tools
+        self._ids: dict[int, tuple[str, str]] = {}
+
+    def tool(self, block: Block) -> Tool | None:
+        return self.tools.get(block.name) if block.kind == "tool" else None
+
+    def item(self, block: Block, status: str) -> dict[str, Any]:
+        tool = self.tool(block)
+        prefix = {"reasoning": "rs_", "text": "msg_"}.get(block.kind) or (
+            "ctc_" if tool and tool.custom else "fc_"
+        )
+        item_id, call_id = self._ids.setdefault(block.index, (new_id(prefix), new_id("call_")))
+        if block.kind == "reasoning":
+            return {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": block.text}],
+            }
+        if block.kind == "text":
+            part = {"type": "output_text", "text": block.text, "annotations": []}
+            return {
+                "type": "message",
+                "id": item_id,
+                "status": status,
+                "role": "assistant",
+                "content": [part],
+            }
+        call: dict[str, Any] = {"id": item_id, "call_id": call_id, "name": block.name, "status": status}
+        if tool is not None and tool.namespace:
+            call |= {"name": tool.client_name, "namespace": tool.namespace}
+        if tool is not None and tool.custom:
+            return {"type": "custom_tool_call", **call, "input": custom_input(block)}
+        return {"type": "function_call", **call, "arguments": block.text}
+
+
+def custom_input(block: Block) -> str:
+    """A custom tool call's input text: its one argument (the arguments' JSON where the model wrote other
+    ones)."""
+    arguments: Any = block.arguments
+    if arguments is None:
+        try:
+            arguments = json.loads(block.text or "{}")
+        except ValueError:
+            return block.text
+    value = arguments.get(CUSTOM_INPUT) if isinstance(arguments, dict) else None
+    return value if isinstance(value, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 class _Response:
@@ -156,9 +284,7 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         )
     text = params.get(body, "text", dict) or {}
     json_answer = json_format(params.get(text, "format", dict, path="text."), "text.format")
-    declared, forced = tool_choice(
-        body.get("tool_choice"), function_tools(body.get("tools"), nested=False), nested=False
-    )
+    declared, forced = tool_choice(body.get("tool_choice"), declared_tools(body.get("tools")), nested=False)
     parallel = body.get("parallel_tool_calls", True) is not False
     prompt = await service.template.render(
         input_messages(body),
@@ -187,79 +313,92 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
     )
     blocks = Blocks(max_calls=None if parallel else 1)
     answer = _Response(body, declared)
+    items = _Items({tool.name: tool for tool in declared})
     try:
         first = await generation.start(prompt.prefill)
         if params.get(body, "stream", bool):
-            return await _stream(request, generation, blocks, first, answer)
+            return await _Stream(request, items).run(generation, blocks, first, answer)
         blocks.feed(await generation.all_events(first))
         blocks.close()
     finally:
         generation.close()
-    ids: dict[int, tuple[str, str]] = {}
-    return web.json_response(answer.finish(generation, [_item(b, ids, "completed") for b in blocks.blocks]))
+    return web.json_response(answer.finish(generation, [items.item(b, "completed") for b in blocks.blocks]))
 
 
-async def _stream(
-    request: web.Request, generation: Generation, blocks: Blocks, first: list[Any], answer: _Response
-) -> web.StreamResponse:
-    response = await sse.open_stream(request)
-    ids: dict[int, tuple[str, str]] = {}
-    sequence = 0
+class _Stream:
+    """A turn's server-sent events: each output item opened, grown and closed, numbered in sequence."""
 
-    async def event(kind: str, data: dict[str, Any]) -> None:
-        nonlocal sequence
-        await sse.send(response, {"type": kind, "sequence_number": sequence, **data}, event=kind)
-        sequence += 1
+    def __init__(self, request: web.Request, items: _Items) -> None:
+        self.request = request
+        self.items = items
+        self.sequence = 0
+        self.response: web.StreamResponse | None = None
 
-    async def send(steps: list[Step]) -> None:
+    async def run(
+        self, generation: Generation, blocks: Blocks, first: list[Any], answer: _Response
+    ) -> web.StreamResponse:
+        self.response = await sse.open_stream(self.request)
+        await self.event("response.created", {"response": answer.body})
+        await self.event("response.in_progress", {"response": answer.body})
+        try:
+            async for events in generation.stream(first):
+                await self.send(blocks.feed(events))
+            await self.send(blocks.close())
+        except ApiError as error:  # after the headers: the error goes in the stream
+            code = error.code or str(error.status)
+            await self.event("error", {"code": code, "message": error.message, "param": error.param})
+            return self.response
+        final = answer.finish(generation, [self.items.item(b, "completed") for b in blocks.blocks])
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        await self.event(kind, {"response": final})
+        return self.response
+
+    async def event(self, kind: str, data: dict[str, Any]) -> None:
+        assert self.response is not None
+        await sse.send(self.response, {"type": kind, "sequence_number": self.sequence, **data}, event=kind)
+        self.sequence += 1
+
+    async def send(self, steps: list[Step]) -> None:
         for step in steps:
-            block, index = step.block, step.block.index
-            item = _item(block, ids, "completed" if step.action == "close" else "in_progress")
-            where = {"item_id": item["id"], "output_index": index}
+            item = self.items.item(step.block, "completed" if step.action == "close" else "in_progress")
+            where = {"item_id": item["id"], "output_index": step.block.index}
             if step.action == "open":
-                opened = dict(item, arguments="") if block.kind == "tool" else dict(item, content=[])
-                await event("response.output_item.added", {"output_index": index, "item": opened})
-                if block.kind == "text":
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    await event("response.content_part.added", where | {"content_index": 0, "part": part})
+                await self.opened(step.block, item, where)
             elif step.action == "delta":
-                if block.kind == "tool":
-                    await event("response.function_call_arguments.delta", where | {"delta": step.delta})
-                else:
-                    kind = (
-                        "response.output_text.delta"
-                        if block.kind == "text"
-                        else "response.reasoning_text.delta"
-                    )
-                    await event(kind, where | {"content_index": 0, "delta": step.delta})
+                await self.grown(step, item, where)
             else:
-                if block.kind == "tool":
-                    await event("response.function_call_arguments.done", where | {"arguments": block.text})
-                elif block.kind == "text":
-                    await event("response.output_text.done", where | {"content_index": 0, "text": block.text})
-                    await event(
-                        "response.content_part.done", where | {"content_index": 0, "part": item["content"][0]}
-                    )
-                else:
-                    await event(
-                        "response.reasoning_text.done", where | {"content_index": 0, "text": block.text}
-                    )
-                await event("response.output_item.done", {"output_index": index, "item": item})
+                await self.closed(step.block, item, where)
 
-    await event("response.created", {"response": answer.body})
-    await event("response.in_progress", {"response": answer.body})
-    try:
-        async for events in generation.stream(first):
-            await send(blocks.feed(events))
-        await send(blocks.close())
-    except ApiError as error:  # after the headers: the error goes in the stream
-        await event(
-            "error", {"code": error.code or str(error.status), "message": error.message, "param": error.param}
-        )
-        return response
-    final = answer.finish(generation, [_item(b, ids, "completed") for b in blocks.blocks])
-    await event(
-        "response.incomplete" if final["status"] == "incomplete" else "response.completed",
-        {"response": final},
-    )
-    return response
+    async def opened(self, block: Block, item: dict[str, Any], where: dict[str, Any]) -> None:
+        empty = {"function_call": {"arguments": ""}, "custom_tool_call": {"input": ""}}.get(item["type"])
+        opened = item | (empty if empty is not None else {"content": []})
+        await self.event("response.output_item.added", {"output_index": block.index, "item": opened})
+        if block.kind == "text":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            await self.event("response.content_part.added", where | {"content_index": 0, "part": part})
+
+    async def grown(self, step: Step, item: dict[str, Any], where: dict[str, Any]) -> None:
+        kind = {
+            "function_call": "response.function_call_arguments.delta",
+            "message": "response.output_text.delta",
+            "reasoning": "response.reasoning_text.delta",
+        }.get(item["type"])
+        if kind is None:  # a custom tool's input is whole only once its arguments are: sent at the close
+            return
+        index = {} if item["type"] == "function_call" else {"content_index": 0}
+        await self.event(kind, where | index | {"delta": step.delta})
+
+    async def closed(self, block: Block, item: dict[str, Any], where: dict[str, Any]) -> None:
+        if item["type"] == "function_call":
+            await self.event("response.function_call_arguments.done", where | {"arguments": block.text})
+        elif item["type"] == "custom_tool_call":
+            await self.event("response.custom_tool_call_input.delta", where | {"delta": item["input"]})
+            await self.event("response.custom_tool_call_input.done", where | {"input": item["input"]})
+        elif item["type"] == "message":
+            await self.event("response.output_text.done", where | {"content_index": 0, "text": block.text})
+            part = item["content"][0]
+            await self.event("response.content_part.done", where | {"content_index": 0, "part": part})
+        else:
+            text = where | {"content_index": 0, "text": block.text}
+            await self.event("response.reasoning_text.done", text)
+        await self.event("response.output_item.done", {"output_index": block.index, "item": item})

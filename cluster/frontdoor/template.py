@@ -25,9 +25,21 @@ RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 @dataclass(frozen=True)
 class Tool:
+    """A client's tool as the model sees it. `custom`: a freeform tool (the Responses API's `custom`, Codex's
+    apply_patch), shown as a function of one string parameter (CUSTOM_INPUT) whose value is the call's
+    input text; `namespace`: the group a Responses `namespace` tool put it in (`name` then joins the two,
+    `call_name` is the client's own)."""
+
     name: str
     description: str
     parameters: dict[str, Any]
+    custom: bool = False
+    namespace: str = ""
+    call_name: str = ""
+
+    @property
+    def client_name(self) -> str:
+        return self.call_name or self.name
 
     def for_template(self) -> dict[str, Any]:
         function = {"name": self.name, "description": self.description, "parameters": self.parameters}

@@ -1,0 +1,130 @@
+"""Request bodies as the front door reads them, without a server: the Responses API's tools and input
+items as Codex sends them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from onestream.cluster.frontdoor import responses_api
+from onestream.cluster.frontdoor.errors import ApiError
+from onestream.cluster.frontdoor.events import Block
+from onestream.cluster.frontdoor.responses_api import (
+    _Items,
+    custom_input,
+    declared_tools,
+    input_messages,
+)
+
+SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"},
+}
+MCP = {
+    "type": "namespace",
+    "name": "mcp__docs__",
+    "description": "Tools of the docs MCP server.",
+    "tools": [{"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}],
+}
+# What Codex declares in a request: functions, the freeform apply_patch, MCP servers' namespaces, and
+# tools only OpenAI's servers run.
+CODEX_TOOLS = [SHELL, APPLY_PATCH, MCP, {"type": "web_search"}, {"type": "local_shell"}]
+
+
+def test_codex_tools_become_functions_the_model_can_call(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(responses_api, "_skipped_logged", set())  # each kind is logged once a process
+    with caplog.at_level(logging.INFO, "onestream.cluster.frontdoor.responses_api"):
+        tools = {tool.name: tool for tool in declared_tools(CODEX_TOOLS)}
+    assert set(tools) == {"shell", "apply_patch", "mcp__docs__search"}
+    patch = tools["apply_patch"]
+    assert patch.custom and patch.parameters["required"] == ["input"]
+    assert "begin_patch hunk+" in patch.parameters["properties"]["input"]["description"]
+    search = tools["mcp__docs__search"]
+    assert (search.namespace, search.client_name) == ("mcp__docs__", "search")
+    assert "local_shell, web_search" in caplog.text
+
+
+def test_a_namespace_without_trailing_underscores_is_joined_with_two() -> None:
+    (tool,) = declared_tools([MCP | {"name": "collaboration"}])
+    assert tool.name == "collaboration__search"
+
+
+@pytest.mark.parametrize(
+    ("tools", "field"),
+    [
+        ([{"type": "custom"}], "tools[0].name"),
+        ([MCP | {"tools": None}], "tools[0].tools"),
+        ([MCP | {"tools": ["x"]}], "tools[0].tools[0]"),
+        ([SHELL, SHELL], "tools[1].name"),
+        ("shell", "tools"),
+    ],
+)
+def test_malformed_tools_are_a_400_naming_the_field(tools: Any, field: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        declared_tools(tools)
+    assert raised.value.status == 400 and raised.value.message.startswith(field)
+
+
+def test_custom_and_namespaced_calls_in_the_input_render_under_the_models_names() -> None:
+    body = {
+        "input": [
+            {"role": "user", "content": "fix it"},
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+            {
+                "type": "function_call",
+                "call_id": "c2",
+                "namespace": "mcp__docs__",
+                "name": "search",
+                "arguments": '{"q": "x"}',
+            },
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "hit"}],
+            },
+        ]
+    }
+    messages = input_messages(body)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    patch = messages[1]["tool_calls"][0]["function"]
+    assert patch == {"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}}
+    assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "Done!"}
+    assert messages[3]["tool_calls"][0]["function"]["name"] == "mcp__docs__search"
+    assert messages[4]["content"] == "hit"
+
+
+def test_calls_go_back_as_the_items_their_tools_make() -> None:
+    items = _Items({tool.name: tool for tool in declared_tools(CODEX_TOOLS)})
+    patch = Block(
+        "tool",
+        0,
+        name="apply_patch",
+        text='{"input": "*** Begin Patch"}',
+        arguments={"input": "*** Begin Patch"},
+    )
+    item = items.item(patch, "completed")
+    assert item["type"] == "custom_tool_call" and item["id"].startswith("ctc_")
+    assert (item["name"], item["input"]) == ("apply_patch", "*** Begin Patch") and "namespace" not in item
+    search = items.item(Block("tool", 1, name="mcp__docs__search", text="{}", arguments={}), "completed")
+    assert (search["type"], search["name"], search["namespace"]) == ("function_call", "search", "mcp__docs__")
+    assert search["arguments"] == "{}"
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments", "expected"),
+    [
+        ('{"input": "patch"}', {"input": "patch"}, "patch"),
+        ('{"input": "pat', None, '{"input": "pat'),  # cut off, not JSON: the text as it came
+        ('{"input": "patch"}', None, "patch"),
+        ('{"other": 1}', {"other": 1}, '{"other": 1}'),
+    ],
+)
+def test_a_custom_calls_input_is_its_one_argument(text: str, arguments: Any, expected: str) -> None:
+    assert custom_input(Block("tool", 0, name="t", text=text, arguments=arguments)) == expected
