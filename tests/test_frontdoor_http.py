@@ -284,6 +284,24 @@ def test_thinking_comes_back_as_thinking_blocks(claude: anthropic.Anthropic) -> 
     assert set(deltas) == {"thinking_delta"} and final.content[0].thinking == message.content[0].thinking
 
 
+def test_adaptive_thinking_is_thinking_on(claude: anthropic.Anthropic, base_url: str) -> None:
+    """Claude Code 2.1 at high effort sends `thinking: adaptive` and `output_config`."""
+    request: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "def add(a, b):"}],
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+    }  # fmt: skip
+    status, _, message = post(base_url, "/messages", request)
+    assert status == 200 and [block["type"] for block in message["content"]] == ["thinking"], message
+    counted = claude.messages.count_tokens(
+        model=MODEL,
+        messages=request["messages"],
+        thinking={"type": "adaptive"},  # type: ignore[arg-type]
+    )
+    assert (
+        counted.input_tokens == message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"]
+    )
+
+
 def test_a_stop_sequence_is_named(claude: anthropic.Anthropic) -> None:
     message = claude.messages.create(
         model=MODEL,

@@ -1,5 +1,5 @@
 """Request bodies as the front door reads them, without a server: the Responses API's tools and input
-items as Codex sends them."""
+items as Codex sends them, Anthropic's as Claude Code sends them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 import pytest
-from onestream.cluster.frontdoor import responses_api
+from onestream.cluster.frontdoor import anthropic_api, responses_api
 from onestream.cluster.frontdoor.errors import ApiError
 from onestream.cluster.frontdoor.events import Block
 from onestream.cluster.frontdoor.responses_api import (
@@ -128,3 +128,17 @@ def test_calls_go_back_as_the_items_their_tools_make() -> None:
 )
 def test_a_custom_calls_input_is_its_one_argument(text: str, arguments: Any, expected: str) -> None:
     assert custom_input(Block("tool", 0, name="t", text=text, arguments=arguments)) == expected
+
+
+@pytest.mark.parametrize(
+    ("thinking", "switch"),
+    [
+        (None, {}),
+        ({"type": "enabled", "budget_tokens": 1024}, {"enable_thinking": True}),
+        ({"type": "adaptive"}, {"enable_thinking": True}),  # Claude Code 2.1 at high effort
+        ({"type": "disabled"}, {"enable_thinking": False}),
+    ],
+)
+def test_anthropic_thinking_is_the_templates_switch(thinking: Any, switch: dict[str, bool]) -> None:
+    body = {"thinking": thinking, "output_config": {"effort": "high"}}
+    assert anthropic_api._thinking(body) == switch

@@ -134,13 +134,15 @@ def _choice(body: dict[str, Any]) -> tuple[Any, bool]:
 
 
 def _thinking(body: dict[str, Any]) -> dict[str, Any]:
+    """`thinking` as the template's switch. `adaptive` (Claude Code at high effort) lets the model decide
+    how much to think: thinking on; `budget_tokens` and `output_config.effort` have no counterpart here."""
     raw = params.get(body, "thinking", dict)
     if raw is None:
         return {}
     kind = raw.get("type")
-    if kind not in ("enabled", "disabled"):
-        raise bad_field("thinking.type", f"must be 'enabled' or 'disabled', got {kind!r}")
-    return {"enable_thinking": kind == "enabled"}
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_field("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+    return {"enable_thinking": kind != "disabled"}
 
 
 async def _prompt(service: Service, request: web.Request, body: dict[str, Any]) -> tuple[Prompt, bool]:
