@@ -410,6 +410,27 @@ def test_a_function_call_round_trip_through_the_responses_api(client: openai.Ope
     assert followed.usage is not None and followed.usage.input_tokens > forced.usage.input_tokens
 
 
+def test_reasoning_items_go_back_as_they_came(client: openai.OpenAI) -> None:
+    """This server's reasoning items carry the text in `content` (summary empty); Codex sends the output
+    back in the next request's input as it came (tests/test_frontdoor_requests.py: the text reaches the
+    template, which the embedded model's drops for earlier turns)."""
+    first = client.responses.create(
+        model=MODEL,
+        input="def add(a, b):",
+        reasoning={"effort": "medium"},
+        max_output_tokens=6,
+        temperature=0,
+    )
+    (reasoning,) = [item for item in first.output if item.type == "reasoning"]
+    assert reasoning.summary == [] and reasoning.content and reasoning.content[0].text
+    history = [{"role": "user", "content": "def add(a, b):"}, reasoning.model_dump(exclude_none=True)]
+    history.append({"role": "assistant", "content": "return a + b"})
+    followed = client.responses.create(
+        model=MODEL, input=[*history, {"role": "user", "content": "def sub(a, b):"}], max_output_tokens=2
+    )  # type: ignore[list-item]
+    assert followed.status in ("completed", "incomplete")
+
+
 # ---- sessions, cancellation ----------------------------------------------------------------------------
 def second_turn_messages(client: openai.OpenAI, headers: dict[str, str]) -> tuple[Any, Any]:
     """Two turns of one conversation, the second resending the first (as agents do)."""

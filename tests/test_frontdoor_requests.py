@@ -3,6 +3,7 @@ items as Codex sends them, Anthropic's as Claude Code sends them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -16,6 +17,9 @@ from onestream.cluster.frontdoor.responses_api import (
     declared_tools,
     input_messages,
 )
+from onestream.cluster.frontdoor.template import ChatTemplate
+from onestream.worker.loading import default_model_dir
+from onestream.worker.tokenizer import Tokenizer, load_tokenizer
 
 SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
 APPLY_PATCH = {
@@ -142,3 +146,52 @@ def test_a_custom_calls_input_is_its_one_argument(text: str, arguments: Any, exp
 def test_anthropic_thinking_is_the_templates_switch(thinking: Any, switch: dict[str, bool]) -> None:
     body = {"thinking": thinking, "output_config": {"effort": "high"}}
     assert anthropic_api._thinking(body) == switch
+
+
+THOUGHT = "I should list the files first."
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "kept"),
+    [
+        ({"summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]}, THOUGHT),  # as we send it
+        ({"summary": [{"type": "summary_text", "text": THOUGHT}]}, THOUGHT),  # as OpenAI sends it
+        (
+            {"summary": [{"type": "summary_text", "text": "a"}, {"type": "summary_text", "text": "b"}]},
+            "a\n\nb",
+        ),
+        ({"summary": [], "encrypted_content": "gAAA"}, None),
+    ],
+)
+def test_reasoning_items_come_back_to_the_template(reasoning: dict[str, Any], kept: str | None) -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    body = {"input": [{"role": "user", "content": "ls"}, {"type": "reasoning", **reasoning}, call]}
+    assistant = input_messages(body)[1]
+    assert assistant.get("reasoning_content") == kept
+
+
+# A template that keeps the reasoning of assistant turns (as Qwen3's do for the turn in progress).
+REASONING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.reasoning_content %}<think>\n"
+    "{{ m.reasoning_content }}\n</think>\n\n{%- endif %}{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_reasoning_sent_back_reaches_the_prompt() -> None:
+    embedded = load_tokenizer(default_model_dir())
+    tokenizer = Tokenizer(
+        embedded.backend,
+        chat_templates={"default": REASONING_TEMPLATE},
+        special_tokens=embedded.special_tokens,
+    )
+    thought = [{"type": "reasoning_text", "text": THOUGHT}]
+    body = {
+        "input": [
+            {"role": "user", "content": "ls"},
+            {"type": "reasoning", "summary": [], "content": thought},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a.py"}]},
+        ]
+    }
+    prompt = asyncio.run(ChatTemplate(tokenizer).render(input_messages(body), [], {}))
+    assert f"<think>\n{THOUGHT}\n</think>a.py" in prompt.text

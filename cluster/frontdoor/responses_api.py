@@ -152,11 +152,21 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else text_content(output, f"{path}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            summary = item.get("summary") or []
-            reasoning = "".join(part.get("text", "") for part in summary if isinstance(part, dict))
+            reasoning = _reasoning_text(item)
         else:
             raise bad_field(f"{path}.type", f"{kind!r} items are not supported")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its `content` (what this server sends, the model's own words), else its
+    `summary` (what OpenAI's models send)."""
+
+    def texts(parts: Any) -> list[str]:
+        parts = parts if isinstance(parts, list) else []
+        return [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+
+    return "".join(texts(item.get("content"))) or "\n\n".join(texts(item.get("summary")))
 
 
 def _history_call(item: dict[str, Any], path: str) -> dict[str, Any]:
