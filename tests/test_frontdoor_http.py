@@ -791,6 +791,54 @@ def test_the_user_field_pins_a_session(client: openai.OpenAI, base_url: str, grp
         )
 
 
+# ---- images: a placeholder, so that a conversation that once held one goes on ----------------------------
+PLACEHOLDER = "[image omitted: this model reads text only]"
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def test_an_image_in_a_chat_message_stands_as_a_placeholder(client: openai.OpenAI) -> None:
+    def prompt_tokens(part: dict[str, Any]) -> int:
+        content: Any = [{"type": "text", "text": "What does this show?"}, part]
+        completion = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1
+        )
+        assert completion.usage is not None
+        return completion.usage.prompt_tokens
+
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+    assert prompt_tokens(image) == prompt_tokens({"type": "text", "text": PLACEHOLDER})
+
+
+def test_images_in_anthropic_turns_and_tool_results_stand_as_placeholders(
+    claude: anthropic.Anthropic,
+) -> None:
+    """Claude Code sends screenshots in user turns and in tool results (its Read tool on an image)."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    text = {"type": "text", "text": PLACEHOLDER}
+
+    def counted(block: dict[str, Any]) -> int:
+        use = {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a.png"}}
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [block]}
+        messages: Any = [
+            {"role": "user", "content": [{"type": "text", "text": "Look:"}, block]},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]},
+        ]
+        tool = {
+            "name": "read",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+        }
+        return claude.messages.count_tokens(model=MODEL, messages=messages, tools=[tool]).input_tokens  # type: ignore[list-item]
+
+    assert counted(image) == counted(text)
+    answer = claude.messages.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": [image, text]}],  # type: ignore[list-item]
+    )
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+
+
 # ---- the context window: output limits, prompts that do not fit ---------------------------------------
 def lines(count: int) -> str:
     """A prompt of about 5 tokens a line."""
@@ -868,8 +916,7 @@ BAD_INPUT = [
     ("/chat/completions", CHAT | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     (
         "/chat/completions",
-        CHAT
-        | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        CHAT | {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
         400,
         "messages[0].content[0]",
     ),
@@ -916,7 +963,7 @@ BAD_INPUT = [
     ("/messages", MESSAGES | {"messages": [{"role": "system", "content": "x"}]}, 400, "messages[0].role"),
     (
         "/messages",
-        MESSAGES | {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        MESSAGES | {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
         400,
         "messages[0].content[0].type",
     ),

@@ -11,6 +11,7 @@ import pytest
 from onestream.cluster.frontdoor import anthropic_api, responses_api
 from onestream.cluster.frontdoor.errors import ApiError
 from onestream.cluster.frontdoor.events import Block
+from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, text_content
 from onestream.cluster.frontdoor.responses_api import (
     _Items,
     custom_input,
@@ -195,3 +196,24 @@ def test_reasoning_sent_back_reaches_the_prompt() -> None:
     }
     prompt = asyncio.run(ChatTemplate(tokenizer).render(input_messages(body), [], {}))
     assert f"<think>\n{THOUGHT}\n</think>a.py" in prompt.text
+
+
+def test_image_parts_stand_as_a_placeholder_and_other_parts_are_a_400() -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    body = {
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "see: "}, image]},
+            {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [image]},
+        ]
+    }
+    messages = input_messages(body)
+    assert (
+        messages[0]["content"] == f"see: {IMAGE_PLACEHOLDER}" and messages[2]["content"] == IMAGE_PLACEHOLDER
+    )
+    chat = text_content(
+        [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], "messages[0].content"
+    )
+    assert chat == IMAGE_PLACEHOLDER
+    with pytest.raises(ApiError, match=r"messages\[0\]\.content\[0\]: only text and image parts"):
+        text_content([{"type": "input_file", "file_id": "f"}], "messages[0].content")

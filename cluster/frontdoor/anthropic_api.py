@@ -9,7 +9,7 @@ from aiohttp import web
 from . import params, sse
 from .errors import ApiError, anthropic_context_error, bad_field
 from .events import Block, Blocks, Step
-from .openai_api import template_call, tool_choice
+from .openai_api import IMAGE_PLACEHOLDER, template_call, tool_choice
 from .service import Generation, Service, TurnSpec, new_id
 from .template import Prompt, Tool
 
@@ -29,6 +29,10 @@ def _text(block: dict[str, Any], path: str) -> str:
     return params.get(block, "text", str, path=f"{path}.", required=True)
 
 
+def _text_or_image(block: dict[str, Any], path: str) -> str:
+    return IMAGE_PLACEHOLDER if block["type"] == "image" else _text(block, path)
+
+
 def _tool_result_text(block: dict[str, Any], path: str) -> str:
     content = block.get("content", "")
     if isinstance(content, str):
@@ -36,9 +40,11 @@ def _tool_result_text(block: dict[str, Any], path: str) -> str:
     else:
         parts = _blocks(content, f"{path}.content")
         for j, part in enumerate(parts):
-            if part["type"] != "text":
-                raise bad_field(f"{path}.content[{j}]", f"only text is supported, got {part['type']!r}")
-        text = "".join(_text(part, f"{path}.content[{j}]") for j, part in enumerate(parts))
+            if part["type"] not in ("text", "image"):
+                raise bad_field(
+                    f"{path}.content[{j}]", f"only text and images are supported, got {part['type']!r}"
+                )
+        text = "".join(_text_or_image(part, f"{path}.content[{j}]") for j, part in enumerate(parts))
     return f"Error: {text}" if block.get("is_error") else text
 
 
@@ -72,8 +78,8 @@ def _user_messages(blocks: list[dict[str, Any]], path: str) -> list[dict[str, An
     text: list[str] = []
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
-        if block["type"] == "text":
-            text.append(_text(block, where))
+        if block["type"] in ("text", "image"):
+            text.append(_text_or_image(block, where))
         elif block["type"] == "tool_result":
             call_id = params.get(block, "tool_use_id", str, path=f"{where}.", required=True)
             out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})

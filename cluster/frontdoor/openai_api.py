@@ -15,6 +15,10 @@ from .template import REQUIRED, Tool
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+IMAGE_PART_TYPES = ("image_url", "input_image")  # Chat Completions', the Responses API's
+# What stands for an image in the prompt: a conversation that once held a screenshot goes on (the model is
+# told something was there) rather than every later turn being refused.
+IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
 
 
 # ---- request parsing, shared with the Responses API ---------------------------------------------------
@@ -28,10 +32,13 @@ def text_content(value: Any, field: str, *, allow_none: bool = False) -> str:
         raise bad_field(field, f"must be a string or a list of text parts, got {type(value).__name__}")
     texts = []
     for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_field(f"{field}[{j}]", f"only text parts are supported, got {kind!r}")
-        texts.append(params.get(part, "text", str, path=f"{field}[{j}].", required=True))
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in IMAGE_PART_TYPES:
+            texts.append(IMAGE_PLACEHOLDER)
+        elif kind in TEXT_PART_TYPES:
+            texts.append(params.get(part, "text", str, path=f"{field}[{j}].", required=True))
+        else:
+            raise bad_field(f"{field}[{j}]", f"only text and image parts are supported, got {kind!r}")
     return "".join(texts)
 
 
