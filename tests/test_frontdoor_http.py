@@ -225,6 +225,34 @@ def test_a_tool_round_trip_through_the_openai_sdk(client: openai.OpenAI) -> None
     assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_takes_no_call(
+    client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Agents switch tool_choice per turn: the prompt keeps its prefix (the tools), the output stays text."""
+    request: dict[str, Any] = {
+        "model": MODEL, "messages": tool_turn_messages(), "tools": [WRITE_FILE], "stop": ["\n"],
+        "max_tokens": 48, "temperature": 0, "extra_body": {"continue_final_message": True},
+    }  # fmt: skip
+    auto = client.chat.completions.create(**request)
+    none = client.chat.completions.create(**request, tool_choice="none")
+    assert auto.choices[0].finish_reason == "tool_calls"
+    assert none.choices[0].finish_reason == "stop" and not none.choices[0].message.tool_calls
+    assert none.choices[0].message.content
+    assert none.usage is not None and auto.usage is not None
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens
+    tool: Any = {"name": "write_file", "input_schema": WRITE_FILE["function"]["parameters"]}
+    counts = [
+        claude.messages.count_tokens(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[tool],
+            tool_choice={"type": kind},
+        ).input_tokens
+        for kind in ("auto", "none")
+    ]  # type: ignore[misc]
+    assert counts[0] == counts[1]
+
+
 def test_a_named_tool_choice_forces_that_call(client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(
         model=MODEL,

@@ -11,14 +11,14 @@ import pytest
 from onestream.cluster.frontdoor import anthropic_api, responses_api
 from onestream.cluster.frontdoor.errors import ApiError
 from onestream.cluster.frontdoor.events import Block
-from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, text_content
+from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, text_content, tool_choice
 from onestream.cluster.frontdoor.responses_api import (
     _Items,
     custom_input,
     declared_tools,
     input_messages,
 )
-from onestream.cluster.frontdoor.template import ChatTemplate
+from onestream.cluster.frontdoor.template import REQUIRED, ChatTemplate
 from onestream.worker.loading import default_model_dir
 from onestream.worker.tokenizer import Tokenizer, load_tokenizer
 
@@ -217,3 +217,12 @@ def test_image_parts_stand_as_a_placeholder_and_other_parts_are_a_400() -> None:
     assert chat == IMAGE_PLACEHOLDER
     with pytest.raises(ApiError, match=r"messages\[0\]\.content\[0\]: only text and image parts"):
         text_content([{"type": "input_file", "file_id": "f"}], "messages[0].content")
+
+
+def test_tool_choice_none_declares_the_tools_and_takes_no_calls() -> None:
+    tools = declared_tools([SHELL])
+    none = tool_choice("none", tools)
+    assert (none.tools, none.forced, none.parse_calls) == (tools, None, False)
+    assert tool_choice("auto", tools).parse_calls and not tool_choice("none", []).parse_calls
+    assert tool_choice("required", tools).forced is REQUIRED
+    assert tool_choice({"type": "function", "function": {"name": "shell"}}, tools).forced == "shell"

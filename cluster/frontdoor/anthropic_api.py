@@ -9,7 +9,7 @@ from aiohttp import web
 from . import params, sse
 from .errors import ApiError, anthropic_context_error, bad_field
 from .events import Block, Blocks, Step
-from .openai_api import IMAGE_PLACEHOLDER, template_call, tool_choice
+from .openai_api import IMAGE_PLACEHOLDER, ToolChoice, template_call, tool_choice
 from .service import Generation, Service, TurnSpec, new_id
 from .template import Prompt, Tool
 
@@ -151,21 +151,24 @@ def _thinking(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": kind != "disabled"}
 
 
-async def _prompt(service: Service, request: web.Request, body: dict[str, Any]) -> tuple[Prompt, bool]:
+async def _prompt(
+    service: Service, request: web.Request, body: dict[str, Any]
+) -> tuple[Prompt, ToolChoice, bool]:
+    """The turn's prompt, its tool choice, and whether parallel calls are allowed."""
     params.get(body, "model", str, required=True)
-    choice, parallel = _choice(body)
-    declared, forced = tool_choice(choice, tools(body))
+    raw, parallel = _choice(body)
+    choice = tool_choice(raw, tools(body))
     # A final assistant message is the start of the answer (Anthropic's prefill).
     prompt = await service.template.render(
         chat_messages(body),
-        declared,
+        choice.tools,
         _thinking(body),
-        forced,
+        choice.forced,
         continue_final=True,
         parallel_calls=parallel,
         memo_scope=service.memo_scope(request),
     )
-    return prompt, parallel
+    return prompt, choice, parallel
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
@@ -204,7 +207,7 @@ def _content(block: Block, tool_ids: dict[int, str]) -> dict[str, Any]:
 
 
 async def messages(service: Service, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    prompt, parallel = await _prompt(service, request, body)
+    prompt, choice, parallel = await _prompt(service, request, body)
     requested = params.positive_int(body, "max_tokens", required=True)
     spec = TurnSpec(
         prompt.token_ids,
@@ -218,7 +221,7 @@ async def messages(service: Service, request: web.Request, body: dict[str, Any])
         service,
         request,
         spec,
-        service.template.parser(prompt, parse_tools=bool(prompt.tools)),
+        service.template.parser(prompt, parse_tools=choice.parse_calls),
         user=params.get(metadata, "user_id", str, path="metadata."),
     )
     blocks = Blocks(max_calls=None if parallel else 1)
@@ -307,5 +310,5 @@ async def _stream(
 
 
 async def count_tokens(service: Service, request: web.Request, body: dict[str, Any]) -> web.Response:
-    prompt, _ = await _prompt(service, request, body)
+    prompt, _, _ = await _prompt(service, request, body)
     return web.json_response({"input_tokens": len(prompt.token_ids)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -129,18 +130,33 @@ def function_tools(raw: Any) -> list[Tool]:
     return list(tools.values())
 
 
-def tool_choice(
-    raw: Any, tools: list[Tool], *, nested: bool = True
-) -> tuple[list[Tool], str | object | None]:
-    """(tools to render, forced call): "none" renders none, "required" / a named function force a call."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tool_choice means for the turn: the tools the prompt declares, the call the answer
+    is made to start with (a tool's name, REQUIRED, or None), and whether calls in the output are taken as
+    calls (with "none" they stay text)."""
+
+    tools: list[Tool]
+    forced: str | object | None = None
+    calls: bool = True
+
+    @property
+    def parse_calls(self) -> bool:
+        return self.calls and bool(self.tools)
+
+
+def tool_choice(raw: Any, tools: list[Tool], *, nested: bool = True) -> ToolChoice:
+    """ "required" / a named function force a call; "none" still declares the tools, so that the prompt
+    keeps the prefix of the turns around it (agents switch it per turn), and takes no call from the
+    output."""
     if raw is None or raw == "auto":
-        return tools, None
+        return ToolChoice(tools)
     if raw == "none":
-        return [], None
+        return ToolChoice(tools, calls=False)
     if not tools:
         raise bad_field("tool_choice", f"{raw!r} needs tools")
     if raw == "required":
-        return tools, REQUIRED
+        return ToolChoice(tools, REQUIRED)
     # The Responses API names a custom tool as it names a function (`nested=False`).
     kinds = ("function",) if nested else ("function", "custom")
     if isinstance(raw, dict) and raw.get("type") in kinds:
@@ -150,7 +166,7 @@ def tool_choice(
         named = [t.name for t in tools if name in (t.name, t.client_name) and t.custom == custom]
         if not named:
             raise bad_field("tool_choice", f"names no declared tool: {name!r}")
-        return tools, named[0]
+        return ToolChoice(tools, named[0])
     raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, got {raw!r}")
 
 
@@ -213,16 +229,16 @@ async def chat_completions(
     params.unsupported(body, "top_logprobs", (0,), "no log probabilities")
     json_answer = json_format(params.get(body, "response_format", dict), "response_format")
     messages = chat_messages(body.get("messages"))
-    tools, forced = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
+    choice = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
     parallel = params.get(body, "parallel_tool_calls", bool)
     kwargs = params.get(body, "chat_template_kwargs", dict) or {}
     # vLLM's extension: a final assistant message the model continues (rather than a new turn).
     continue_final = bool(params.get(body, "continue_final_message", bool))
     prompt = await service.template.render(
         messages,
-        tools,
+        choice.tools,
         kwargs,
-        forced,
+        choice.forced,
         continue_final=continue_final,
         json_answer=json_answer,
         parallel_calls=parallel is not False,
@@ -238,7 +254,7 @@ async def chat_completions(
         sampling,
         prompt.constraint,
     )
-    parser = service.template.parser(prompt, parse_tools=bool(tools))
+    parser = service.template.parser(prompt, parse_tools=choice.parse_calls)
     generation = Generation(service, request, spec, parser, user=params.get(body, "user", str))
     stream = params.get(body, "stream", bool)
     try:

@@ -250,7 +250,7 @@ def custom_input(block: Block) -> str:
 class _Response:
     """The response object, as `response.created` announces it and `response.completed` closes it."""
 
-    def __init__(self, body: dict[str, Any], tools: list[Any]) -> None:
+    def __init__(self, body: dict[str, Any]) -> None:
         self.body = {
             "id": new_id("resp_"),
             "object": "response",
@@ -294,13 +294,13 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         )
     text = params.get(body, "text", dict) or {}
     json_answer = json_format(params.get(text, "format", dict, path="text."), "text.format")
-    declared, forced = tool_choice(body.get("tool_choice"), declared_tools(body.get("tools")), nested=False)
+    choice = tool_choice(body.get("tool_choice"), declared_tools(body.get("tools")), nested=False)
     parallel = body.get("parallel_tool_calls", True) is not False
     prompt = await service.template.render(
         input_messages(body),
-        declared,
+        choice.tools,
         _template_kwargs(body),
-        forced,
+        choice.forced,
         json_answer=json_answer,
         parallel_calls=parallel,
         memo_scope=service.memo_scope(request),
@@ -317,13 +317,13 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
         service,
         request,
         spec,
-        service.template.parser(prompt, parse_tools=bool(declared)),
+        service.template.parser(prompt, parse_tools=choice.parse_calls),
         session_id=params.get(body, "prompt_cache_key", str),
         user=params.get(body, "user", str),
     )
     blocks = Blocks(max_calls=None if parallel else 1)
-    answer = _Response(body, declared)
-    items = _Items({tool.name: tool for tool in declared})
+    answer = _Response(body)
+    items = _Items({tool.name: tool for tool in choice.tools})
     try:
         first = await generation.start(prompt.prefill)
         if params.get(body, "stream", bool):
