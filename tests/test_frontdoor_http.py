@@ -151,7 +151,9 @@ def test_completions_stream_and_whole_agree(client: openai.OpenAI) -> None:
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    assert (card.model_extra or {}) == {"max_model_len": MAX_CONTEXT, "context_length": MAX_CONTEXT}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-9")
 
@@ -295,6 +297,20 @@ def test_messages_and_their_stream_agree_and_count_tokens_matches(claude: anthro
     assert kinds[1] == "content_block_start" and "content_block_stop" in kinds and "message_delta" in kinds
     assert final.content[0].text == message.content[0].text and final.stop_reason == message.stop_reason
     assert final.usage.output_tokens == message.usage.output_tokens
+
+
+def test_text_blocks_of_a_turn_are_kept_apart(claude: anthropic.Anthropic) -> None:
+    """Claude Code sends <system-reminder> blocks beside the user's text: a newline between blocks."""
+    reminder = "<system-reminder>\nBe brief.\n</system-reminder>"
+    blocks: Any = [{"type": "text", "text": reminder}, {"type": "text", "text": "def mean(xs):"}]
+    joined = f"{reminder}\ndef mean(xs):"
+    counts = [
+        claude.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": content}]
+        ).input_tokens
+        for content in (blocks, joined)
+    ]
+    assert counts[0] == counts[1]
 
 
 def test_thinking_comes_back_as_thinking_blocks(claude: anthropic.Anthropic) -> None:

@@ -209,7 +209,8 @@ def test_image_parts_stand_as_a_placeholder_and_other_parts_are_a_400() -> None:
     }
     messages = input_messages(body)
     assert (
-        messages[0]["content"] == f"see: {IMAGE_PLACEHOLDER}" and messages[2]["content"] == IMAGE_PLACEHOLDER
+        messages[0]["content"] == f"see: \n{IMAGE_PLACEHOLDER}"
+        and messages[2]["content"] == IMAGE_PLACEHOLDER
     )
     chat = text_content(
         [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], "messages[0].content"
@@ -226,3 +227,13 @@ def test_tool_choice_none_declares_the_tools_and_takes_no_calls() -> None:
     assert tool_choice("auto", tools).parse_calls and not tool_choice("none", []).parse_calls
     assert tool_choice("required", tools).forced is REQUIRED
     assert tool_choice({"type": "function", "function": {"name": "shell"}}, tools).forced == "shell"
+
+
+def test_text_parts_and_blocks_of_one_message_are_kept_apart() -> None:
+    """Claude Code's <system-reminder> blocks and Cline's <task> / <environment_details> parts."""
+    reminder, ask = "<system-reminder>\nBe brief.\n</system-reminder>", "Fix the bug."
+    parts = [{"type": "text", "text": reminder}, {"type": "text", "text": ask}]
+    assert text_content(parts, "content") == f"{reminder}\n{ask}"
+    body = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": parts}]}
+    user, assistant = anthropic_api.chat_messages(body)
+    assert user["content"] == assistant["content"] == f"{reminder}\n{ask}"

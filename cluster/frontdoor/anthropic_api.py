@@ -9,7 +9,7 @@ from aiohttp import web
 from . import params, sse
 from .errors import ApiError, anthropic_context_error, bad_field
 from .events import Block, Blocks, Step
-from .openai_api import IMAGE_PLACEHOLDER, ToolChoice, template_call, tool_choice
+from .openai_api import IMAGE_PLACEHOLDER, PART_SEPARATOR, ToolChoice, template_call, tool_choice
 from .service import Generation, Service, TurnSpec, new_id
 from .template import Prompt, Tool
 
@@ -44,7 +44,9 @@ def _tool_result_text(block: dict[str, Any], path: str) -> str:
                 raise bad_field(
                     f"{path}.content[{j}]", f"only text and images are supported, got {part['type']!r}"
                 )
-        text = "".join(_text_or_image(part, f"{path}.content[{j}]") for j, part in enumerate(parts))
+        text = PART_SEPARATOR.join(
+            _text_or_image(part, f"{path}.content[{j}]") for j, part in enumerate(parts)
+        )
     return f"Error: {text}" if block.get("is_error") else text
 
 
@@ -86,16 +88,17 @@ def _user_messages(blocks: list[dict[str, Any]], path: str) -> list[dict[str, An
         else:
             raise bad_field(f"{where}.type", f"{block['type']!r} blocks are not supported in user turns")
     if text:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append({"role": "user", "content": PART_SEPARATOR.join(text)})
     return out
 
 
 def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
+    texts = []
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
         if block["type"] == "text":
-            message["content"] += _text(block, where)
+            texts.append(_text(block, where))
         elif block["type"] == "tool_use":
             name = params.get(block, "name", str, path=f"{where}.", required=True)
             arguments = params.get(block, "input", dict, path=f"{where}.") or {}
@@ -104,6 +107,7 @@ def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
             message["reasoning_content"] = params.get(block, "thinking", str, path=f"{where}.") or ""
         elif block["type"] != "redacted_thinking":
             raise bad_field(f"{where}.type", f"{block['type']!r} blocks are not supported in assistant turns")
+    message["content"] = PART_SEPARATOR.join(texts)
     return message
 
 

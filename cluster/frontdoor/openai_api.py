@@ -17,6 +17,10 @@ from .template import REQUIRED, Tool
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 IMAGE_PART_TYPES = ("image_url", "input_image")  # Chat Completions', the Responses API's
+# Between the text parts of one message, as vLLM joins them: agents put separate sections in separate parts
+# (Cline's <task> and <environment_details>, Claude Code's <system-reminder> blocks), which must not run
+# into each other.
+PART_SEPARATOR = "\n"
 # What stands for an image in the prompt: a conversation that once held a screenshot goes on (the model is
 # told something was there) rather than every later turn being refused.
 IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
@@ -40,7 +44,7 @@ def text_content(value: Any, field: str, *, allow_none: bool = False) -> str:
             texts.append(params.get(part, "text", str, path=f"{field}[{j}].", required=True))
         else:
             raise bad_field(f"{field}[{j}]", f"only text and image parts are supported, got {kind!r}")
-    return "".join(texts)
+    return PART_SEPARATOR.join(texts)
 
 
 def arguments_object(value: Any, field: str) -> dict[str, Any]:
@@ -431,7 +435,12 @@ async def _completion_prompt(service: Service, prompt: Any) -> list[int]:
 
 # ---- /v1/models ---------------------------------------------------------------------------------------
 def model_card(service: Service) -> dict[str, Any]:
-    return {"id": service.model, "object": "model", "created": 0, "owned_by": "onestream"}
+    """The served model, with its context under vLLM's name (`max_model_len`) and OpenRouter's
+    (`context_length`), for clients that size their window from discovery."""
+    card: dict[str, Any] = {"id": service.model, "object": "model", "created": 0, "owned_by": "onestream"}
+    if service.max_context is not None:
+        card |= {"max_model_len": service.max_context, "context_length": service.max_context}
+    return card
 
 
 async def list_models(service: Service, request: web.Request) -> web.Response:

@@ -48,6 +48,11 @@ class Service:
     # The cards' context length, from the router's model info (the first request asks for it).
     _max_context: int | None = field(default=None, init=False, repr=False)
 
+    @property
+    def max_context(self) -> int | None:
+        """The cards' context length, once a request asked the router for it (None before)."""
+        return self._max_context
+
     async def model_info(self, request: web.Request) -> pb.ModelInfo:
         """The router's model info, with the caller's key (which the router checks)."""
         info = await self.router.model_info(credentials(request.headers))
