@@ -788,9 +788,27 @@ def test_a_namespaced_tools_call_names_its_namespace(client: openai.OpenAI) -> N
     assert set(json.loads(call.arguments)) == {"verbose", "level"}
 
 
+def test_a_json_schema_is_answered_with_a_json_object(client: openai.OpenAI) -> None:
+    """The cards enforce a JSON object, not the schema below its root (docs/http.md)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    completion = client.chat.completions.create(
+        model=MODEL, messages=JSON_PROMPT, max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+        extra_body={"repetition_penalty": 1.0},
+    )  # fmt: skip
+    text = completion.choices[0].message.content or ""
+    assert completion.choices[0].finish_reason == "stop", text
+    assert isinstance(json.loads(text), dict)
+    response = client.responses.create(
+        model=MODEL, input="Reply with a JSON object.", max_output_tokens=16, temperature=0,
+        text={"format": {"type": "json_schema", "name": "a", "schema": schema}},
+    )  # fmt: skip
+    assert response.output_text.startswith("{") and json_prefix(response.output_text)
+
+
 def test_unsupported_formats_are_a_400_naming_the_field(client: openai.OpenAI) -> None:
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match=r"response_format\.type"):
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}
+    with pytest.raises(openai.BadRequestError, match=r"response_format\.json_schema\.schema\.type"):
         client.chat.completions.create(model=MODEL, messages=JSON_PROMPT, response_format=schema)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
@@ -965,7 +983,13 @@ BAD_INPUT = [
         "messages[0].content[0]",
     ),
     ("/chat/completions", CHAT | {"n": 2}, 400, "n"),
-    ("/chat/completions", CHAT | {"response_format": {"type": "json_schema"}}, 400, "response_format.type"),
+    (
+        "/chat/completions",
+        CHAT | {"response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+    ),
+    ("/chat/completions", CHAT | {"response_format": {"type": "grammar"}}, 400, "response_format.type"),
     ("/chat/completions", CHAT | {"tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
     (
         "/chat/completions",
@@ -1021,7 +1045,7 @@ BAD_INPUT = [
     ("/responses", RESPONSES | {"tools": [{"type": "namespace", "name": "n"}]}, 400, "tools[0].tools"),
     ("/responses", RESPONSES | {"tool_choice": {"type": "custom", "name": "nope"}}, 400, "tool_choice"),
     ("/responses", RESPONSES | {"previous_response_id": "resp_1"}, 400, "previous_response_id"),
-    ("/responses", RESPONSES | {"text": {"format": {"type": "json_schema"}}}, 400, "text.format"),
+    ("/responses", RESPONSES | {"text": {"format": {"type": "json_schema"}}}, 400, "text.format.schema"),
     ("/nowhere", {}, 404, "/v1/nowhere"),
     ("/messages/nowhere", {}, 404, "/v1/messages/nowhere"),
 ]

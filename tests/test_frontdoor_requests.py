@@ -11,7 +11,7 @@ import pytest
 from onestream.cluster.frontdoor import anthropic_api, responses_api
 from onestream.cluster.frontdoor.errors import ApiError
 from onestream.cluster.frontdoor.events import Block
-from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, text_content, tool_choice
+from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, json_format, text_content, tool_choice
 from onestream.cluster.frontdoor.responses_api import (
     _Items,
     custom_input,
@@ -237,3 +237,32 @@ def test_text_parts_and_blocks_of_one_message_are_kept_apart() -> None:
     body = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": parts}]}
     user, assistant = anthropic_api.chat_messages(body)
     assert user["content"] == assistant["content"] == f"{reminder}\n{ask}"
+
+
+@pytest.mark.parametrize(
+    ("value", "nested", "json_answer"),
+    [
+        (None, True, False),
+        ({"type": "text"}, True, False),
+        ({"type": "json_object"}, True, True),
+        ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}, True, True),
+        ({"type": "json_schema", "name": "a", "schema": {"properties": {}}}, False, True),  # Responses' form
+    ],
+)
+def test_json_formats_ask_for_a_json_object(value: Any, nested: bool, json_answer: bool) -> None:
+    assert json_format(value, "response_format", nested=nested) is json_answer
+
+
+@pytest.mark.parametrize(
+    ("value", "nested", "field"),
+    [
+        ({"type": "json_schema"}, True, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "a"}}, True, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "schema": {"type": "array"}}, False, "response_format.schema.type"),
+        ({"type": "regex"}, True, "response_format.type"),
+    ],
+)
+def test_json_formats_that_cannot_be_enforced_are_a_400(value: Any, nested: bool, field: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        json_format(value, "response_format", nested=nested)
+    assert raised.value.param == field

@@ -174,16 +174,26 @@ def tool_choice(raw: Any, tools: list[Tool], *, nested: bool = True) -> ToolChoi
     raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, got {raw!r}")
 
 
-def json_format(value: dict[str, Any] | None, field: str) -> bool:
-    """Whether a response format (Chat Completions' `response_format`, Responses' `text.format`) asks for
-    a JSON object; a 400 for the formats this server cannot enforce."""
+def json_format(value: dict[str, Any] | None, field: str, *, nested: bool = True) -> bool:
+    """Whether a response format (Chat Completions' `response_format`, Responses' `text.format`, whose
+    `json_schema` fields are not `nested`) asks for a JSON object. A JSON schema is accepted as a request
+    for a JSON object, the one shape the cards can enforce: its root must be an object, and nothing below
+    the root is checked (docs/http.md says so)."""
     kind = (value or {}).get("type", "text")
     if kind in ("text", "json_object"):
         return kind == "json_object"
-    raise bad_field(
-        f"{field}.type",
-        f"{kind!r} is not supported: 'text' and 'json_object' are (no JSON schema constraint yet)",
-    )
+    if kind != "json_schema":
+        raise bad_field(f"{field}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    assert value is not None
+    where = f"{field}.json_schema." if nested else f"{field}."
+    spec = params.get(value, "json_schema", dict, path=f"{field}.", required=True) if nested else value
+    schema = params.get(spec, "schema", dict, path=where, required=True)
+    if schema.get("type", "object") != "object":
+        raise bad_field(
+            f"{where}schema.type",
+            f"must be 'object', got {schema['type']!r}: only a JSON object answer can be enforced",
+        )
+    return True
 
 
 def max_tokens(body: dict[str, Any], *names: str) -> int | None:

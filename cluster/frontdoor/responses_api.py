@@ -293,7 +293,7 @@ async def responses(service: Service, request: web.Request, body: dict[str, Any]
             "previous_response_id", "is not supported: responses are not stored; send the whole input"
         )
     text = params.get(body, "text", dict) or {}
-    json_answer = json_format(params.get(text, "format", dict, path="text."), "text.format")
+    json_answer = json_format(params.get(text, "format", dict, path="text."), "text.format", nested=False)
     choice = tool_choice(body.get("tool_choice"), declared_tools(body.get("tools")), nested=False)
     parallel = body.get("parallel_tool_calls", True) is not False
     prompt = await service.template.render(

@@ -115,7 +115,7 @@ class ChatTemplate:
             raise bad_field("tool_choice", "a forced tool call cannot follow a final assistant message")
         if json_answer and (forced is not None or start):
             what = "a forced tool call" if forced is not None else "a final assistant message to continue"
-            raise bad_field("response_format", f"json_object cannot be combined with {what}")
+            raise bad_field("response_format", f"a JSON answer cannot be combined with {what}")
         prompt = await asyncio.to_thread(
             self._render, messages, tools, dict(template_kwargs), forced, memo_scope
         )
