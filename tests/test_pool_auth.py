@@ -377,6 +377,15 @@ def test_http_callers_need_a_valid_key(pool: PoolThread) -> None:
             call()
         assert denied.value.status_code == 401 and wrong not in str(denied.value)
     assert message(claude_client(pool, KEYS["alice"])).usage.output_tokens > 0
+    # The context length is known by now (alice's turns); a prompt past it from a bad key still hears 401
+    # first, not the window's size.
+    too_long = [{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}]
+    with pytest.raises(openai.AuthenticationError) as refused:
+        intruder.chat.completions.create(model="m", messages=too_long)  # type: ignore[arg-type]
+    assert refused.value.status_code == 401 and str(MAX_CONTEXT) not in str(refused.value)
+    with pytest.raises(openai.BadRequestError) as too_big:
+        http_client(pool, KEYS["alice"]).chat.completions.create(model="m", messages=too_long)  # type: ignore[arg-type]
+    assert too_big.value.code == "context_length_exceeded"
 
 
 def test_http_turns_on_another_users_session_are_forbidden(pool: PoolThread) -> None:

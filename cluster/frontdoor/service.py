@@ -68,6 +68,8 @@ class Service:
             await self.model_info(request)
         if self._max_context is None:
             return requested
+        if prompt_tokens >= self._max_context:
+            await self.model_info(request)  # the key first: a caller without one hears 401, not the window
         return output_budget(prompt_tokens, self._max_context, requested, overflow)
 
     def memo_scope(self, request: web.Request) -> str:
