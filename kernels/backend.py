@@ -105,6 +105,19 @@ class MegakernelBackend(ReferenceBackend):
         out = self.runner.mtp_step(input_ids.reshape(-1), hidden, state)
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
+    @torch.inference_mode()
+    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+        """The drafts as one chain of launches, each fed the argmax and hidden of the one before on the device
+        (the runner's `mtp_chain`); pairs beyond one launch's go first, through `draft`."""
+        if not self.runner.has_mtp:
+            return super().draft_greedy(input_ids, hidden, state, k)
+        ids = input_ids.reshape(-1)
+        head = ids.numel() - MAX_TOKENS_PER_LAUNCH
+        if head > 0:
+            self.draft(ids[:head], hidden[:head], state)
+            ids, hidden = ids[head:], hidden[head:]
+        return self.runner.mtp_chain(ids, hidden, state, k)
+
     def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now, and the widest
         one that short prompts run as: a verify of k drafts takes k + 1 and a first draft step up to k + 1 pairs,

@@ -6,9 +6,9 @@ else: `serve` cannot reach it) reports a chosen number of accepted drafts a = 0.
 then does exactly what a cycle with that acceptance does (keeps a drafts and the next token, rolls the rest back,
 owes the MTP head a + 1 pairs for the next first draft). Each (k, a) is timed three ways:
 - engine: the median time between the cycles the engine yields (`Timings.inter_token_s`), greedy, MTP drafts;
-- device: the launches of that cycle (the first draft over a + 1 pairs, k - 1 further drafts, the T = k + 1
-  verify with recorded states and acceptance, the rollback of k - a tokens) queued back to back with no host
-  synchronisation, CUDA events around a chain of cycles;
+- device: the launches of that cycle (the first draft over a + 1 pairs, k - 1 further drafts fed on the device
+  as the engine's greedy drafts are, the T = k + 1 verify with recorded states and acceptance, the rollback of
+  k - a tokens) queued back to back with no host synchronisation, CUDA events around a chain of cycles;
 - and both as a ratio to one plain step chained on the device (`greedy_chain`), the issue's unit.
 Plain decode through `Engine.generate` is timed against the same chained step. From the per-acceptance costs,
 tok/s is projected at stated per-position acceptance profiles: P(draft j accepted), j = 1..k.
@@ -147,8 +147,8 @@ def engine_ms_per_yield(
 def device_cycle_ms(
     runner: Any, model: Any, base: Any, *, k: int, accepted: int, context: int, cycles: int, repeats: int
 ) -> float:
-    """Milliseconds of one cycle's launches queued back to back: the first MTP draft over accepted + 1 pairs,
-    k - 1 more, the T = k + 1 verify (recorded states, greedy acceptance) and the rollback of the rejected
+    """Milliseconds of one cycle's launches queued back to back: the MTP drafts as the engine chains them
+    (`mtp_chain`: the first over accepted + 1 pairs, k - 1 more fed on the device), the T = k + 1 verify (recorded states, greedy acceptance) and the rollback of the rejected
     k - accepted tokens; every cycle at the same positions (the host positions are put back after each)."""
     from .bench_spec import _random_ids, _rewind_position
 
@@ -158,13 +158,12 @@ def device_cycle_ms(
     g = torch.Generator(device="cuda").manual_seed(1000 * k + accepted)
     backlog = _random_ids(accepted + 1, c.vocab_size, seed=7 * k + accepted)
     hidden = torch.randn(accepted + 1, c.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
-    draft = backlog[-1:]
     verify = _random_ids(k + 1, c.vocab_size, seed=11 * k + accepted)
 
     def cycle() -> None:
-        runner.mtp_step(backlog, hidden, state)
-        for _ in range(k - 1):
-            runner.mtp_step(draft, hidden[-1:], state)
+        runner.mtp_chain(
+            backlog, hidden, state, k
+        )  # the engine's greedy drafts (MegakernelBackend.draft_greedy)
         state.mtp_length = mtp_at  # the drafts' positions are dropped; the backlog's rewound for the next
         runner.step(verify, state, keep_states=True, accept=True, check=False)
         if k > accepted:

@@ -575,6 +575,52 @@ class MegakernelRunner:
         state.mtp_length += n
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], [])
 
+    def mtp_chain(
+        self, input_ids: torch.Tensor | list[int], hidden: torch.Tensor, state: Any, k: int
+    ) -> torch.Tensor:
+        """`k` greedy MTP drafts with no host round trip: one launch over the T pairs (`mtp_step`'s), then
+        k - 1 single-pair launches, each fed the previous launch's argmax (the kernel's feedback) and the last
+        row of its hidden output. Returns the k drafts ([k] int64 on the device; nothing is read back). The
+        state's MTP length counts all T + k - 1 positions; the caller drops the k - 1 drafts' own."""
+        if not self.has_mtp:
+            raise MegakernelError("this model has no MTP head")
+        if k < 1:
+            raise MegakernelError(f"an MTP chain drafts at least one token, got {k}")
+        ids = _launch_ids(input_ids, "pairs")
+        n = ids.numel()
+        if tuple(hidden.shape) != (n, self.config.hidden_size):
+            raise MegakernelError(
+                f"hidden must have shape ({n}, {self.config.hidden_size}), got {tuple(hidden.shape)}"
+            )
+        pos = state.check_room(n + k - 1, mtp=True)
+        end = pos + n + k - 1
+        self._token_hist(state.max_len)  # indexed by MTP position, below max_len like the main ones
+        self.bind(state, end, tokens=n, mtp=True)
+        self.bind(state, end, tokens=1, mtp=True)  # the continuation's build must hold the chunks too
+        self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), CTRL_FLAG_FEEDBACK, MODE_MTP)
+        mtp_in, out = self.buf["mtp_hidden_in"], self.buf["hidden_out"]
+        mtp_in[:n].copy_(hidden, non_blocking=True)
+        self._launch("mk_decode", n)
+        if k > 1:
+            build = self._build(1)
+            args = self._table_args(build)
+            for j in range(1, k):
+                # The input token is the one the previous launch fed back; its hidden goes on the device.
+                self._set_ctrl(pos + n + j - 1, None, CTRL_FLAG_FEEDBACK, MODE_MTP)
+                last = n - 1 if j == 1 else 0
+                mtp_in[:1].copy_(out[last : last + 1])
+                self._launch_raw(build, "mk_decode", args)
+        self._ahead = None
+        state.mtp_length = end
+        assert self._hist is not None
+        return self._hist[pos + n - 1 : end].to(torch.int64)
+
+    def _token_hist(self, size: int) -> None:
+        """The buffer feedback launches write their greedy tokens to (by position), at least `size` long."""
+        if self._hist is None or self._hist.numel() < size:
+            self._hist = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._buffers += 1  # the tables point at it: rebind
+
     def greedy_chain(self, first_token: int, state: Any, n: int, *, check: bool = True) -> list[int]:
         """`n` greedy steps as `n` back-to-back launches with no host round trip (each step's argmax feeds the
         next); returns the n generated tokens. One sync at the end. check=False (timing loops): nothing is read
@@ -583,9 +629,7 @@ class MegakernelRunner:
         if n < 1:
             raise MegakernelError(f"a greedy chain runs at least one step, got {n}")
         pos = state.check_room(n)
-        if self._hist is None or self._hist.numel() < state.max_len:
-            self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
-            self._buffers += 1
+        self._token_hist(state.max_len)
         self.bind(state, pos + n)
         self._set_ctrl(pos, [first_token], CTRL_FLAG_FEEDBACK)
         build = self._build(1)
@@ -615,9 +659,7 @@ class MegakernelRunner:
             ids = _launch_ids(input_ids, "tokens")
             if ids.numel() != 1 or not ids.is_cuda:
                 raise MegakernelError("decode_ahead starts from one token id on the GPU")
-        if self._hist is None or self._hist.numel() < state.max_len:
-            self._hist = torch.zeros(state.max_len, dtype=torch.int32, device=self.device)
-            self._buffers += 1
+        self._token_hist(state.max_len)
         self.bind(state, pos + 1)
         # Feedback: the kernel writes its argmax into the next launch's input slot (and at hist[pos]); a
         # continued step uploads only its position and flags, so the input stays what the device wrote.

@@ -193,6 +193,44 @@ def test_mtp_steps_match_the_reference_mtp_head(setup):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("pairs", [1, 3, 9])
+def test_an_mtp_chain_equals_its_steps_fed_by_the_host(setup, pairs):
+    """The draft chain feeds each draft and hidden row back on the device: its drafts, MTP length and MTP cache
+    are bit for bit those of single MTP launches fed the host's argmax and the previous launch's last hidden
+    row. 9 pairs: more than a launch takes, the back end runs the first through `draft`."""
+    from onestream.kernels.backend import MegakernelBackend
+
+    _, model, runner = setup
+    c = model.config
+    backend = MegakernelBackend(model)
+    runner = backend.runner
+    base = prefilled(model, seed=23)
+    k = 4
+    ids = torch.randint(0, c.vocab_size, (pairs,), device="cuda")
+    hidden = (torch.randn(pairs, c.hidden_size, device="cuda") * 2).to(torch.bfloat16)
+    stepped = base.clone()
+    head = max(0, pairs - 8)
+    if head:
+        runner.mtp_step(ids[:head], hidden[:head], stepped)
+    out = runner.mtp_step(ids[head:], hidden[head:], stepped)
+    expected = [out.logits[-1:].argmax(dim=-1)]
+    for _ in range(k - 1):
+        out = runner.mtp_step(expected[-1], out.hidden[-1:].clone(), stepped)
+        expected.append(out.logits[-1:].argmax(dim=-1))
+    chained = base.clone()
+    drafts = backend.draft_greedy(ids, hidden, chained, k)
+    runner.check()
+    assert torch.equal(drafts, torch.cat(expected))
+    n = stepped.mtp_length
+    assert chained.mtp_length == n == pairs + k - 1
+    assert torch.equal(chained.mtp_kv.k[:, :n], stepped.mtp_kv.k[:, :n])
+    assert torch.equal(chained.mtp_kv.v[:, :n], stepped.mtp_kv.v[:, :n])
+    # The main model's feedback run is not disturbed: a chain of steps after it as before it.
+    token = int(drafts[0])
+    assert runner.greedy_chain(token, chained, 3) == runner.greedy_chain(token, stepped, 3)
+
+
+@torch.no_grad()
 def test_each_cache_keeps_its_own_capacity(setup):
     """KV caches grow separately (prefill chunks, verify steps, the MTP head's own launches), so their
     capacities differ; each layer's attention must address its cache with that cache's per-head stride."""

@@ -231,12 +231,41 @@ def test_untrained_mtp_head_still_gives_plain_greedy(random_dir: Path) -> None:
 # ---- the state after cycles --------------------------------------------------------------------------
 
 
-def test_cycles_keep_main_state_and_mtp_cache_complete(draftable_dir: Path) -> None:
+@pytest.mark.parametrize("piece", [512, 4])
+def test_greedy_drafts_as_one_chain_equal_the_stepwise_drafts(draftable_dir: Path, piece: int) -> None:
+    """`Sequence.draft_greedy` (the back end's chain of draft steps: the megakernel feeds each draft and hidden
+    on the device) drafts what the step-by-step path drafts from the host's argmax and leaves the same MTP
+    cache; a `piece` shorter than the owed pairs cuts them into several calls first."""
+    model = load_model(draftable_dir, dtype=torch.float32)
+    backend = ReferenceBackend(model)
+    backend.prefill_tokens = piece
+    prompt = [(17 * i + 3) % model.config.vocab_size for i in range(13)]
+    chained, stepped = (Sequence(backend, 128, track_mtp=True) for _ in range(2))
+    for seq in (chained, stepped):
+        seq.feed(prompt)
+    k, pending = 4, 7
+    drafts = chained.draft_greedy(pending, k)
+    out = stepped.draft_first(pending)
+    expected = [out.logits[-1:].argmax(dim=-1)]
+    for _ in range(k - 1):
+        out = stepped.draft_next(expected[-1], out.hidden[-1:])
+        expected.append(out.logits[-1:].argmax(dim=-1))
+    assert torch.equal(drafts, torch.cat(expected))
+    m = stepped.state.mtp_length
+    assert chained.state.mtp_length == m == len(prompt) + k - 1
+    assert torch.equal(chained.state.mtp_kv.k[:, :m], stepped.state.mtp_kv.k[:, :m])
+    assert torch.equal(chained.state.mtp_kv.v[:, :m], stepped.state.mtp_kv.v[:, :m])
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_cycles_keep_main_state_and_mtp_cache_complete(draftable_dir: Path, temperature: float) -> None:
+    """Sampled cycles draft step by step; greedy ones as one chain of draft steps (`Sequence.draft_greedy`)."""
     model = load_model(draftable_dir, dtype=torch.float32)
     backend = ReferenceBackend(model)
     seq = Sequence(backend, 512, track_mtp=True)
     prompt = random_prompts(1, model.config.vocab_size, seed=21)[0]
-    sampler = RequestSampler(SamplingParams(temperature=0.8, seed=3), prompt, model.config.vocab_size, "cpu")
+    params = SamplingParams(temperature=temperature, seed=3)
+    sampler = RequestSampler(params, prompt, model.config.vocab_size, "cpu")
     stats = SpecStats()
     decoder = SpeculativeDecoder(3, stats)
     out = seq.feed(prompt)
@@ -249,7 +278,8 @@ def test_cycles_keep_main_state_and_mtp_cache_complete(draftable_dir: Path) -> N
         sampler.commit(cycle.tokens[:kept])
         emitted.extend(cycle.tokens[:kept])
         pending = emitted[-1]
-    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert 0 < stats.accepted_tokens <= stats.draft_tokens
+    assert stats.accepted_tokens < stats.draft_tokens or temperature == 0.0
 
     consumed = prompt + emitted[:-1]
     assert seq.tokens == consumed and seq.state.length == len(consumed)

@@ -112,6 +112,12 @@ class Backend(Protocol):
         last row."""
         ...
 
+    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+        """`draft` of the pairs, then k - 1 further MTP steps, each fed the argmax of the step before and that
+        step's last hidden row: the k greedy drafts ([k] LongTensor on the device, not read back). All T + k - 1
+        MTP positions are written; `rollback_draft(k - 1)` drops the drafts' own."""
+        ...
+
     def rollback(self, state: Any, n_tokens: int) -> None: ...
 
     def rollback_draft(self, state: Any, n_positions: int) -> None: ...
@@ -235,6 +241,15 @@ class ReferenceBackend:
         if self.fast_prefill is not None and input_ids.numel() > 1:  # a prompt's MTP backlog
             return self.fast_prefill.mtp(input_ids, hidden, state)  # type: ignore[no-any-return]
         return self.model.mtp_step(input_ids, hidden, state, logits="last")
+
+    @torch.inference_mode()
+    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+        out = self.draft(input_ids, hidden, state)
+        drafts = [out.logits[-1:].argmax(dim=-1)]
+        for _ in range(k - 1):
+            out = self.draft(drafts[-1], out.hidden[-1:], state)
+            drafts.append(out.logits[-1:].argmax(dim=-1))
+        return torch.cat(drafts)
 
     def rollback(self, state: Any, n_tokens: int) -> None:
         state.rollback(n_tokens)

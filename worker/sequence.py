@@ -234,16 +234,38 @@ class Sequence:
     def draft_first(self, pending: int) -> StepOutput:
         """First draft step after `pending` (the emitted token not yet run): runs the owed MTP pairs and
         (pending, H[last]) together; the last row's logits draft the token after `pending`."""
+        return self._run_mtp(*self._first_pairs(pending))
+
+    def draft_greedy(self, pending: int, k: int) -> torch.Tensor:
+        """`k` greedy (plain argmax) drafts after `pending`, the first step as `draft_first`'s, the rest fed
+        on the device (the back end's `draft_greedy`: no host work between the steps). [k] on the device; the
+        MTP positions of the drafts after the first are left for `drop_draft_positions(k - 1)`."""
+        tokens, hidden = self._first_pairs(pending)
+        last = (len(tokens) - 1) // self._tokens_per_call() * self._tokens_per_call()
+        if last:
+            self._run_mtp(tokens[:last], hidden[:last])
+        drafts = self.backend.draft_greedy(self.ids(tokens[last:]), hidden[last:], self.state, k)
+        self.on_step()
+        return drafts
+
+    def _first_pairs(self, pending: int) -> tuple[list[int], torch.Tensor]:
+        """The owed MTP pairs and (pending, H[last]), taken off the backlog."""
         assert self.track_mtp and self.last_hidden is not None
         tokens = [*self._backlog_tokens, pending]
         hidden = torch.cat([*self._backlog_hidden, self.last_hidden.unsqueeze(0)])
         self._backlog_tokens, self._backlog_hidden = [], []
-        return self._run_mtp(tokens, hidden)
+        return tokens, hidden
 
     def draft_next(self, token: torch.Tensor, mtp_hidden: torch.Tensor) -> StepOutput:
         """A further draft step: the previous draft (`[1]`, left on the device) with the MTP layer's own
         output."""
         return self.backend.draft(token, mtp_hidden, self.state)
+
+    def draft_next_greedy(self, token: torch.Tensor, mtp_hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """`k` further greedy drafts after `token` (a draft left on the device) as one chain on the back end."""
+        drafts = self.backend.draft_greedy(token, mtp_hidden, self.state, k)
+        self.on_step()
+        return drafts
 
     def drop_draft_positions(self, n: int) -> None:
         """Forget the MTP positions written by draft steps after the first (their hiddens were drafts')."""

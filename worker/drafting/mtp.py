@@ -11,13 +11,25 @@ from .base import MTP, Draft
 
 
 def mtp_draft(seq: Sequence, pending: int, sampler: RequestSampler, k: int) -> Draft:
-    """k MTP drafts after `pending` (emitted, not yet run); the first step also runs the owed MTP pairs."""
+    """k MTP drafts after `pending` (emitted, not yet run); the first step also runs the owed MTP pairs.
+    Plain argmax drafts run as one chain on the back end (`Sequence.draft_greedy`): the logits never reach
+    the host's code, so nothing is queued between the steps."""
+    if sampler.plain_argmax:
+        drafts = seq.draft_greedy(pending, k)
+        seq.drop_draft_positions(k - 1)
+        return Draft(drafts, MTP)
     return continue_mtp_draft(seq, seq.draft_first(pending), sampler, k)
 
 
 def continue_mtp_draft(seq: Sequence, first: StepOutput, sampler: RequestSampler, k: int) -> Draft:
     """k MTP drafts, the first from `first` (the output of `Sequence.draft_first`). The drafts stay on the
     device; the MTP positions written by steps after the first are dropped (their hiddens were drafts')."""
+    if sampler.plain_argmax:
+        token = first.logits[-1:].argmax(dim=-1)
+        if k > 1:
+            token = torch.cat([token, seq.draft_next_greedy(token, first.hidden[-1:], k - 1)])
+        seq.drop_draft_positions(k - 1)
+        return Draft(token, MTP)
     drafts: list[torch.Tensor] = []  # [1] each
     draft_probs: list[torch.Tensor] = []
     out = first
