@@ -263,13 +263,7 @@ class MegakernelRunner:
         launch) to hold `needed` positions, and make room to record `keep_tokens` tokens' DeltaNet states.
         Every cache keeps its own capacity (its per-head stride in the layer table). `tokens`: the launch's
         tokens, whose build must hold the attention chunks of `needed` positions."""
-        plan = self._build(tokens).plan
-        if plan.att_chunks(needed) > plan.att_merge_chunks:
-            raise ContextLengthError(
-                f"megakernel: {needed} positions need {plan.att_chunks(needed)} attention chunks; the "
-                f"{tokens}-token build merges at most {plan.att_merge_chunks} "
-                f"({plan.att_merge_chunks * plan.tuning.att_chunk} positions)"
-            )
+        plan = self._check_chunks(tokens, needed)
         caches = self._caches(state)
         main = [state.kv[i] for i in self.config.full_attention_layers]
         for cache in [state.mtp_kv] if mtp else main:
@@ -292,6 +286,17 @@ class MegakernelRunner:
             return
         self._write_tables(state, caches)
         self._bound, self._bound_state = key, weakref.ref(state)
+
+    def _check_chunks(self, tokens: int, needed: int) -> KernelPlan:
+        """The `tokens` build's plan, if it merges the attention chunks of `needed` positions."""
+        plan = self._build(tokens).plan
+        if plan.att_chunks(needed) > plan.att_merge_chunks:
+            raise ContextLengthError(
+                f"megakernel: {needed} positions need {plan.att_chunks(needed)} attention chunks; the "
+                f"{tokens}-token build merges at most {plan.att_merge_chunks} "
+                f"({plan.att_merge_chunks * plan.tuning.att_chunk} positions)"
+            )
+        return plan
 
     def _reserve_history(self, entries: int) -> None:
         if not self.config.linear_attention_layers or entries <= 0:
@@ -596,7 +601,7 @@ class MegakernelRunner:
         end = pos + n + k - 1
         self._token_hist(state.max_len)  # indexed by MTP position, below max_len like the main ones
         self.bind(state, end, tokens=n, mtp=True)
-        self.bind(state, end, tokens=1, mtp=True)  # the continuation's build must hold the chunks too
+        self._check_chunks(1, end)  # the continuation's build too
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), CTRL_FLAG_FEEDBACK, MODE_MTP)
         mtp_in, out = self.buf["mtp_hidden_in"], self.buf["hidden_out"]
         mtp_in[:n].copy_(hidden, non_blocking=True)
