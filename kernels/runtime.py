@@ -557,6 +557,7 @@ class MegakernelRunner:
             {i: t[:entries] for i, t in self._hist_conv.items()},
             {i: t[:entries] for i, t in self._hist_rec.items()},
         )
+        history.split_entries()  # while the launch runs
         self._hist_owner = weakref.ref(state)
         return history
 

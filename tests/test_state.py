@@ -87,6 +87,26 @@ def test_keep_states_rollback_equals_recomputation(model, n):
     torch.testing.assert_close(decode(model, state, nxt), decode(model, fresh, nxt), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [1, 4, 6])
+def test_rollback_with_entries_cut_ahead_equals_cutting_them_then(model, n):
+    """`DeltaNetHistory.split_entries` (the megakernel runner cuts the views while its verify runs) rolls back to
+    bit for bit the states of a rollback that cuts them itself, successive rollbacks included."""
+    ids, verify = tokens(model, 25, 6), tokens(model, 7, 7)
+    state = model.new_state(64)
+    model.forward_step(ids, state)
+    model.forward_step(verify, state, keep_states=True)
+    ahead = state.clone()
+    ahead.history.split_entries()
+    for first in (n, 1):
+        state.rollback(first)
+        ahead.rollback(first)
+        for i in state.conv:
+            assert torch.equal(state.conv[i], ahead.conv[i]) and torch.equal(
+                state.recurrent[i], ahead.recurrent[i]
+            )
+    assert ahead.length == state.length == 25 + 7 - n - 1
+
+
 def test_speculative_style_cycles_match_plain_prefill(model):
     """Verify k+1 tokens with keep_states, accept some, roll back the rest, repeat."""
     state = model.new_state(128)

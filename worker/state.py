@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -145,6 +145,25 @@ class DeltaNetHistory:
     # Entries still reachable (None: all n). A rollback lowers it rather than re-slicing every layer's
     # records, which would cost host time on the speculative cycle's critical path.
     entries: int | None = None
+    # Each entry's per-layer views, cut ahead of a rollback by `split_entries` (None: cut when needed).
+    _by_entry: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def split_entries(self) -> None:
+        """Cut every entry's per-layer views now. Cutting them at the rollback (two tensor ops per DeltaNet layer)
+        would lengthen the speculative cycle's critical path: a back end calls this while its verify runs."""
+        if not self.conv:
+            return
+        conv = zip(*(t.unbind(0) for t in self.conv.values()), strict=True)
+        rec = zip(*(t.unbind(0) for t in self.recurrent.values()), strict=True)
+        self._by_entry = [(list(c), list(r)) for c, r in zip(conv, rec, strict=True)]
+
+    def entry(self, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Entry j's conv and recurrent states, one view per layer in the order of `conv`."""
+        if self._by_entry is not None:
+            return self._by_entry[j]
+        return [t[j] for t in self.conv.values()], [t[j] for t in self.recurrent.values()]
 
     @property
     def end(self) -> int:
@@ -288,9 +307,11 @@ class SequenceState:
                     f"keep_states=True step ({reach}); restore a snapshot instead"
                 )
             j = target - hist.start
-            layers = list(self.conv)
-            _copy_all([self.conv[i] for i in layers], [hist.conv[i][j] for i in layers])
-            _copy_all([self.recurrent[i] for i in layers], [hist.recurrent[i][j] for i in layers])
+            if list(hist.conv) != list(self.conv) or list(hist.recurrent) != list(self.recurrent):
+                raise StateError("the recorded DeltaNet states are not this state's layers")
+            conv, recurrent = hist.entry(j)
+            _copy_all(list(self.conv.values()), conv)
+            _copy_all(list(self.recurrent.values()), recurrent)
             # Positions after the target are gone; earlier recorded ones stay reachable.
             hist.entries = j + 1
         self.length = target
