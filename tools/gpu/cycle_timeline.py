@@ -32,7 +32,16 @@ from typing import Any
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # The back-end calls whose launches are told apart (record_function labels around them).
-LABELLED_CALLS = ("draft", "verify_greedy", "decode", "rollback", "rollback_draft", "decode_ahead", "prefill")
+LABELLED_CALLS = (
+    "draft",
+    "draft_greedy",
+    "verify_greedy",
+    "decode",
+    "rollback",
+    "rollback_draft",
+    "decode_ahead",
+    "prefill",
+)
 CYCLE_MARK = "verify_greedy"
 GAP_FLOOR_US = 0.5  # device gaps shorter than this are the hardware's own launch spacing: counted, not listed
 
