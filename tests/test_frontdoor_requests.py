@@ -11,7 +11,13 @@ import pytest
 from onestream.cluster.frontdoor import anthropic_api, responses_api
 from onestream.cluster.frontdoor.errors import ApiError
 from onestream.cluster.frontdoor.events import Block
-from onestream.cluster.frontdoor.openai_api import IMAGE_PLACEHOLDER, json_format, text_content, tool_choice
+from onestream.cluster.frontdoor.openai_api import (
+    IMAGE_PLACEHOLDER,
+    chat_messages,
+    json_format,
+    text_content,
+    tool_choice,
+)
 from onestream.cluster.frontdoor.responses_api import (
     _Items,
     custom_input,
@@ -196,6 +202,82 @@ def test_reasoning_sent_back_reaches_the_prompt() -> None:
     }
     prompt = asyncio.run(ChatTemplate(tokenizer).render(input_messages(body), [], {}))
     assert f"<think>\n{THOUGHT}\n</think>a.py" in prompt.text
+
+
+def rendered(messages: list[dict[str, Any]], template: str | None = None) -> str:
+    """The prompt text of `messages` under the embedded model's template, or under `template`."""
+    embedded = load_tokenizer(default_model_dir())
+    tokenizer = embedded
+    if template is not None:
+        tokenizer = Tokenizer(
+            embedded.backend, chat_templates={"default": template}, special_tokens=embedded.special_tokens
+        )
+    return asyncio.run(ChatTemplate(tokenizer).render(messages, [], {})).text
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_chat_reasoning_sent_back_reaches_a_template_that_keeps_it(field: str) -> None:
+    """OpenAI clients send an earlier turn's reasoning back under either name (vLLM's old and new)."""
+    messages = chat_messages(
+        [
+            {"role": "user", "content": "ls"},
+            {"role": "assistant", "content": "a.py", field: THOUGHT},
+            {"role": "user", "content": "cat a.py"},
+        ]
+    )
+    assert messages[1]["reasoning_content"] == THOUGHT
+    assert f"<think>\n{THOUGHT}\n</think>a.py" in rendered(messages, REASONING_TEMPLATE)
+    # The embedded model's template drops earlier turns' reasoning, as Qwen's do for finished turns.
+    assert THOUGHT not in rendered(messages) and "<|im_start|>assistant\na.py<|im_end|>" in rendered(messages)
+
+
+def test_anthropic_thinking_blocks_reach_the_template_and_redacted_ones_are_dropped() -> None:
+    """Claude Code sends the assistant's thinking back with its signature; redacted thinking carries only
+    encrypted data, which no template can read."""
+    thinking = {"type": "thinking", "thinking": THOUGHT, "signature": "sig"}
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}
+    answer = {"type": "text", "text": "a.py"}
+    body = {
+        "messages": [
+            {"role": "user", "content": "ls"},
+            {"role": "assistant", "content": [thinking, answer]},
+            {"role": "user", "content": "cat a.py"},
+            {"role": "assistant", "content": [redacted, answer]},
+            {"role": "user", "content": "again"},
+        ]
+    }
+    messages = anthropic_api.chat_messages(body)
+    assert messages[1]["reasoning_content"] == THOUGHT and messages[1]["content"] == "a.py"
+    assert "reasoning_content" not in messages[3] and messages[3]["content"] == "a.py"
+    text = rendered(messages, REASONING_TEMPLATE)
+    assert f"<think>\n{THOUGHT}\n</think>a.py" in text and "EmwKAhgB" not in text
+    assert text.count("<think>") == 1
+    assert THOUGHT not in rendered(messages)
+
+
+def test_an_anthropic_tool_result_with_is_error_reaches_the_prompt_marked_as_an_error() -> None:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "shell", "input": {"command": "ls /nope"}}
+
+    def turn(result: dict[str, Any]) -> list[dict[str, Any]]:
+        block = {"type": "tool_result", "tool_use_id": "toolu_1", **result}
+        body = {
+            "messages": [
+                {"role": "user", "content": "ls /nope"},
+                {"role": "assistant", "content": [use]},
+                {"role": "user", "content": [block]},
+            ]
+        }
+        messages = anthropic_api.chat_messages(body)
+        assert messages[2]["role"] == "tool" and messages[2]["tool_call_id"] == "toolu_1"
+        return messages
+
+    failed = turn({"content": "No such file", "is_error": True})
+    assert failed[2]["content"] == "Error: No such file"
+    assert "<tool_response>\nError: No such file\n</tool_response>" in rendered(failed)
+    blocks = [{"type": "text", "text": "No such file"}, {"type": "text", "text": "exit 2"}]
+    assert turn({"content": blocks, "is_error": True})[2]["content"] == "Error: No such file\nexit 2"
+    assert turn({"content": "No such file", "is_error": False})[2]["content"] == "No such file"
+    assert turn({"content": "No such file"})[2]["content"] == "No such file"
 
 
 def test_image_parts_stand_as_a_placeholder_and_other_parts_are_a_400() -> None:
