@@ -155,6 +155,17 @@ def test_anthropic_thinking_is_the_templates_switch(thinking: Any, switch: dict[
     assert anthropic_api._thinking(body) == switch
 
 
+@pytest.mark.parametrize(
+    ("effort", "thinking"),
+    [("none", False), ("minimal", False), ("low", True), ("medium", True), ("high", True), ("xhigh", True)],
+)
+def test_responses_reasoning_effort_is_the_templates_thinking_switch(effort: str, thinking: bool) -> None:
+    """Codex sends reasoning.effort on every turn; none and minimal mean no reasoning."""
+    assert responses_api._template_kwargs({"reasoning": {"effort": effort}}) == {"enable_thinking": thinking}
+    assert responses_api._template_kwargs({"reasoning": {"summary": "auto"}}) == {}
+    assert responses_api._template_kwargs({}) == {}
+
+
 THOUGHT = "I should list the files first."
 
 
