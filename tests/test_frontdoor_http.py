@@ -186,6 +186,36 @@ def test_reasoning_is_split_from_the_answer(client: openai.OpenAI) -> None:
     assert streamed == extra["reasoning_content"]
 
 
+def test_reasoning_effort_is_the_thinking_switch(client: openai.OpenAI) -> None:
+    """Chat's `reasoning_effort` (opencode, LiteLLM) and Responses' `reasoning.effort` (Codex): none and
+    minimal turn the template's thinking off, other levels on; `chat_template_kwargs` says it outright."""
+
+    def reasoning(**request: Any) -> str | None:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=4,
+            temperature=0, **request,
+        )  # fmt: skip
+        return (completion.choices[0].message.model_extra or {}).get("reasoning_content")
+
+    assert reasoning(reasoning_effort="high")
+    assert not reasoning(reasoning_effort="minimal")
+    assert not reasoning(
+        reasoning_effort="low", extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+
+    def items(effort: str) -> list[str]:
+        response = client.responses.create(
+            model=MODEL,
+            input="def add(a, b):",
+            reasoning={"effort": effort},
+            max_output_tokens=4,
+            temperature=0,
+        )  # type: ignore[arg-type]
+        return [item.type for item in response.output]
+
+    assert items("high") == ["reasoning"] and items("none") == ["message"]
+
+
 def tool_turn_messages() -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": "You can write files."},

@@ -196,6 +196,13 @@ def json_format(value: dict[str, Any] | None, field: str, *, nested: bool = True
     return True
 
 
+def thinking_switch(effort: str | None) -> dict[str, Any]:
+    """A reasoning effort (Chat Completions' `reasoning_effort`, Responses' `reasoning.effort`) as the
+    template's switch: `none` and `minimal` turn thinking off, any other level on; unset, the template's
+    own default."""
+    return {} if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
+
+
 def max_tokens(body: dict[str, Any], *names: str) -> int | None:
     for name in names:
         value = params.positive_int(body, name)
@@ -245,7 +252,10 @@ async def chat_completions(
     messages = chat_messages(body.get("messages"))
     choice = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
     parallel = params.get(body, "parallel_tool_calls", bool)
-    kwargs = params.get(body, "chat_template_kwargs", dict) or {}
+    # chat_template_kwargs says it outright; reasoning_effort (opencode, LiteLLM) is the same switch.
+    kwargs = thinking_switch(params.get(body, "reasoning_effort", str)) | (
+        params.get(body, "chat_template_kwargs", dict) or {}
+    )
     # vLLM's extension: a final assistant message the model continues (rather than a new turn).
     continue_final = bool(params.get(body, "continue_final_message", bool))
     prompt = await service.template.render(

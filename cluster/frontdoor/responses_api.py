@@ -24,6 +24,7 @@ from .openai_api import (
     json_format,
     template_call,
     text_content,
+    thinking_switch,
     tool_choice,
 )
 from .service import Generation, Service, TurnSpec, new_id
@@ -185,10 +186,8 @@ def _history_call(item: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    reasoning = params.get(body, "reasoning", dict)
-    if reasoning is None or reasoning.get("effort") is None:
-        return {}
-    return {"enable_thinking": reasoning["effort"] not in ("none", "minimal")}
+    reasoning = params.get(body, "reasoning", dict) or {}
+    return thinking_switch(params.get(reasoning, "effort", str, path="reasoning."))
 
 
 # ---- output -------------------------------------------------------------------------------------------
