@@ -149,6 +149,39 @@ def test_completions_stream_and_whole_agree(client: openai.OpenAI) -> None:
     assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_completions_stop_and_usage_in_the_stream(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**request)
+    text = whole.choices[0].text
+    assert "\n" in text.strip("\n"), text  # the answer runs on past a line: a stop at "\n" cuts it
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    stopped = client.completions.create(**request, stop=["\n", "never"])
+    assert stopped.choices[0].text == text[: text.index("\n")]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**request, stop="\n", stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].usage is None
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> None:
+    """Clients migrating from max_tokens send both: OpenAI reads max_completion_tokens."""
+
+    def generated(**limits: int) -> int:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "def f():"}], temperature=0,
+            logit_bias=NEVER_STOP, **limits,
+        )  # fmt: skip
+        assert completion.choices[0].finish_reason == "length" and completion.usage is not None
+        return completion.usage.completion_tokens
+
+    assert generated(max_completion_tokens=3, max_tokens=9) == 3
+    assert generated(max_completion_tokens=9, max_tokens=3) == 9
+    assert generated(max_tokens=5) == 5
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     card = client.models.retrieve(MODEL)
