@@ -316,6 +316,20 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_takes_no_call(
         for kind in ("auto", "none")
     ]  # type: ignore[misc]
     assert counts[0] == counts[1]
+    # Anthropic's {"type": "none"}: the same call-shaped output is text, whole and streamed.
+    messages: Any = tool_turn_messages()[1:]
+    anthropic_request: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 48, "tools": [tool], "messages": messages, "stop_sequences": ["\n"],
+    }  # fmt: skip
+    assert claude.messages.create(**anthropic_request).stop_reason == "tool_use"
+    message = claude.messages.create(**anthropic_request, tool_choice={"type": "none"})
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "\n")
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text
+    assert message.content[0].text == none.choices[0].message.content
+    with claude.messages.stream(**anthropic_request, tool_choice={"type": "none"}) as stream:
+        deltas = {e.delta.type for e in stream if e.type == "content_block_delta"}
+        final = stream.get_final_message()
+    assert deltas == {"text_delta"} and final.content[0].text == message.content[0].text  # type: ignore[union-attr]
 
 
 def test_a_named_tool_choice_forces_that_call(client: openai.OpenAI) -> None:
