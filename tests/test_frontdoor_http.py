@@ -332,6 +332,79 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_takes_no_call(
     assert deltas == {"text_delta"} and final.content[0].text == message.content[0].text  # type: ignore[union-attr]
 
 
+# Two calls in one turn: the first whole in the assistant's prefix, the second begun there and finished by
+# the model until the stop string (the prefix's calls are the answer's, as with the one-call turns above).
+TWO_CALLS = (
+    "<tool_call>\n<function=write_file>\n<parameter=content>\nimport os\n</parameter>\n</function>\n</tool_call>"
+    "\n<tool_call>\n<function=write_file>\n<parameter=content>\nimport"
+)
+
+
+def two_call_messages() -> list[dict[str, Any]]:
+    return [*tool_turn_messages()[:2], {"role": "assistant", "content": TWO_CALLS}]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_two_tool_calls_in_one_turn_through_the_openai_sdk(client: openai.OpenAI, parallel: bool) -> None:
+    """Each call its own index and id, whole and streamed; `parallel_tool_calls: false` keeps the first."""
+    request: dict[str, Any] = {
+        "model": MODEL, "messages": two_call_messages(), "tools": [WRITE_FILE], "stop": ["\n"],
+        "max_tokens": 48, "temperature": 0, "parallel_tool_calls": parallel,
+        "extra_body": {"continue_final_message": True},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls or []
+    assert [call.function.name for call in calls] == ["write_file"] * (2 if parallel else 1)
+    assert len({call.id for call in calls}) == len(calls)
+    arguments = [json.loads(call.function.arguments) for call in calls]
+    assert arguments[0] == {"content": "import os"}
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    heads = [d for d in deltas if d.id]
+    assert [(d.index, d.function.name) for d in heads] == [(i, "write_file") for i in range(len(calls))]
+    assert len({d.id for d in heads}) == len(heads) and {d.index for d in deltas} == set(range(len(calls)))
+    streamed = [
+        json.loads("".join(d.function.arguments or "" for d in deltas if d.index == i))
+        for i in range(len(calls))
+    ]
+    assert streamed == arguments and chunks[-1].choices[0].finish_reason == "tool_calls"
+    if parallel:
+        second = arguments[1]["content"]
+        assert second.startswith("import") and len(second) > len("import")  # the model wrote its end
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_two_tool_use_blocks_in_one_turn_through_the_anthropic_sdk(
+    claude: anthropic.Anthropic, parallel: bool
+) -> None:
+    """`disable_parallel_tool_use` keeps the first call."""
+    tool: Any = {"name": "write_file", "input_schema": WRITE_FILE["function"]["parameters"]}
+    request: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 48, "tools": [tool], "messages": two_call_messages()[1:],
+        "stop_sequences": ["\n"], "tool_choice": {"type": "auto", "disable_parallel_tool_use": not parallel},
+    }  # fmt: skip
+    message = claude.messages.create(**request)
+    assert message.stop_reason == "tool_use"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert [block.type for block in message.content] == ["tool_use"] * (2 if parallel else 1)
+    assert len({use.id for use in uses}) == len(uses) and uses[0].input == {"content": "import os"}
+    with claude.messages.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.index, e.content_block.type) for e in starts] == [(i, "tool_use") for i in range(len(uses))]
+    assert len({e.content_block.id for e in starts}) == len(starts)  # type: ignore[union-attr]
+    deltas: list[Any] = [e for e in events if e.type == "content_block_delta"]
+    inputs = [
+        json.loads("".join(e.delta.partial_json for e in deltas if e.index == i)) for i in range(len(uses))
+    ]
+    assert inputs == [use.input for use in uses]
+    assert [
+        b.input for b in final.content if b.type == "tool_use"
+    ] == inputs and final.stop_reason == "tool_use"
+
+
 def test_a_named_tool_choice_forces_that_call(client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(
         model=MODEL,
@@ -529,6 +602,30 @@ def test_a_function_call_round_trip_through_the_responses_api(client: openai.Ope
     )
     assert followed.status in ("completed", "incomplete")
     assert followed.usage is not None and followed.usage.input_tokens > forced.usage.input_tokens
+
+
+def test_parallel_function_calls_through_the_responses_api(client: openai.OpenAI) -> None:
+    """A forced call with parallel calls allowed (the default): the model writes call after call (this
+    model never stops on its own; the output limit ends the turn), each its own item, id and call id."""
+    ping = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
+    request: dict[str, Any] = {
+        "model": MODEL, "input": "Ping the hosts.", "tools": [ping], "tool_choice": "required",
+        "max_output_tokens": 64, "temperature": 0,
+    }  # fmt: skip
+    response = client.responses.create(**request)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) >= 2 and [(c.name, c.arguments) for c in calls] == [("ping", "{}")] * len(calls)
+    assert len({c.id for c in calls}) == len({c.call_id for c in calls}) == len(calls)
+    events = list(client.responses.create(**request, stream=True))
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.output_index for e in added] == [e.output_index for e in done] == list(range(len(calls)))
+    ids = [e.item.id for e in added]
+    assert [e.item_id for e in done] == ids and len(set(ids)) == len(calls)
+    final = events[-1].response  # type: ignore[union-attr]
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    assert [c.id for c in streamed] == ids
 
 
 def test_reasoning_items_go_back_as_they_came(client: openai.OpenAI) -> None:
