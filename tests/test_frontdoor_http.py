@@ -676,6 +676,27 @@ def test_a_pinned_session_reports_its_cached_tokens(client: openai.OpenAI) -> No
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
+def test_a_responses_second_turn_reports_its_cached_tokens(client: openai.OpenAI) -> None:
+    """Codex sends its conversation id as prompt_cache_key and the whole input every turn."""
+    conversation = uuid.uuid4().hex  # first in the prompt: no other test's turn shares its prefix
+    request: dict[str, Any] = {
+        "model": MODEL, "prompt_cache_key": f"codex-{conversation}",
+        "instructions": f"# {conversation}\n" + "You write Python. " * 20, "max_output_tokens": 8,
+        "temperature": 0, "store": False,
+    }  # fmt: skip
+    history: list[Any] = [{"role": "user", "content": "def parse(line):"}]
+    first = client.responses.create(**request, input=history)
+    assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
+    history += [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "def render(tree):"},
+    ]
+    events = list(client.responses.create(**request, input=history, stream=True))
+    second = events[-1].response.usage  # type: ignore[union-attr]
+    assert second is not None
+    assert first.usage.input_tokens <= second.input_tokens_details.cached_tokens < second.input_tokens
+
+
 def test_a_second_turn_without_a_session_id_hits_the_cards_cache(client: openai.OpenAI) -> None:
     """The router's token-prefix index sends the resent conversation to the card holding it."""
     first, second = second_turn_messages(client, {})
