@@ -5,6 +5,7 @@ APIs through the router's own gRPC API. The pool opts in to sessions pinned by t
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import threading
@@ -24,6 +25,7 @@ from onestream.cluster.testing import wait_for
 from onestream.worker.constraints import OutputConstraint
 from onestream.worker.constraints.decoding import grammar_for
 from onestream.worker.loading import default_model_dir
+from pool_helpers import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -722,6 +724,7 @@ def occupy_every_card(client: openai.OpenAI) -> list[Any]:
 
 
 def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_client: PoolClient) -> None:
+    cancelled_before = cancelled_turns(grpc_client)
     streams = occupy_every_card(client)
     assert grpc_client.pool_status().cards_busy == CARDS
     streams[0].close()
@@ -741,6 +744,51 @@ def test_closing_a_stream_frees_its_card_at_once(client: openai.OpenAI, grpc_cli
     while grpc_client.pool_status().cards_busy and time.monotonic() < deadline:
         time.sleep(0.1)
     assert grpc_client.pool_status().cards_busy == 0
+    # Stopped, not run to their end (which takes these turns a few seconds): each card counted its turn
+    # cancelled.
+    wait_for(lambda: cancelled_turns(grpc_client) == cancelled_before + CARDS, 10, "the cards to count them")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "def f():"}], "logit_bias": NEVER_STOP},
+        ),
+        ("/messages", {"messages": [{"role": "user", "content": "x = 1\n" * 20}]}),
+        ("/responses", {"input": "x = 1\n" * 20, "temperature": 0}),
+    ],
+)
+def test_a_client_leaving_a_whole_answer_frees_its_card_at_once(
+    base_url: str, grpc_client: PoolClient, path: str, body: dict[str, Any]
+) -> None:
+    """A non-streaming request whose client goes away (an agent's Esc, a timeout) stops on its card, as a
+    closed stream does, though nothing is written to the client until the answer is whole: the card
+    counts the turn cancelled (not finished) and is free at once."""
+    wait_for(lambda: grpc_client.pool_status().cards_busy == 0, 30, "the pool to be idle")
+    cancelled_before = cancelled_turns(grpc_client)
+    limit = {"/messages": "max_tokens", "/responses": "max_output_tokens"}.get(path, "max_tokens")
+    request = {"model": MODEL, limit: MAX_CONTEXT - 64, **body}
+    host, port = base_url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1" + path, json.dumps(request), {"Content-Type": "application/json"})
+    wait_for(lambda: grpc_client.pool_status().cards_busy == 1, 30, "the turn on a card")
+    connection.close()
+    closed_at = time.monotonic()
+    wait_for(lambda: grpc_client.pool_status().cards_busy == 0, 10, "the card freed")
+    assert time.monotonic() - closed_at < 5.0
+    wait_for(
+        lambda: cancelled_turns(grpc_client) == cancelled_before + 1, 10, "the card to count it cancelled"
+    )
+
+
+def cancelled_turns(grpc_client: PoolClient) -> float:
+    """Turns the cards stopped because their caller went away (each card's /metrics)."""
+    return sum(
+        total(scrape(card.metrics_endpoint), "onestream_requests_total", finish_reason="cancelled")
+        for card in grpc_client.cards()
+    )
 
 
 def test_a_queued_stream_is_kept_alive_and_the_sdks_read_past_its_comments(
