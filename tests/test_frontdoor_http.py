@@ -6,6 +6,7 @@ APIs through the router's own gRPC API. The pool opts in to sessions pinned by t
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import re
 import threading
@@ -18,10 +19,13 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+import ray
 from onestream.cluster.client import PoolClient
+from onestream.cluster.config import PoolConfig
 from onestream.cluster.frontdoor.app import FrontDoor
 from onestream.cluster.server import PoolThread
 from onestream.cluster.testing import wait_for
+from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.constraints import OutputConstraint
 from onestream.worker.constraints.decoding import grammar_for
 from onestream.worker.loading import default_model_dir
@@ -789,6 +793,55 @@ def cancelled_turns(grpc_client: PoolClient) -> float:
         total(scrape(card.metrics_endpoint), "onestream_requests_total", finish_reason="cancelled")
         for card in grpc_client.cards()
     )
+
+
+def test_a_failure_after_a_stream_started_is_each_apis_error_event(
+    client: openai.OpenAI, claude: anthropic.Anthropic, pool: PoolThread, grpc_client: PoolClient
+) -> None:
+    """The client hears the API's error event (the SDKs raise it or hand it over), not a stream that just
+    stops: an OpenAI and an Anthropic stream whose cards die after tokens streamed (killed as
+    tests/test_pool.py kills one; Ray restarts them), and a Responses stream that waited past the queue
+    timeout behind them."""
+    wait_for(lambda: grpc_client.pool_status().cards_busy == 0, 30, "the pool to be idle")
+    chat = iter(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "def f():"}], max_tokens=MAX_CONTEXT - 64,
+            temperature=0, logit_bias=NEVER_STOP, stream=True,
+        )
+    )  # fmt: skip
+    assert next(chat).choices[0].delta.role == "assistant" and next(chat).choices[0].delta.content
+    with claude.messages.stream(
+        model=MODEL, max_tokens=MAX_CONTEXT - 256, messages=[{"role": "user", "content": "x = 1\n" * 20}]
+    ) as messages:  # this model repeats the lines until the limit
+        kinds = [event.type for event in itertools.islice(messages, 3)]
+        assert kinds == ["message_start", "content_block_start", "content_block_delta"]
+        router = pool.pool.router
+        pool.call(setattr, router.config, "queue_timeout_s", 1.0)
+        try:
+            events: list[Any] = list(
+                client.responses.create(model=MODEL, input="x", max_output_tokens=4, stream=True)
+            )
+        finally:
+            pool.call(setattr, router.config, "queue_timeout_s", PoolConfig.queue_timeout_s)
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert events[-1].type == "error" and "no card became free" in events[-1].message, events[-1]
+        assert events[-1].code == "504"
+        killed = [c.card_id for c in grpc_client.cards() if c.state == pb.CARD_STATE_BUSY]
+        assert len(killed) == CARDS
+        for card_id in killed:
+            ray.kill(pool.call(pool.pool.registry.actor, card_id), no_restart=False)
+        with pytest.raises(anthropic.APIStatusError, match="mid-stream") as failed:
+            kinds += [event.type for event in messages]
+    assert "message_stop" not in kinds and failed.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    with pytest.raises(openai.APIError, match="mid-stream") as raised:
+        list(chat)
+    assert raised.value.type == "service_unavailable"  # type: ignore[attr-defined]
+
+    def cards_back() -> bool:
+        cards = {card.card_id: card.state for card in grpc_client.cards()}
+        return all(cards.get(card_id) == pb.CARD_STATE_FREE for card_id in killed)
+
+    wait_for(cards_back, 120, f"cards {killed} restarted")
 
 
 def test_a_queued_stream_is_kept_alive_and_the_sdks_read_past_its_comments(
