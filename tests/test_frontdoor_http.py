@@ -823,9 +823,14 @@ def test_a_failure_after_a_stream_started_is_each_apis_error_event(
             )
         finally:
             pool.call(setattr, router.config, "queue_timeout_s", PoolConfig.queue_timeout_s)
+        # Both the `error` event (the SDK's) and `response.failed`, the end of the response (Codex reads
+        # only that one: without it, its message is lost).
         assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
-        assert events[-1].type == "error" and "no card became free" in events[-1].message, events[-1]
-        assert events[-1].code == "504"
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"], events[-2:]
+        error, failed = events[-2], events[-1].response
+        assert "no card became free" in error.message and error.code == "504"
+        assert failed.status == "failed" and failed.id == events[0].response.id
+        assert (failed.error.code, failed.error.message) == (error.code, error.message)
         killed = [c.card_id for c in grpc_client.cards() if c.state == pb.CARD_STATE_BUSY]
         assert len(killed) == CARDS
         for card_id in killed:

@@ -269,6 +269,10 @@ class _Response:
             "usage": None,
         }
 
+    def fail(self, code: str, message: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        self.body |= {"status": "failed", "error": {"code": code, "message": message}, "output": output}
+        return self.body
+
     def finish(self, generation: Generation, output: list[dict[str, Any]]) -> dict[str, Any]:
         used = generation.usage
         self.body["output"] = output
@@ -356,6 +360,10 @@ class _Stream:
         except ApiError as error:  # after the headers: the error goes in the stream
             code = error.code or str(error.status)
             await self.event("error", {"code": code, "message": error.message, "param": error.param})
+            # The response's own end: Codex reads the error from response.failed (an `error` event alone
+            # is a stream that stopped, to it).
+            output = [self.items.item(b, "incomplete") for b in blocks.blocks]
+            await self.event("response.failed", {"response": answer.fail(code, error.message, output)})
             return self.response
         final = answer.finish(generation, [self.items.item(b, "completed") for b in blocks.blocks])
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
