@@ -555,6 +555,47 @@ def test_a_tool_round_trip_through_the_anthropic_sdk(claude: anthropic.Anthropic
     assert answer.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_history_reasoning_and_tool_errors_reach_the_prompt_as_the_template_has_them(
+    client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """The embedded model's template drops earlier turns' reasoning (tests/test_frontdoor_requests.py
+    renders one that keeps it), and a tool result with is_error reads "Error: ..." to the model."""
+    thought = "I should look at the directory first."
+    tool: Any = {
+        "name": "shell",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+    use = {"type": "tool_use", "id": "toolu_1", "name": "shell", "input": {"command": "ls /nope"}}
+
+    def counted(assistant: list[Any], result: dict[str, Any]) -> int:
+        messages: Any = [
+            {"role": "user", "content": "List /nope."},
+            {"role": "assistant", "content": assistant},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", **result}]},
+        ]
+        return claude.messages.count_tokens(model=MODEL, messages=messages, tools=[tool]).input_tokens
+
+    plain = {"content": "No such file"}
+    bare = counted([use], plain)
+    thinking = {"type": "thinking", "thinking": thought, "signature": "sig"}
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}
+    assert counted([thinking, use], plain) == counted([redacted, use], plain) == bare
+    errored = counted([use], {**plain, "is_error": True})
+    assert errored == counted([use], {"content": "Error: No such file"}) > bare
+
+    def prompt_tokens(**reasoning: str) -> int:
+        messages: Any = [
+            {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "return a + b", **reasoning},
+            {"role": "user", "content": "def sub(a, b):"},
+        ]
+        completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        assert completion.usage is not None
+        return completion.usage.prompt_tokens
+
+    assert prompt_tokens(reasoning_content=thought) == prompt_tokens(reasoning=thought) == prompt_tokens()
+
+
 # ---- Responses -----------------------------------------------------------------------------------------
 def test_responses_whole_and_streamed(client: openai.OpenAI) -> None:
     request: dict[str, Any] = {
