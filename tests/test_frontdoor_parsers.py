@@ -44,6 +44,9 @@ TOOLS: dict[str, dict[str, Any]] = {
 }
 
 
+PARAMETER = "<parameter="
+
+
 def xml_call(name: str, **params: str) -> str:
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
@@ -243,6 +246,23 @@ def test_one_delta_closing_the_last_parameter_and_the_function() -> None:
     collected, events = parse([head, "st\n</parameter>\n</function>\n</tool_call>"], False)
     assert collected.tool_calls == [ToolCall("run", {"cmd": "make test"})]
     assert isinstance(events[-1], ToolCallEnd)
+
+
+def test_a_call_cut_anywhere_leaks_no_tag() -> None:
+    """max_tokens can end the output inside a call's tags: what arrived of the values is kept, a partial tag is
+    neither text nor part of a value."""
+    whole = xml_call("run", cmd="make test", dry="true") + "\n"
+    for end in range(whole.index(PARAMETER), len(whole) + 1):
+        collected, events = parse([whole[:end]], False)
+        assert collected.text == "", (whole[:end], collected.text)
+        [call] = collected.tool_calls
+        assert not any("<" in str(v) or str(v).endswith("\n") for v in call.arguments.values()), (
+            whole[:end],
+            call,
+        )
+        check_streamed_arguments(events, [call])
+    collected, _ = parse([whole[: whole.index("</parameter>", whole.index("dry"))]], False)
+    assert collected.tool_calls == [ToolCall("run", {"cmd": "make test", "dry": True})]
 
 
 def test_json_form_arguments_stream_before_the_call_closes() -> None:

@@ -241,8 +241,12 @@ class ToolCallParser:
                 self._end(out)
                 self._state = then
                 return True
-        if not final and any(m.startswith(body) for m in (PARAMETER_OPEN, FUNCTION_CLOSE, CLOSE)):
-            return False
+        if any(m.startswith(body) for m in (PARAMETER_OPEN, FUNCTION_CLOSE, CLOSE)) or (
+            final and body.startswith(PARAMETER_OPEN)
+        ):
+            if not final:
+                return False
+            body = ""  # the output ended inside a tag of the call (max_tokens): the tag is not text
         self._buffer = body  # a malformed body ends the call; what follows is text
         self._end(out)
         self._state = self._text
@@ -266,10 +270,13 @@ class ToolCallParser:
         if at >= 0:
             cut = at
         else:
-            cut = len(self._buffer) - (0 if final else partial_suffix(self._buffer, VALUE_ENDS))
-            if not final and self._buffer[:cut].endswith("\n"):
+            # At the end of the output too: a value cut off inside its closing tag (max_tokens) ends before it.
+            cut = len(self._buffer) - partial_suffix(self._buffer, VALUE_ENDS)
+            if (not final or cut < len(self._buffer)) and self._buffer[:cut].endswith("\n"):
                 cut -= 1  # the newline before a closing tag is not part of the value
         chunk, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        if final and at < 0:
+            self._buffer = ""
         if not self._value_started:
             if not chunk and not done:
                 return False
@@ -301,8 +308,10 @@ class ToolCallParser:
         rest = self._buffer.lstrip()
         if rest.startswith(CLOSE):
             self._buffer = rest[len(CLOSE) :]
-        elif not final and CLOSE.startswith(rest):
-            return False
+        elif CLOSE.startswith(rest):
+            if not final:
+                return False
+            self._buffer = ""  # the output ended inside the closing tag
         self._state = self._text
         return True
 
