@@ -1375,7 +1375,7 @@ BAD_INPUT = [
         "/messages",
         MESSAGES | {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
         400,
-        "messages[0].content[0].type",
+        "messages[0].content[0].source.type",
     ),
     ("/messages", MESSAGES | {"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
     ("/messages", MESSAGES | {"tools": [{"name": "t"}]}, 400, "tools[0].input_schema"),

@@ -313,6 +313,56 @@ def test_image_parts_stand_as_a_placeholder_and_other_parts_are_a_400() -> None:
         text_content([{"type": "input_file", "file_id": "f"}], "messages[0].content")
 
 
+def test_anthropic_documents_are_their_text_or_a_placeholder() -> None:
+    """Claude Code attaches files as document blocks: plain text and content sources are read under their
+    title; a PDF (base64), a URL or a file id stands as a placeholder, in user turns and tool results."""
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+    }
+    notes = {
+        "type": "document",
+        "title": "notes.txt",
+        "source": {"type": "text", "media_type": "text/plain", "data": "a = 1"},
+    }
+    parts = {
+        "type": "document",
+        "source": {"type": "content", "content": [{"type": "text", "text": "b = 2"}]},
+    }
+    use = {"type": "tool_use", "id": "t1", "name": "read", "input": {}}
+    body = {
+        "messages": [
+            {"role": "user", "content": [notes, parts, pdf]},
+            {"role": "assistant", "content": [use]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [pdf, notes]}],
+            },
+        ]
+    }
+    messages = anthropic_api.chat_messages(body)
+    placeholder = anthropic_api.DOCUMENT_PLACEHOLDER
+    assert messages[0]["content"] == f"notes.txt\na = 1\nb = 2\n{placeholder}"
+    assert messages[2] == {
+        "role": "tool",
+        "tool_call_id": "t1",
+        "content": f"{placeholder}\nnotes.txt\na = 1",
+    }
+    bad = {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "ftp"}}]}]}
+    with pytest.raises(ApiError, match=r"messages\[0\]\.content\[0\]\.source\.type: must be"):
+        anthropic_api.chat_messages(bad)
+    audio = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "audio"}]}],
+            }
+        ]
+    }
+    with pytest.raises(ApiError, match=r"content\[0\]: only text, images and documents"):
+        anthropic_api.chat_messages(audio)
+
+
 def test_tool_choice_none_declares_the_tools_and_takes_no_calls() -> None:
     tools = declared_tools([SHELL])
     none = tool_choice("none", tools)

@@ -29,24 +29,59 @@ def _text(block: dict[str, Any], path: str) -> str:
     return params.get(block, "text", str, path=f"{path}.", required=True)
 
 
-def _text_or_image(block: dict[str, Any], path: str) -> str:
-    return IMAGE_PLACEHOLDER if block["type"] == "image" else _text(block, path)
+READABLE_BLOCKS = ("text", "image", "document")
+# What stands for a PDF or a linked document: like an image, it stays in the conversation as a mark.
+DOCUMENT_PLACEHOLDER = "[document omitted: this model reads text only]"
+
+
+def _readable_text(block: dict[str, Any], path: str) -> str:
+    """A text, image or document block as the prompt's text (images and binary documents as placeholders)."""
+    if block["type"] == "image":
+        return IMAGE_PLACEHOLDER
+    if block["type"] == "document":
+        return _document_text(block, path)
+    return _text(block, path)
+
+
+def _document_text(block: dict[str, Any], path: str) -> str:
+    """A document's text (a plain-text source, or one of content blocks) under its title; a PDF or a URL,
+    which this model cannot read, as a placeholder."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise bad_field(f"{path}.source", "must be an object")
+    kind = source.get("type")
+    if kind == "text":
+        text = params.get(source, "data", str, path=f"{path}.source.", required=True)
+    elif kind == "content":
+        text = _readable_join(
+            _blocks(source.get("content"), f"{path}.source.content"), f"{path}.source.content"
+        )
+    elif kind in ("base64", "url", "file"):
+        return DOCUMENT_PLACEHOLDER
+    else:
+        raise bad_field(
+            f"{path}.source.type", f"must be 'text', 'content', 'base64', 'url' or 'file', got {kind!r}"
+        )
+    title = block.get("title")
+    return f"{title}\n{text}" if isinstance(title, str) and title else text
+
+
+def _readable_join(parts: list[dict[str, Any]], path: str) -> str:
+    for j, part in enumerate(parts):
+        if part["type"] not in READABLE_BLOCKS:
+            raise bad_field(
+                f"{path}[{j}]", f"only text, images and documents are supported, got {part['type']!r}"
+            )
+    return PART_SEPARATOR.join(_readable_text(part, f"{path}[{j}]") for j, part in enumerate(parts))
 
 
 def _tool_result_text(block: dict[str, Any], path: str) -> str:
     content = block.get("content", "")
-    if isinstance(content, str):
-        text = content
-    else:
-        parts = _blocks(content, f"{path}.content")
-        for j, part in enumerate(parts):
-            if part["type"] not in ("text", "image"):
-                raise bad_field(
-                    f"{path}.content[{j}]", f"only text and images are supported, got {part['type']!r}"
-                )
-        text = PART_SEPARATOR.join(
-            _text_or_image(part, f"{path}.content[{j}]") for j, part in enumerate(parts)
-        )
+    text = (
+        content
+        if isinstance(content, str)
+        else _readable_join(_blocks(content, f"{path}.content"), f"{path}.content")
+    )
     return f"Error: {text}" if block.get("is_error") else text
 
 
@@ -80,8 +115,8 @@ def _user_messages(blocks: list[dict[str, Any]], path: str) -> list[dict[str, An
     text: list[str] = []
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
-        if block["type"] in ("text", "image"):
-            text.append(_text_or_image(block, where))
+        if block["type"] in READABLE_BLOCKS:
+            text.append(_readable_text(block, where))
         elif block["type"] == "tool_result":
             call_id = params.get(block, "tool_use_id", str, path=f"{where}.", required=True)
             out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})
