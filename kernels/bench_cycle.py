@@ -148,8 +148,9 @@ def device_cycle_ms(
     runner: Any, model: Any, base: Any, *, k: int, accepted: int, context: int, cycles: int, repeats: int
 ) -> float:
     """Milliseconds of one cycle's launches queued back to back: the MTP drafts as the engine chains them
-    (`mtp_chain`: the first over accepted + 1 pairs, k - 1 more fed on the device), the T = k + 1 verify (recorded states, greedy acceptance) and the rollback of the rejected
-    k - accepted tokens; every cycle at the same positions (the host positions are put back after each)."""
+    (`mtp_chain`: the first over accepted + 1 pairs, k - 1 more fed on the device), the T = k + 1 verify
+    (recorded states, greedy acceptance) and the rollback of the rejected k - accepted tokens; every cycle at
+    the same positions (the host positions are put back after each)."""
     from .bench_spec import _random_ids, _rewind_position
 
     c = model.config
@@ -161,9 +162,8 @@ def device_cycle_ms(
     verify = _random_ids(k + 1, c.vocab_size, seed=11 * k + accepted)
 
     def cycle() -> None:
-        runner.mtp_chain(
-            backlog, hidden, state, k
-        )  # the engine's greedy drafts (MegakernelBackend.draft_greedy)
+        # The engine's greedy drafts (MegakernelBackend.draft_greedy).
+        runner.mtp_chain(backlog, hidden, state, k)
         state.mtp_length = mtp_at  # the drafts' positions are dropped; the backlog's rewound for the next
         runner.step(verify, state, keep_states=True, accept=True, check=False)
         if k > accepted:

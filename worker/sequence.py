@@ -241,7 +241,10 @@ class Sequence:
         on the device (the back end's `draft_greedy`: no host work between the steps). [k] on the device; the
         MTP positions of the drafts after the first are left for `drop_draft_positions(k - 1)`."""
         tokens, hidden = self._first_pairs(pending)
-        last = (len(tokens) - 1) // self._tokens_per_call() * self._tokens_per_call()
+        step = self._tokens_per_call()
+        last = (
+            (len(tokens) - 1) // step * step
+        )  # the pairs before the last call's, run as `_run_mtp` cuts them
         if last:
             self._run_mtp(tokens[:last], hidden[:last])
         drafts = self.backend.draft_greedy(self.ids(tokens[last:]), hidden[last:], self.state, k)
