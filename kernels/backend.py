@@ -116,7 +116,7 @@ class MegakernelBackend(ReferenceBackend):
         if head > 0:
             self.draft(ids[:head], hidden[:head], state)
             ids, hidden = ids[head:], hidden[head:]
-        return self.runner.mtp_chain(ids, hidden, state, k)
+        return self.runner.mtp_chain(ids, hidden, state, k, vocab=self.draft_vocab)
 
     def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now, and the widest

@@ -74,6 +74,7 @@ class CycleResult:
     context: int
     cycles: int  # cycles per engine run and per device chain
     repeats: int
+    draft_vocab: int | None = None  # the greedy drafts' token ids below it (None: the whole vocabulary)
     chained_ms: float | None = None  # one plain step, greedy_chain on the device
     engine_plain_ms: float | None = None  # one plain token through Engine.generate (median between tokens)
     engine_plain_mean_ms: float | None = None  # the same, decode time over tokens
@@ -145,7 +146,16 @@ def engine_ms_per_yield(
 
 
 def device_cycle_ms(
-    runner: Any, model: Any, base: Any, *, k: int, accepted: int, context: int, cycles: int, repeats: int
+    runner: Any,
+    model: Any,
+    base: Any,
+    *,
+    k: int,
+    accepted: int,
+    context: int,
+    cycles: int,
+    repeats: int,
+    vocab: int | None = None,
 ) -> float:
     """Milliseconds of one cycle's launches queued back to back: the MTP drafts as the engine chains them
     (`mtp_chain`: the first over accepted + 1 pairs, k - 1 more fed on the device), the T = k + 1 verify
@@ -163,7 +173,7 @@ def device_cycle_ms(
 
     def cycle() -> None:
         # The engine's greedy drafts (MegakernelBackend.draft_greedy).
-        runner.mtp_chain(backlog, hidden, state, k)
+        runner.mtp_chain(backlog, hidden, state, k, vocab=vocab)
         state.mtp_length = mtp_at  # the drafts' positions are dropped; the backlog's rewound for the next
         runner.step(verify, state, keep_states=True, accept=True, check=False)
         if k > accepted:
@@ -198,9 +208,11 @@ def bench_cycle(
     tuning: Any = None,
     profiles: dict[str, list[float]] | None = None,
     weights: str = "bf16",
+    draft_vocab: int | None = None,
 ) -> CycleResult:
     """The cycle part on one random model of `config` (given an MTP head if it has none) in `weights` (bf16 or
-    a quantization preset: random_quant.random_model_in)."""
+    a quantization preset: random_quant.random_model_in); greedy drafts among the first `draft_vocab` token ids
+    (None: the back end's default, 0: the whole vocabulary)."""
     from onestream.worker.engine import Engine
 
     from .random_quant import random_model_in
@@ -211,6 +223,9 @@ def bench_cycle(
     model = random_model_in(config, weights)
     try:
         backend = ForcedAcceptance(model, tuning=tuning)
+        if draft_vocab is not None:
+            backend.draft_vocab = draft_vocab or None
+        result.draft_vocab = backend.draft_vocab
         # The embedded checkpoint only lends its tokenizer (ids past its vocabulary decode to nothing).
         engine = Engine(None, backend=backend, drafting="mtp", spec_k=max(ks), max_context=context + 1024)
         engine.warm_up()
@@ -251,6 +266,7 @@ def bench_cycle(
                     context=context,
                     cycles=cycles,
                     repeats=repeats,
+                    vocab=backend.draft_vocab,
                 )
             except Exception as e:  # one (k, a) failing must not hide the others
                 row.error = f"{type(e).__name__}: {e}"[:300]
@@ -292,7 +308,9 @@ def format_row(r: CycleResult, row: CycleRow) -> str:
 
 def format_cycle(r: CycleResult) -> str:
     lines = [
-        f"(d) whole speculative cycles: {r.name}, context {r.context}, greedy MTP drafts, accepted drafts forced "
+        f"(d) whole speculative cycles: {r.name}, context {r.context}, greedy MTP drafts "
+        f"({'among the first ' + str(r.draft_vocab) + ' token ids' if r.draft_vocab else 'whole vocabulary'}), "
+        f"accepted drafts forced "
         f"(benchmark-only back end); engine: median of {r.cycles} cycles after {WARM_CYCLES}; device: the same "
         f"launches back to back, median of {r.repeats} chains of {r.cycles}; x = one chained plain step",
     ]

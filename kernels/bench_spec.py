@@ -83,11 +83,17 @@ class DraftResult:
     mtp_ms: float | None = None  # one MTP head step, T = 1
     main_weight_bytes: int = 0
     mtp_weight_bytes: int = 0  # fc, the MTP layer and the lm_head
+    draft_vocab: int | None = None  # the greedy drafts' token ids below it (None: the whole vocabulary)
+    greedy_ms: float | None = None  # one greedy draft as the engine chains it (mtp_chain, k = 1), draft_vocab
     error: str = ""
 
     @property
     def ratio(self) -> float | None:
         return self.mtp_ms / self.main_ms if self.mtp_ms is not None and self.main_ms else None
+
+    @property
+    def greedy_ratio(self) -> float | None:
+        return self.greedy_ms / self.main_ms if self.greedy_ms is not None and self.main_ms else None
 
     @property
     def weight_ratio(self) -> float | None:
@@ -218,9 +224,16 @@ def bench_verify(
     return rows
 
 
-def bench_draft(runner: Any, model: Any, *, context: int, launches: int, repeats: int) -> DraftResult:
-    """One MTP head step against one main-model step, both T = 1, on one state."""
+def bench_draft(
+    runner: Any, model: Any, *, context: int, launches: int, repeats: int, draft_vocab: int | None = None
+) -> DraftResult:
+    """One MTP head step against one main-model step, both T = 1, on one state; and one greedy draft among the
+    first `draft_vocab` token ids (None: the model's default, 0: all) as the engine chains them."""
+    from onestream.worker.draft_vocab import default_draft_vocab
+
     result = DraftResult(main_weight_bytes=weight_bytes(model), mtp_weight_bytes=mtp_weight_bytes(model))
+    vocab = default_draft_vocab(model.config.vocab_size) if draft_vocab is None else draft_vocab or None
+    result.draft_vocab = vocab
     if not runner.has_mtp:
         result.error = "the model has no MTP head"
         return result
@@ -238,11 +251,16 @@ def bench_draft(runner: Any, model: Any, *, context: int, launches: int, repeats
             runner.mtp_step(ids, hidden, state)
             state.mtp_length = mtp_at  # host bookkeeping only, like _rewind_position
 
-        for step in (main_step, mtp_step):
+        def greedy_step() -> None:
+            runner.mtp_chain(ids, hidden, state, 1, vocab=vocab)
+            state.mtp_length = mtp_at
+
+        for step in (main_step, mtp_step, greedy_step):
             step()
             runner.check()
         result.main_ms = _launch_ms(main_step, launches, repeats)
         result.mtp_ms = _launch_ms(mtp_step, launches, repeats)
+        result.greedy_ms = _launch_ms(greedy_step, launches, repeats)
         runner.check()
     except Exception as e:
         result.error = f"failed: {_failure(e)}"
@@ -283,6 +301,7 @@ def bench_27b(
     repeats: int,
     tuning: Any = None,
     weights: str = "bf16",
+    draft_vocab: int | None = None,
 ) -> tuple[VerifyResult, DraftResult]:
     """Parts (a) and (b) on one random model of `config` (given an MTP head if it has none) in `weights` (bf16
     or a quantization preset: random_quant.random_model_in), with the kernel builds of `tuning` (default: the
@@ -302,7 +321,9 @@ def bench_27b(
     verify.rows = bench_verify(
         runner, model, tokens=tokens, context=context, launches=launches, repeats=repeats
     )
-    draft = bench_draft(runner, model, context=context, launches=launches, repeats=repeats)
+    draft = bench_draft(
+        runner, model, context=context, launches=launches, repeats=repeats, draft_vocab=draft_vocab
+    )
     del runner, model
     gc.collect()  # the 27B weights go before part (c) loads its engines
     torch.cuda.empty_cache()
@@ -484,7 +505,11 @@ def format_draft(d: DraftResult) -> str:
         if d.weight_ratio is not None
         else ""
     )
-    return f"{head}\n    MTP {_ms(d.mtp_ms)} ms, main {_ms(d.main_ms)} ms: ratio {d.ratio:.3f}{weights}"
+    line = f"{head}\n    MTP {_ms(d.mtp_ms)} ms, main {_ms(d.main_ms)} ms: ratio {d.ratio:.3f}{weights}"
+    if d.greedy_ratio is not None:
+        among = f"the first {d.draft_vocab} token ids" if d.draft_vocab else "the whole vocabulary"
+        line += f"\n    a greedy draft among {among} (the engine's chain): {_ms(d.greedy_ms)} ms, ratio {d.greedy_ratio:.3f}"
+    return line
 
 
 def format_backend(b: BackendRuns, megakernel: BackendRuns | None) -> str:
@@ -574,7 +599,11 @@ def as_json(result: SpecBenchResult) -> dict[str, Any]:
         out["verify"] = None
     if result.draft is not None:
         d = result.draft
-        out["draft"] = dataclasses.asdict(d) | {"ratio": d.ratio, "weight_ratio": d.weight_ratio}
+        out["draft"] = dataclasses.asdict(d) | {
+            "ratio": d.ratio,
+            "weight_ratio": d.weight_ratio,
+            "greedy_ratio": d.greedy_ratio,
+        }
     else:
         out["draft"] = None
     if result.embedded is not None:

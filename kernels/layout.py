@@ -110,6 +110,7 @@ class KernelErrorCode(IntEnum):
     BARRIER_BROKEN = 6
     BAD_MODE = 7
     ATTENTION_CHUNKS = 8
+    HEAD_ROWS = 9
 
 
 ERROR_TEXT = {
@@ -121,6 +122,7 @@ ERROR_TEXT = {
     KernelErrorCode.BARRIER_BROKEN: "a block left a grid barrier before every block arrived",
     KernelErrorCode.BAD_MODE: "an unknown step mode, or an MTP step on a model without an MTP head",
     KernelErrorCode.ATTENTION_CHUNKS: "the context has more attention chunks than this build's merge holds",
+    KernelErrorCode.HEAD_ROWS: "the lm_head rows to score are not a positive multiple of 8 within the vocabulary",
 }
 
 
@@ -131,7 +133,7 @@ TIMING_FIELDS = 4
 
 def ctrl_slots() -> dict[str, int]:
     """The int32 control block, one layout for every tokens-per-launch build (their runners share one block):
-    position, error, error info, flags, mode, accepted drafts, input tokens, greedy tokens."""
+    position, error, error info, flags, mode, accepted drafts, lm_head rows, input tokens, greedy tokens."""
     n = MAX_TOKENS_PER_LAUNCH
     return {  # the host uploads [CTRL_POS, CTRL_TOKEN_OUT) per launch; the error slots stay set until a reset
         "CTRL_ERR": 0,
@@ -140,9 +142,10 @@ def ctrl_slots() -> dict[str, int]:
         "CTRL_FLAGS": 3,
         "CTRL_MODE": 4,
         "CTRL_ACCEPTED": 5,
-        "CTRL_TOKEN_IN": 6,
-        "CTRL_TOKEN_OUT": 6 + n,
-        "CTRL_INTS": 6 + 2 * n,
+        "CTRL_HEAD_ROWS": 6,  # the lm_head rows (token ids 0..) the step scores; 0: the whole vocabulary
+        "CTRL_TOKEN_IN": 7,
+        "CTRL_TOKEN_OUT": 7 + n,
+        "CTRL_INTS": 7 + 2 * n,
     }
 
 

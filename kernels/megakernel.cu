@@ -63,6 +63,9 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         bs.si.flags = ld_volatile_int(tb.ctrl + CTRL_FLAGS);
         bs.si.mode = ld_volatile_int(tb.ctrl + CTRL_MODE);
         if (bs.si.mode != 0 && (bs.si.mode != MODE_MTP || tb.gi(G_MTP_FC) == 0)) err = MK_ERR_BAD_MODE;
+        const int head_rows = ld_volatile_int(tb.ctrl + CTRL_HEAD_ROWS);
+        bs.si.head_rows = head_rows == 0 ? MK_V : head_rows;
+        if (head_rows < 0 || head_rows > MK_V || head_rows % 8 != 0) err = MK_ERR_HEAD_ROWS;
         for (int t = 0; t < MK_NT; ++t) {
             bs.si.tok[t] = ld_volatile_int(tb.ctrl + CTRL_TOKEN_IN + t);
             if (bs.si.tok[t] < 0 || bs.si.tok[t] >= MK_V) err = MK_ERR_BAD_TOKEN;
@@ -126,7 +129,7 @@ __device__ void plan_gemv(const Tables& tb, const StepInfo& si, int phase, int l
             e.src_kind = MK_FP32_ACT ? SRC_F32 : SRC_BF16;
             break;
         case PH_LM_HEAD:
-            bs.desc = desc_plain(tb.gp<const bf16_t>(G_LM_HEAD), MK_H, MK_V);
+            bs.desc = desc_plain(tb.gp<const bf16_t>(G_LM_HEAD), MK_H, si.head_rows);
             e.kind = EPI_LM_HEAD;
             e.logits = tb.gp<float>(G_LOGITS);
             e.argkey = tb.gp<u64>(G_ARGKEY);

@@ -63,6 +63,7 @@ struct StepInfo {
     int tok[MK_NT];     // input token ids
     int mode;           // 0: the main model; MODE_MTP: the MTP head (layer row num_layers)
     int flags;          // CTRL_FLAG_*
+    int head_rows;      // lm_head rows scored (token ids 0 .. head_rows - 1): the vocabulary, or a draft's prefix of it
 };
 
 #if MK_FP32_ACT

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from onestream.worker.draft_vocab import check_draft_vocab
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
 from onestream.worker.quant.weight import QuantizedEmbedding
 from onestream.worker.state import DeltaNetHistory
@@ -428,11 +429,16 @@ class MegakernelRunner:
         )
 
     def _set_ctrl(
-        self, pos: int, tokens: list[int] | torch.Tensor | None, flags: int = 0, mode: int = MODE_MAIN
+        self,
+        pos: int,
+        tokens: list[int] | torch.Tensor | None,
+        flags: int = 0,
+        mode: int = MODE_MAIN,
+        head_rows: int = 0,
     ) -> None:
-        """Upload position, flags, mode and the input tokens (a host list, or ids on the GPU: copied on the
-        device). The error slots are left alone: an error stays set until `reset`, so a launch that is not
-        read back cannot hide one."""
+        """Upload position, flags, mode, the lm_head rows to score (0: all) and the input tokens (a host list, or
+        ids on the GPU: copied on the device). The error slots are left alone: an error stays set until `reset`,
+        so a launch that is not read back cannot hide one."""
         s = self.ctrl_slots
         lo, n_in = s["CTRL_POS"], s["CTRL_TOKEN_IN"]
         i = self._upload_next
@@ -442,6 +448,7 @@ class MegakernelRunner:
         h, hn = self._uploads[i], self._uploads_np[i]
         hn[:] = 0
         hn[s["CTRL_POS"]], hn[s["CTRL_FLAGS"]], hn[s["CTRL_MODE"]] = pos, flags, mode
+        hn[s["CTRL_HEAD_ROWS"]] = head_rows
         device_ids = isinstance(tokens, torch.Tensor)
         hi = n_in if device_ids or tokens is None else n_in + len(tokens)
         if tokens is not None and not device_ids:
@@ -582,16 +589,25 @@ class MegakernelRunner:
         return StepResult(self.buf["logits"][:n], self.buf["hidden_out"][:n], [])
 
     def mtp_chain(
-        self, input_ids: torch.Tensor | list[int], hidden: torch.Tensor, state: Any, k: int
+        self,
+        input_ids: torch.Tensor | list[int],
+        hidden: torch.Tensor,
+        state: Any,
+        k: int,
+        *,
+        vocab: int | None = None,
     ) -> torch.Tensor:
         """`k` greedy MTP drafts with no host round trip: one launch over the T pairs (`mtp_step`'s), then
         k - 1 single-pair launches, each fed the previous launch's argmax (the kernel's feedback) and the last
-        row of its hidden output. Returns the k drafts ([k] int64 on the device; nothing is read back). The
-        state's MTP length counts all T + k - 1 positions; the caller drops the k - 1 drafts' own."""
+        row of its hidden output. `vocab`: the drafts are the argmax over token ids below it (the lm_head's first
+        rows alone are read; a multiple of 8), None the whole vocabulary. Returns the k drafts ([k] int64 on the
+        device; nothing is read back). The state's MTP length counts all T + k - 1 positions; the caller drops
+        the k - 1 drafts' own."""
         if not self.has_mtp:
             raise MegakernelError("this model has no MTP head")
         if k < 1:
             raise MegakernelError(f"an MTP chain drafts at least one token, got {k}")
+        rows = check_draft_vocab(vocab, self.config.vocab_size)
         ids = _launch_ids(input_ids, "pairs")
         n = ids.numel()
         if tuple(hidden.shape) != (n, self.config.hidden_size):
@@ -603,7 +619,7 @@ class MegakernelRunner:
         self._token_hist(state.max_len)  # indexed by MTP position, below max_len like the main ones
         self.bind(state, end, tokens=n, mtp=True)
         self._check_chunks(1, end)  # the continuation's build too
-        self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), CTRL_FLAG_FEEDBACK, MODE_MTP)
+        self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), CTRL_FLAG_FEEDBACK, MODE_MTP, rows)
         mtp_in, out = self.buf["mtp_hidden_in"], self.buf["hidden_out"]
         mtp_in[:n].copy_(hidden, non_blocking=True)
         self._launch("mk_decode", n)
@@ -612,7 +628,7 @@ class MegakernelRunner:
             args = self._table_args(build)
             for j in range(1, k):
                 # The input token is the one the previous launch fed back; its hidden goes on the device.
-                self._set_ctrl(pos + n + j - 1, None, CTRL_FLAG_FEEDBACK, MODE_MTP)
+                self._set_ctrl(pos + n + j - 1, None, CTRL_FLAG_FEEDBACK, MODE_MTP, rows)
                 last = n - 1 if j == 1 else 0
                 mtp_in[:1].copy_(out[last : last + 1])
                 self._launch_raw(build, "mk_decode", args)

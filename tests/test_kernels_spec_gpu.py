@@ -194,15 +194,19 @@ def test_mtp_steps_match_the_reference_mtp_head(setup):
 
 @torch.no_grad()
 @pytest.mark.parametrize("pairs", [1, 3, 9])
-def test_an_mtp_chain_equals_its_steps_fed_by_the_host(setup, pairs):
+@pytest.mark.parametrize("prefix", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_an_mtp_chain_equals_its_steps_fed_by_the_host(setup, pairs, prefix):
     """The draft chain feeds each draft and hidden row back on the device: its drafts, MTP length and MTP cache
     are bit for bit those of single MTP launches fed the host's argmax and the previous launch's last hidden
-    row. 9 pairs: more than a launch takes, the back end runs the first through `draft`."""
+    row. 9 pairs: more than a launch takes, the back end runs the first through `draft`. With a draft vocabulary
+    the chain reads only the lm_head's first rows, and each draft is the host's argmax among those ids."""
     from onestream.kernels.backend import MegakernelBackend
 
     _, model, runner = setup
     c = model.config
     backend = MegakernelBackend(model)
+    backend.draft_vocab = c.vocab_size // 3 // 8 * 8 if prefix else None
+    vocab = backend.draft_vocab or c.vocab_size
     runner = backend.runner
     base = prefilled(model, seed=23)
     k = 4
@@ -213,14 +217,15 @@ def test_an_mtp_chain_equals_its_steps_fed_by_the_host(setup, pairs):
     if head:
         runner.mtp_step(ids[:head], hidden[:head], stepped)
     out = runner.mtp_step(ids[head:], hidden[head:], stepped)
-    expected = [out.logits[-1:].argmax(dim=-1)]
+    expected = [out.logits[-1:, :vocab].argmax(dim=-1)]
     for _ in range(k - 1):
         out = runner.mtp_step(expected[-1], out.hidden[-1:].clone(), stepped)
-        expected.append(out.logits[-1:].argmax(dim=-1))
+        expected.append(out.logits[-1:, :vocab].argmax(dim=-1))
     chained = base.clone()
     drafts = backend.draft_greedy(ids, hidden, chained, k)
     runner.check()
     assert torch.equal(drafts, torch.cat(expected))
+    assert int(drafts.max()) < vocab
     n = stepped.mtp_length
     assert chained.mtp_length == n == pairs + k - 1
     assert torch.equal(chained.mtp_kv.k[:, :n], stepped.mtp_kv.k[:, :n])
@@ -419,3 +424,27 @@ def test_sampled_speculative_output_keeps_plain_samplings_distribution(tmp_path:
     assert dof >= 3
     bound = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # Wilson-Hilferty, 0.999
     assert chi2 < bound
+
+
+@torch.no_grad()
+def test_a_draft_vocabulary_the_kernel_cannot_take_is_refused(setup):
+    """lm_head rows that are no multiple of 8, or more than the vocabulary: the host refuses them naming the
+    value, and the kernel's own check (a control block written past the host's) raises its error."""
+    from onestream.kernels.layout import CTRL_FLAG_FEEDBACK, MODE_MTP
+    from onestream.worker.errors import InvalidRequestError
+
+    _, model, runner = setup
+    c = model.config
+    state = prefilled(model, seed=29)
+    ids = torch.tensor([1], device="cuda")
+    hidden = torch.zeros(1, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    for bad in (12, c.vocab_size + 8, -8):
+        with pytest.raises(InvalidRequestError, match=str(bad)):
+            runner.mtp_chain(ids, hidden, state.clone(), 2, vocab=bad)
+    runner.bind(state, state.mtp_length + 1, tokens=1, mtp=True)
+    runner._set_ctrl(state.mtp_length, [1], CTRL_FLAG_FEEDBACK, MODE_MTP, head_rows=12)
+    runner.buf["mtp_hidden_in"][:1].copy_(hidden)
+    runner._launch("mk_decode", 1)
+    with pytest.raises(MegakernelError, match="lm_head rows"):
+        runner.check()
+    runner.reset()

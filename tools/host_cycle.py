@@ -39,6 +39,7 @@ class NullBackend:
     name = "null"
     prefill_tokens = 512
     max_tokens_per_launch = 8
+    draft_vocab = None
 
     def __init__(self, config: Any, accepted: int = 0) -> None:
         self.config = config

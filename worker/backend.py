@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .config import ModelConfig
+from .draft_vocab import default_draft_vocab, greedy_draft
 from .errors import BackendUnavailableError, StateError
 from .model import StepOutput
 
@@ -82,6 +83,9 @@ class Backend(Protocol):
     device: torch.device
     dtype: torch.dtype
     prefill_tokens: int  # the most prompt tokens one `prefill` call should be given
+    draft_vocab: (
+        int | None
+    )  # greedy drafts are the argmax among token ids below it (draft_vocab.py); None: all
 
     @property
     def has_mtp(self) -> bool: ...
@@ -114,8 +118,9 @@ class Backend(Protocol):
 
     def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
         """`draft` of the pairs, then k - 1 further MTP steps, each fed the argmax of the step before and that
-        step's last hidden row: the k greedy drafts ([k] LongTensor on the device, not read back). All T + k - 1
-        MTP positions are written; `rollback_draft(k - 1)` drops the drafts' own."""
+        step's last hidden row: the k greedy drafts ([k] LongTensor on the device, not read back), each the argmax
+        among token ids below `draft_vocab`. All T + k - 1 MTP positions are written; `rollback_draft(k - 1)`
+        drops the drafts' own."""
         ...
 
     def rollback(self, state: Any, n_tokens: int) -> None: ...
@@ -185,6 +190,7 @@ class ReferenceBackend:
         self.dtype: torch.dtype = model.dtype
         self.fast_prefill: Any = None
         self.prefill_tokens = REFERENCE_PREFILL_TOKENS
+        self.draft_vocab = default_draft_vocab(self.config.vocab_size)
         self._ahead: tuple[Any, torch.Tensor] | None = None  # (state, its next input) of a decode_ahead run
         if prefill == "fast" or (prefill == "auto" and self.device.type == "cuda"):
             from .prefill import FastPrefill, piece_tokens_from_env
@@ -245,10 +251,10 @@ class ReferenceBackend:
     @torch.inference_mode()
     def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
         out = self.draft(input_ids, hidden, state)
-        drafts = [out.logits[-1:].argmax(dim=-1)]
+        drafts = [greedy_draft(out.logits[-1:], self.draft_vocab)]
         for _ in range(k - 1):
             out = self.draft(drafts[-1], out.hidden[-1:], state)
-            drafts.append(out.logits[-1:].argmax(dim=-1))
+            drafts.append(greedy_draft(out.logits[-1:], self.draft_vocab))
         return torch.cat(drafts)
 
     def rollback(self, state: Any, n_tokens: int) -> None:

@@ -447,6 +447,13 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
         "--cycles", type=_positive, default=10, help="cycles timed per (k, accepted) in part (d)"
     )
     spec.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="greedy drafts among the first N token ids in parts (b) and (d) (default: the model's, "
+        "worker/draft_vocab.py; 0: the whole vocabulary)",
+    )
+    spec.add_argument(
         "--profile",
         type=_profile,
         action="append",
@@ -513,6 +520,7 @@ def run_spec(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             tuning=tuning,
             profiles=profiles,
+            draft_vocab=args.draft_vocab,
         )
         save()
         print("\n" + bc.format_cycle(result.cycle), flush=True)
@@ -544,6 +552,7 @@ def run_spec(args: argparse.Namespace) -> int:
             context=args.context,
             launches=args.launches,
             repeats=args.repeats,
+            draft_vocab=args.draft_vocab,
         )
         save()
         print("\n" + bs.format_verify(result.verify, result.ceilings), flush=True)

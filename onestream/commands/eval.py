@@ -85,6 +85,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     spec.add_argument("--lookup-k", type=int, default=None, help="most drafts a lookup cycle copies")
     spec.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="greedy MTP drafts among the first N token ids only (default: the model's, worker/draft_vocab.py; "
+        "0: the whole vocabulary)",
+    )
+    spec.add_argument(
         "--ngram",
         type=int,
         nargs=2,
@@ -194,6 +201,7 @@ def run_kld(args: argparse.Namespace) -> int:
 
 
 def run_spec(args: argparse.Namespace) -> int:
+    from onestream.worker.draft_vocab import check_draft_vocab
     from onestream.worker.engine import Engine
     from onestream.worker.evaluation import SpeculativeMismatchError, cut_prompts, time_runs
 
@@ -211,6 +219,10 @@ def run_spec(args: argparse.Namespace) -> int:
     ks = args.k or ([engine.spec_k] if args.workload else list(DEFAULT_K_VALUES))
     if args.lookup_k is not None:
         engine.lookup_k = args.lookup_k
+    if args.draft_vocab is not None:
+        vocab = args.draft_vocab or None
+        check_draft_vocab(vocab, engine.backend.config.vocab_size)
+        engine.backend.draft_vocab = vocab
     if args.ngram is not None:
         engine.ngram = tuple(args.ngram)
     engine.adaptive_drafts = not args.fixed_length
@@ -251,6 +263,7 @@ def run_spec(args: argparse.Namespace) -> int:
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
             "lookup_k": engine.lookup_k,
+            "draft_vocab": engine.backend.draft_vocab,
             "ngram": list(engine.ngram),
             "adaptive": engine.adaptive_drafts,
             "extend_mtp": engine.extend_mtp,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import StepOutput
+from ..draft_vocab import greedy_draft
 from ..sampling import RequestSampler, sample
 from ..sequence import Sequence
 from .base import MTP, Draft
@@ -25,7 +26,7 @@ def continue_mtp_draft(seq: Sequence, first: StepOutput, sampler: RequestSampler
     """k MTP drafts, the first from `first` (the output of `Sequence.draft_first`). The drafts stay on the
     device; the MTP positions written by steps after the first are dropped (their hiddens were drafts')."""
     if sampler.plain_argmax:
-        token = first.logits[-1:].argmax(dim=-1)
+        token = greedy_draft(first.logits[-1:], seq.backend.draft_vocab)
         if k > 1:
             token = torch.cat([token, seq.draft_next_greedy(token, first.hidden[-1:], k - 1)])
         seq.drop_draft_positions(k - 1)

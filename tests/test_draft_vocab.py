@@ -1,0 +1,103 @@
+"""Greedy drafts among the first token ids (worker/draft_vocab.py): the setting's bounds, the drafts it gives,
+and greedy output unchanged by it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from onestream.worker.api import SamplingParams
+from onestream.worker.backend import ReferenceBackend
+from onestream.worker.draft_vocab import check_draft_vocab, default_draft_vocab, greedy_draft
+from onestream.worker.engine import Engine, Finished, GenerateRequest
+from onestream.worker.errors import InvalidRequestError
+from onestream.worker.loading import load_model
+from onestream.worker.sequence import Sequence
+from onestream.worker.testing_spec import write_draftable_checkpoint
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def draftable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_draftable_checkpoint(tmp_path_factory.mktemp("draftable"), seed=5)
+
+
+def test_large_vocabularies_draft_among_their_first_ids() -> None:
+    assert default_draft_vocab(8192) is None
+    assert default_draft_vocab(65536) is None
+    assert default_draft_vocab(248320) == 32768
+    assert check_draft_vocab(None, 248320) == 0
+    assert check_draft_vocab(248320, 248320) == 0
+    assert check_draft_vocab(32768, 248320) == 32768
+
+
+@pytest.mark.parametrize("bad", [0, -8, 12, 248328])
+def test_a_draft_vocabulary_the_kernel_cannot_take_names_itself(bad: int) -> None:
+    with pytest.raises(InvalidRequestError, match=f"multiple of 8.*got {bad}"):
+        check_draft_vocab(bad, 248320)
+
+
+def test_greedy_draft_takes_the_argmax_among_the_first_ids() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.5, 9.0], [3.0, 1.0, 2.0, 0.0]])
+    assert greedy_draft(logits, None).tolist() == [3, 0]
+    assert greedy_draft(logits, 3).tolist() == [1, 0]
+
+
+def test_the_chained_drafts_keep_to_the_draft_vocabulary(draftable_dir: Path) -> None:
+    """The back end's chain of greedy drafts with a draft vocabulary: each draft is the argmax among the first
+    ids of the step-by-step logits, and the MTP cache is the same as without one (only the choice differs)."""
+    model = load_model(draftable_dir, dtype=torch.float32)
+    backend = ReferenceBackend(model)
+    vocab = model.config.vocab_size // 4 // 8 * 8
+    backend.draft_vocab = vocab
+    prompt = [(17 * i + 3) % model.config.vocab_size for i in range(13)]
+    chained, stepped = (Sequence(backend, 128, track_mtp=True) for _ in range(2))
+    for seq in (chained, stepped):
+        seq.feed(prompt)
+    k, pending = 4, 7
+    drafts = chained.draft_greedy(pending, k)
+    out = stepped.draft_first(pending)
+    expected = [out.logits[-1:, :vocab].argmax(dim=-1)]
+    for _ in range(k - 1):
+        out = stepped.draft_next(expected[-1], out.hidden[-1:])
+        expected.append(out.logits[-1:, :vocab].argmax(dim=-1))
+    assert torch.equal(drafts, torch.cat(expected))
+    assert int(drafts.max()) < vocab
+
+
+def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Finished]:
+    ids: list[int] = []
+    finished = None
+    for item in engine.generate(request):
+        if isinstance(item, Finished):
+            finished = item
+        else:
+            ids.extend(item.token_ids)
+    assert finished is not None
+    return ids, finished
+
+
+@pytest.mark.parametrize("drafting", ["mtp", "combined"])
+def test_greedy_output_does_not_depend_on_the_draft_vocabulary(draftable_dir: Path, drafting: str) -> None:
+    """Drafts among the first ids are rejected where the model's choice lies beyond them; the verify still
+    decides every token, so greedy output equals plain greedy whatever the draft vocabulary."""
+    engine = Engine(draftable_dir, backend="reference", device="cpu", dtype="fp32", drafting=drafting)
+    vocab = engine.config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (20,), generator=generator).tolist() for _ in range(4)]
+    accepted: dict[int | None, int] = {}
+    for draft_vocab in (None, vocab // 2 // 8 * 8, 8):
+        engine.backend.draft_vocab = draft_vocab
+        accepted[draft_vocab] = 0
+        for prompt in prompts:
+            request = GenerateRequest(prompt, SamplingParams(temperature=0.0), max_tokens=24, ignore_eos=True)
+            engine.spec_k = 0
+            plain, _ = generate_ids(engine, request)
+            engine.spec_k = 3
+            spec, finished = generate_ids(engine, request)
+            assert spec == plain, f"draft vocabulary {draft_vocab}, prompt {prompt}"
+            accepted[draft_vocab] += finished.usage.accepted_draft_tokens
+    # Eight ids leave the MTP head few right guesses: the setting reaches the drafts.
+    assert accepted[8] < accepted[None]
