@@ -212,9 +212,10 @@ def bench_cycle(
 ) -> CycleResult:
     """The cycle part on one random model of `config` (given an MTP head if it has none) in `weights` (bf16 or
     a quantization preset: random_quant.random_model_in); greedy drafts among the first `draft_vocab` token ids
-    (None: the back end's default, 0: the whole vocabulary)."""
+    (None: bench_spec.bench_draft_vocab's, 0: the whole vocabulary)."""
     from onestream.worker.engine import Engine
 
+    from .bench_spec import bench_draft_vocab
     from .random_quant import random_model_in
 
     if not config.has_mtp:
@@ -223,11 +224,13 @@ def bench_cycle(
     model = random_model_in(config, weights)
     try:
         backend = ForcedAcceptance(model, tuning=tuning)
-        if draft_vocab is not None:
-            backend.draft_vocab = draft_vocab or None
+        backend.draft_vocab = (
+            bench_draft_vocab(config.vocab_size) if draft_vocab is None else draft_vocab or None
+        )
         result.draft_vocab = backend.draft_vocab
         # The embedded checkpoint only lends its tokenizer (ids past its vocabulary decode to nothing).
         engine = Engine(None, backend=backend, drafting="mtp", spec_k=max(ks), max_context=context + 1024)
+        engine.draft_vocabulary = None  # random weights' output says nothing: the stated prefix throughout
         engine.warm_up()
     except Exception as e:
         result.error = f"the engine cannot be built: {type(e).__name__}: {e}"[:400]

@@ -224,15 +224,19 @@ def bench_verify(
     return rows
 
 
+def bench_draft_vocab(vocab_size: int) -> int | None:
+    """The draft vocabulary the benchmarks time a large vocabulary's drafts with: its first 32,768 ids (an
+    engine learns its own from what it generates, worker/draft_vocab.py; random weights' output says nothing)."""
+    return 32768 if vocab_size > 65536 else None
+
+
 def bench_draft(
     runner: Any, model: Any, *, context: int, launches: int, repeats: int, draft_vocab: int | None = None
 ) -> DraftResult:
     """One MTP head step against one main-model step, both T = 1, on one state; and one greedy draft among the
-    first `draft_vocab` token ids (None: the model's default, 0: all) as the engine chains them."""
-    from onestream.worker.draft_vocab import default_draft_vocab
-
+    first `draft_vocab` token ids (None: bench_draft_vocab's, 0: all) as the engine chains them."""
     result = DraftResult(main_weight_bytes=weight_bytes(model), mtp_weight_bytes=mtp_weight_bytes(model))
-    vocab = default_draft_vocab(model.config.vocab_size) if draft_vocab is None else draft_vocab or None
+    vocab = bench_draft_vocab(model.config.vocab_size) if draft_vocab is None else draft_vocab or None
     result.draft_vocab = vocab
     if not runner.has_mtp:
         result.error = "the model has no MTP head"

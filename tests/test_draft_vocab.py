@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from onestream.worker import draft_vocab as dv
 from onestream.worker.api import SamplingParams
 from onestream.worker.backend import ReferenceBackend
-from onestream.worker.draft_vocab import check_draft_vocab, default_draft_vocab, greedy_draft
+from onestream.worker.draft_vocab import DraftVocabulary, check_draft_vocab, greedy_draft
 from onestream.worker.engine import Engine, Finished, GenerateRequest
 from onestream.worker.errors import InvalidRequestError
 from onestream.worker.loading import load_model
@@ -24,10 +25,21 @@ def draftable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_draftable_checkpoint(tmp_path_factory.mktemp("draftable"), seed=5)
 
 
-def test_large_vocabularies_draft_among_their_first_ids() -> None:
-    assert default_draft_vocab(8192) is None
-    assert default_draft_vocab(65536) is None
-    assert default_draft_vocab(248320) == 32768
+def test_the_draft_vocabulary_is_the_prefix_that_holds_the_generated_tokens() -> None:
+    """Nothing is chosen before the warm-up; then the shortest whole number of grains of ids holding the coverage
+    of what was generated, and the whole vocabulary where that prefix would save too little."""
+    learnt = DraftVocabulary(248320)
+    generator = torch.Generator().manual_seed(1)
+    common = torch.randint(0, 5000, (dv.WARMUP - 1,), generator=generator).tolist()
+    assert learnt.observe(common) is None  # still warming up
+    assert learnt.observe([7] * dv.EVERY) == 5 * dv.GRAIN  # 5000 < 5120
+    # A few rare tokens (under 1 - coverage of all) do not move it; many do.
+    assert learnt.observe([200000] * 5 + [1] * (dv.EVERY - 5)) == 5 * dv.GRAIN
+    assert learnt.observe([200000] * (4 * dv.EVERY)) is None  # past GAIN of the vocabulary: all of it
+    assert check_draft_vocab(learnt.rows, 248320) == 0
+
+
+def test_a_fixed_draft_vocabulary_is_checked() -> None:
     assert check_draft_vocab(None, 248320) == 0
     assert check_draft_vocab(248320, 248320) == 0
     assert check_draft_vocab(32768, 248320) == 32768
@@ -84,6 +96,7 @@ def test_greedy_output_does_not_depend_on_the_draft_vocabulary(draftable_dir: Pa
     """Drafts among the first ids are rejected where the model's choice lies beyond them; the verify still
     decides every token, so greedy output equals plain greedy whatever the draft vocabulary."""
     engine = Engine(draftable_dir, backend="reference", device="cpu", dtype="fp32", drafting=drafting)
+    engine.draft_vocabulary = None  # fixed below
     vocab = engine.config.vocab_size
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, vocab, (20,), generator=generator).tolist() for _ in range(4)]
@@ -101,3 +114,29 @@ def test_greedy_output_does_not_depend_on_the_draft_vocabulary(draftable_dir: Pa
             accepted[draft_vocab] += finished.usage.accepted_draft_tokens
     # Eight ids leave the MTP head few right guesses: the setting reaches the drafts.
     assert accepted[8] < accepted[None]
+
+
+def test_the_engine_learns_its_draft_vocabulary_from_its_output(
+    draftable_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine counts what its speculative cycles generate and sets the back end's draft vocabulary from it;
+    greedy output stays plain greedy's throughout."""
+    monkeypatch.setattr(dv, "WARMUP", 32)
+    monkeypatch.setattr(dv, "EVERY", 16)
+    monkeypatch.setattr(dv, "GRAIN", 8)
+    engine = Engine(draftable_dir, backend="reference", device="cpu", dtype="fp32", drafting="mtp")
+    assert engine.draft_vocabulary is not None and engine.backend.draft_vocab is None
+    vocab = engine.config.vocab_size
+    prompt = [(5 * i + 1) % vocab for i in range(16)]
+    request = GenerateRequest(prompt, SamplingParams(temperature=0.0), max_tokens=64, ignore_eos=True)
+    engine.spec_k = 0
+    plain, _ = generate_ids(engine, request)
+    engine.spec_k = 3
+    spec, _ = generate_ids(engine, request)
+    assert spec == plain
+    learnt = engine.draft_vocabulary
+    assert learnt.seen == len(spec) - 1  # the prefill's token is not a cycle's
+    assert engine.backend.draft_vocab == learnt.rows
+    if learnt.rows is not None:
+        ranked = sorted(spec[1:])
+        assert ranked[int(len(ranked) * dv.COVERAGE) - 1] < learnt.rows

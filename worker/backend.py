@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .config import ModelConfig
-from .draft_vocab import default_draft_vocab, greedy_draft
+from .draft_vocab import greedy_draft
 from .errors import BackendUnavailableError, StateError
 from .model import StepOutput
 
@@ -83,9 +83,8 @@ class Backend(Protocol):
     device: torch.device
     dtype: torch.dtype
     prefill_tokens: int  # the most prompt tokens one `prefill` call should be given
-    draft_vocab: (
-        int | None
-    )  # greedy drafts are the argmax among token ids below it (draft_vocab.py); None: all
+    # Greedy drafts are the argmax among token ids below it (draft_vocab.py); None: among all.
+    draft_vocab: int | None
 
     @property
     def has_mtp(self) -> bool: ...
@@ -190,7 +189,7 @@ class ReferenceBackend:
         self.dtype: torch.dtype = model.dtype
         self.fast_prefill: Any = None
         self.prefill_tokens = REFERENCE_PREFILL_TOKENS
-        self.draft_vocab = default_draft_vocab(self.config.vocab_size)
+        self.draft_vocab: int | None = None  # the engine's DraftVocabulary sets it
         self._ahead: tuple[Any, torch.Tensor] | None = None  # (state, its next input) of a decode_ahead run
         if prefill == "fast" or (prefill == "auto" and self.device.type == "cuda"):
             from .prefill import FastPrefill, piece_tokens_from_env

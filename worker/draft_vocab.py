@@ -2,26 +2,53 @@
 
 A draft step's cost is mostly the lm_head it reads (the 27B's 248,320 rows against one MTP layer), while the
 drafts only have to be right often, not always: the verify scores every token. BPE token ids are in merge order,
-so the first ids are the most frequent pieces, and a draft chosen among them loses little acceptance
-(the idea of FR-Spec, Zhao et al. 2025, with the id order standing in for a frequency table). Greedy output is
-unchanged: the verify decides every token.
+so the first ids tend to be the most frequent pieces; the prefix is chosen from the tokens the card generates
+(DraftVocabulary), so a tokenizer whose order says little costs a longer prefix, not acceptance (the idea of
+FR-Spec, Zhao et al. 2025, kept to a prefix so that the kernel reads the lm_head's first rows and needs no copy
+of them). Greedy output is unchanged: the verify decides every token.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequestError
 
 ALIGN = 8  # the megakernel's GEMV takes rows in items of up to 8
-LARGE_VOCAB = 65536  # vocabularies above this draft among their first DEFAULT_ROWS ids
-DEFAULT_ROWS = 32768
+GRAIN = 1024  # chosen prefixes are whole multiples of this many ids (few distinct launches' row counts)
+COVERAGE = 0.995  # the share of generated tokens the chosen prefix holds
+WARMUP = 2048  # generated tokens seen before the first choice (until then: the whole vocabulary)
+EVERY = 512  # generated tokens between choices
+GAIN = 0.75  # a prefix of more than this share of the vocabulary saves too little: the whole one instead
 
 
-def default_draft_vocab(vocab_size: int) -> int | None:
-    """The draft vocabulary a model of `vocab_size` tokens ships with: None (the whole vocabulary) up to
-    LARGE_VOCAB, else the first DEFAULT_ROWS ids."""
-    return DEFAULT_ROWS if vocab_size > LARGE_VOCAB else None
+class DraftVocabulary:
+    """The prefix of token ids greedy drafts choose among, learnt from the tokens a card generates: the
+    shortest that holds COVERAGE of them (rounded up to GRAIN ids), so that a draft misses the model's choice
+    for want of an id at about 1 - COVERAGE of positions at most, whatever order the tokenizer gave its ids
+    (a fixed eighth of the embedded model's vocabulary lost a quarter of its accepted length:
+    docs/benchmarks.md)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self.seen = 0
+        self._since = 0
+        self.rows: int | None = None  # the current choice (None: the whole vocabulary)
+
+    def observe(self, token_ids: list[int]) -> int | None:
+        """Count generated tokens; returns the choice, updated every EVERY tokens once WARMUP are seen."""
+        for t in token_ids:  # a cycle's few tokens: cheaper than np.add.at's set-up
+            self.counts[t] += 1
+        self.seen += len(token_ids)
+        self._since += len(token_ids)
+        if self.seen >= WARMUP and self._since >= EVERY:
+            self._since = 0
+            needed = int(np.searchsorted(np.cumsum(self.counts), COVERAGE * self.seen)) + 1
+            rows = -(-needed // GRAIN) * GRAIN
+            self.rows = rows if rows <= GAIN * self.vocab_size else None
+        return self.rows
 
 
 def check_draft_vocab(vocab: int | None, vocab_size: int) -> int:

@@ -23,6 +23,7 @@ from .backend import MAX_VERIFY_DRAFTS, Backend, create_backend, verify_limit
 from .checkpoints import open_checkpoint
 from .checkpoints.hf import generation_defaults
 from .constraints.decoding import Constraints, TokenConstraint
+from .draft_vocab import DraftVocabulary
 from .drafting import (
     DEFAULT_LOOKUP_K,
     DEFAULT_MODE,
@@ -158,6 +159,8 @@ class Engine:
         self.ngram = ngram
         self.adaptive_drafts = adaptive_drafts
         self.extend_mtp = extend_mtp
+        # Learns the draft vocabulary from what the engine generates (None: the back end's draft_vocab is fixed).
+        self.draft_vocabulary: DraftVocabulary | None = DraftVocabulary(self.config.vocab_size)
         if memory_budget is not None and memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
         # a back end of its own, or a budget given for one passed in
@@ -470,6 +473,8 @@ class Engine:
                     sampler.commit(new_tokens if pending_ids is None else pending_ids)
                     if index is not None:
                         index.extend(new_tokens)
+                    if self.draft_vocabulary is not None:
+                        self.backend.draft_vocab = self.draft_vocabulary.observe(new_tokens)
                     pending = new_tokens[-1]
                     now = time.perf_counter()
                     timings.inter_token_s.append(now - t_last)

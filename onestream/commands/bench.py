@@ -450,8 +450,8 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help="greedy drafts among the first N token ids in parts (b) and (d) (default: the model's, "
-        "worker/draft_vocab.py; 0: the whole vocabulary)",
+        help="greedy drafts among the first N token ids in parts (b) and (d) (default: 32768 for a vocabulary "
+        "above 65536, else all; 0: the whole vocabulary)",
     )
     spec.add_argument(
         "--profile",

@@ -88,8 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help="greedy MTP drafts among the first N token ids only (default: the model's, worker/draft_vocab.py; "
-        "0: the whole vocabulary)",
+        help="greedy MTP drafts among the first N token ids only (default: learnt from the output, "
+        "worker/draft_vocab.py; 0: the whole vocabulary)",
     )
     spec.add_argument(
         "--ngram",
@@ -219,10 +219,10 @@ def run_spec(args: argparse.Namespace) -> int:
     ks = args.k or ([engine.spec_k] if args.workload else list(DEFAULT_K_VALUES))
     if args.lookup_k is not None:
         engine.lookup_k = args.lookup_k
-    if args.draft_vocab is not None:
+    if args.draft_vocab is not None:  # fixed instead of learnt from the output
         vocab = args.draft_vocab or None
         check_draft_vocab(vocab, engine.backend.config.vocab_size)
-        engine.backend.draft_vocab = vocab
+        engine.backend.draft_vocab, engine.draft_vocabulary = vocab, None
     if args.ngram is not None:
         engine.ngram = tuple(args.ngram)
     engine.adaptive_drafts = not args.fixed_length
