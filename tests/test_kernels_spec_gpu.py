@@ -340,6 +340,7 @@ def test_greedy_speculative_output_equals_plain_greedy_on_the_megakernel(draft_v
     backend = MegakernelBackend(load_model(path, dtype=torch.bfloat16, device="cuda"))
     backend.draft_vocab = draft_vocab
     engine = Engine(path, backend=backend)
+    engine.draft_vocabulary = None  # the stated prefix throughout, not one learnt from the output
     tokenizer = engine.tokenizer
     prompts = _code_prompts(tokenizer, 24, 48)
     assert len(prompts) == 24
