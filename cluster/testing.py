@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 POLL_S = 0.2  # how often `wait_for` asks: well under any timeout it is given, cheap on 2 cores
+# Ray declares a node dead after 5 failed health checks 3 s apart, which a raylet starved ~30 s on a loaded
+# machine misses; 20 ride out ~75 s, and a removed node still leaves at once (its raylet unregisters on SIGTERM).
+HEAD_SYSTEM_CONFIG = {"health_check_failure_threshold": 20}
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = POLL_S) -> T:
@@ -48,7 +51,12 @@ def start_cluster(cards_per_node: Sequence[int]) -> Cluster:
     head, *others = cards_per_node
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {CPU_CARD_RESOURCE: head}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {CPU_CARD_RESOURCE: head},
+            "include_dashboard": False,
+            "_system_config": HEAD_SYSTEM_CONFIG,
+        },
     )
     for cards in others:
         add_card_node(cluster, cards)
