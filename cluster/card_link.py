@@ -11,6 +11,7 @@ unpickles nothing from a call that does not carry it.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import pickle
 import secrets
@@ -74,12 +75,22 @@ class LinkServer:
         given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER, "")
         if not hmac.compare_digest(str(given).encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the card link's token is missing or wrong")
+        headers: asyncio.Future[None] | None = None
         try:
             request = pickle.loads(payload)
+            # The call's headers go out while the engine works (the task runs once the loop below waits for
+            # the first item, the engine started), not with the first item: the router reads it at once.
+            headers = asyncio.ensure_future(context.send_initial_metadata(()))
+            headers.add_done_callback(_retrieved)
             async for item in self._items(request):
+                await headers  # done by now
                 yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+            await headers  # a call that ends without items
         except Exception as e:  # a bug on the card (or the router): the router answers INTERNAL naming it
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            if headers is not None:
+                headers.cancel()  # the call was cancelled: no-op when sent
 
 
 class LinkCall:
@@ -126,6 +137,12 @@ def _link_error(error: grpc.aio.AioRpcError) -> Exception:
     if error.code() in _FAILED_CODES:
         return LinkFailed(details)
     return LinkLost(f"{error.code().name}: {details}")
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """Marks a headers task's failure seen: a call cancelled before its first item does not wait for it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _bracketed(host: str) -> str:
