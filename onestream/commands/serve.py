@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -385,6 +386,10 @@ async def _serve(config: Any, ray_address: str) -> int:
     with contextlib.suppress(TimeoutError):
         await pool.registry.wait_until_ready(len(pool.registry.records()), EXTRA_CARDS_WAIT_S)
     _print_addresses(pool)
+    # What the router holds from now on (Ray, gRPC, the tokenizer) lives as long as it: out of the collector's
+    # way, so that a full collection does not pause every stream in flight to walk it all.
+    gc.collect()
+    gc.freeze()
     await stopping
     print("onestream serve: draining (finishing the streams in flight)…", flush=True)
     await pool.drain_and_stop()
