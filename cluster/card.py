@@ -333,6 +333,7 @@ class CardActor:
         self._sessions = [replace(r, owner=self._owners.get(r.session_id)) for r in records]
         self._metrics.set_sessions(len(self._sessions), sum(s.cached_bytes for s in self._sessions))
         self._metrics.set_prefix_checkpoints(*self._engine.shared_prefixes())
+        self._metrics.set_draft_vocab(self._engine.backend.draft_vocab or self._engine.config.vocab_size)
 
 
 def _coalesce(chunk: TokenChunk, items: asyncio.Queue[object]) -> tuple[TokenChunk, object | None]:

@@ -190,6 +190,13 @@ class CardMetrics:
         self.prefix_checkpoint_bytes = Gauge(
             "onestream_prefix_checkpoint_bytes", "Memory those checkpoints hold.", CARD_LABELS, registry=r
         ).labels(**card)
+        self.draft_vocab_rows = Gauge(
+            "onestream_draft_vocab_rows",
+            "Token ids (the first ones) greedy drafts choose among: the vocabulary, or the prefix learnt from the "
+            "card's output.",
+            CARD_LABELS,
+            registry=r,
+        ).labels(**card)
         Gauge(
             "onestream_card_info",
             "Card identity, for joins.",
@@ -263,6 +270,9 @@ class CardMetrics:
     def set_prefix_checkpoints(self, count: int, nbytes: int) -> None:
         self.prefix_checkpoints.set(count)
         self.prefix_checkpoint_bytes.set(nbytes)
+
+    def set_draft_vocab(self, rows: int) -> None:
+        self.draft_vocab_rows.set(rows)
 
 
 class RouterMetrics:

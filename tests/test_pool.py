@@ -24,6 +24,7 @@ from onestream.cluster.server import PoolThread
 from onestream.cluster.testing import add_card_node, wait_for
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import SAMPLING_FIELDS
+from onestream.worker.config import ModelConfig
 from pool_helpers import Turn, http_get, new_session, run_turn, scrape, start_turn, total
 from ray.cluster_utils import Cluster
 
@@ -575,7 +576,9 @@ def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
 
 
 # ---- observability --------------------------------------------------------------------------------
-def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, client: PoolClient) -> None:
+def test_a_metrics_scrape_shows_the_traffic_of_each_card(
+    pool: PoolThread, client: PoolClient, pool_model_dir: str
+) -> None:
     endpoints = wait_for(
         lambda: len(card_endpoints(pool)) == CARDS and card_endpoints(pool), 60, "3 cards in /sd"
     )
@@ -594,6 +597,7 @@ def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, clien
 
     with ThreadPoolExecutor(len(sessions)) as executor:
         turns = [t for ts in executor.map(two_turns, sessions) for t in ts]
+    vocab_size = ModelConfig.from_dir(pool_model_dir).vocab_size
     expected: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for turn in turns:
         assert turn.error is None and turn.finished is not None
@@ -626,6 +630,8 @@ def test_a_metrics_scrape_shows_the_traffic_of_each_card(pool: PoolThread, clien
         assert (
             total(after, "onestream_card_info", **labels, backend="reference", format="safetensors fp32") == 1
         )
+        # A few turns teach no prefix: drafts choose among the whole vocabulary.
+        assert total(after, "onestream_draft_vocab_rows", **labels) == vocab_size, card
     assert all(e["cached"] > 0 for e in expected.values()), "every second turn used its card's cache"
     wait_for(
         lambda: total(scrape(pool.metrics_address), "onestream_router_cards", state="free") == CARDS,

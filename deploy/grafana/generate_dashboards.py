@@ -587,6 +587,13 @@ def per_card() -> Dashboard:
         ],
         width=8,
     )
+    d.timeseries(
+        "Draft vocabulary",
+        "Token ids greedy MTP drafts choose among (the first ones): a draft step reads only those rows of the "
+        "lm_head. The vocabulary's size until the card has learnt a shorter prefix from its output.",
+        [Query(f"max by ({by_card}) (onestream_draft_vocab_rows{{{CARD}}})", CARD_LEGEND)],
+        width=8,
+    )
 
     d.row("Latency")
     d.timeseries(
