@@ -39,7 +39,14 @@ MCP = {
     "type": "namespace",
     "name": "mcp__docs__",
     "description": "Tools of the docs MCP server.",
-    "tools": [{"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}],
+    "tools": [
+        {
+            "type": "function",
+            "name": "search",
+            "description": "Search the docs.",
+            "parameters": {"type": "object", "properties": {}},
+        }
+    ],
 }
 # What Codex declares in a request: functions, the freeform apply_patch, MCP servers' namespaces, and
 # tools only OpenAI's servers run.
@@ -58,6 +65,8 @@ def test_codex_tools_become_functions_the_model_can_call(
     assert "begin_patch hunk+" in patch.parameters["properties"]["input"]["description"]
     search = tools["mcp__docs__search"]
     assert (search.namespace, search.client_name) == ("mcp__docs__", "search")
+    # The namespace says what its server is for: the model reads it with each member.
+    assert search.description == "Tools of the docs MCP server.\n\nSearch the docs."
     assert "local_shell, web_search" in caplog.text
 
 

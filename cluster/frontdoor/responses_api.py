@@ -84,8 +84,10 @@ def _input_description(format_: dict[str, Any] | None) -> str:
 
 def _namespace_tools(spec: dict[str, Any], path: str, skipped: list[str]) -> list[Tool]:
     """A namespace's function and custom tools, each named `namespace` + `name` for the model (Codex's
-    MCP tools: mcp__server__ and tool make mcp__server__tool), their calls named back in two fields."""
+    MCP tools: mcp__server__ and tool make mcp__server__tool), their calls named back in two fields. The
+    namespace's own description (what the server is for) opens each member's, the one place the model reads it."""
     namespace = params.get(spec, "name", str, path=path, required=True)
+    about = (params.get(spec, "description", str, path=path) or "").strip()
     members = []
     for j, tool in enumerate(params.get(spec, "tools", list, path=path, required=True)):
         where = f"{path}tools[{j}]."
@@ -96,7 +98,10 @@ def _namespace_tools(spec: dict[str, Any], path: str, skipped: list[str]) -> lis
             continue
         member = _call_tool(tool, where)
         name = namespaced_name(namespace, member.name)
-        members.append(replace(member, name=name, namespace=namespace, call_name=member.name))
+        description = f"{about}\n\n{member.description}".strip() if about else member.description
+        members.append(
+            replace(member, name=name, description=description, namespace=namespace, call_name=member.name)
+        )
     return members
 
 
