@@ -9,13 +9,10 @@ import pytest
 import torch
 from onestream.worker import draft_vocab as dv
 from onestream.worker.api import SamplingParams
-from onestream.worker.backend import ReferenceBackend
 from onestream.worker.draft_vocab import DraftVocabulary, check_draft_vocab, greedy_draft
-from onestream.worker.engine import Engine, Finished, GenerateRequest
+from onestream.worker.engine import Engine, GenerateRequest
 from onestream.worker.errors import InvalidRequestError
-from onestream.worker.loading import load_model
-from onestream.worker.sequence import Sequence
-from onestream.worker.testing_spec import write_draftable_checkpoint
+from onestream.worker.testing_spec import generate_ids, write_draftable_checkpoint
 
 torch.set_num_threads(1)
 
@@ -55,40 +52,6 @@ def test_greedy_draft_takes_the_argmax_among_the_first_ids() -> None:
     logits = torch.tensor([[0.0, 1.0, 0.5, 9.0], [3.0, 1.0, 2.0, 0.0]])
     assert greedy_draft(logits, None).tolist() == [3, 0]
     assert greedy_draft(logits, 3).tolist() == [1, 0]
-
-
-def test_the_chained_drafts_keep_to_the_draft_vocabulary(draftable_dir: Path) -> None:
-    """The back end's chain of greedy drafts with a draft vocabulary: each draft is the argmax among the first
-    ids of the step-by-step logits, and the MTP cache is the same as without one (only the choice differs)."""
-    model = load_model(draftable_dir, dtype=torch.float32)
-    backend = ReferenceBackend(model)
-    vocab = model.config.vocab_size // 4 // 8 * 8
-    backend.draft_vocab = vocab
-    prompt = [(17 * i + 3) % model.config.vocab_size for i in range(13)]
-    chained, stepped = (Sequence(backend, 128, track_mtp=True) for _ in range(2))
-    for seq in (chained, stepped):
-        seq.feed(prompt)
-    k, pending = 4, 7
-    drafts = chained.draft_greedy(pending, k)
-    out = stepped.draft_first(pending)
-    expected = [out.logits[-1:, :vocab].argmax(dim=-1)]
-    for _ in range(k - 1):
-        out = stepped.draft_next(expected[-1], out.hidden[-1:])
-        expected.append(out.logits[-1:, :vocab].argmax(dim=-1))
-    assert torch.equal(drafts, torch.cat(expected))
-    assert int(drafts.max()) < vocab
-
-
-def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Finished]:
-    ids: list[int] = []
-    finished = None
-    for item in engine.generate(request):
-        if isinstance(item, Finished):
-            finished = item
-        else:
-            ids.extend(item.token_ids)
-    assert finished is not None
-    return ids, finished
 
 
 @pytest.mark.parametrize("drafting", ["mtp", "combined"])

@@ -12,9 +12,9 @@ import torch
 from onestream.worker.api import SamplingParams
 from onestream.worker.drafting import LOOKUP, MTP, AdaptiveLength, Draft, NGramIndex, draft_distributions
 from onestream.worker.drafting.policy import DraftPolicy, DraftSettings, LookupDrafter
-from onestream.worker.engine import Engine, Finished, GenerateRequest
+from onestream.worker.engine import Engine, GenerateRequest
 from onestream.worker.speculative import accept_sampled
-from onestream.worker.testing_spec import write_draftable_checkpoint
+from onestream.worker.testing_spec import generate_ids, write_draftable_checkpoint
 
 torch.set_num_threads(1)
 CHI2_999_DOF5 = 20.52  # 0.999 quantile of chi-square with 5 degrees of freedom
@@ -267,18 +267,6 @@ def copy_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
         start = rng.randrange(len(body))
         prompts.append(body + body[start : start + rng.randint(2, 12)])
     return prompts
-
-
-def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Finished]:
-    ids: list[int] = []
-    finished = None
-    for item in engine.generate(request):
-        if isinstance(item, Finished):
-            finished = item
-        else:
-            ids.extend(item.token_ids)
-    assert finished is not None
-    return ids, finished
 
 
 @pytest.mark.parametrize(

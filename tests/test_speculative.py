@@ -9,7 +9,7 @@ import pytest
 import torch
 from onestream.worker.api import SamplingParams
 from onestream.worker.backend import ReferenceBackend, accept_greedy
-from onestream.worker.engine import Engine, Finished, GenerateRequest
+from onestream.worker.engine import Engine, GenerateRequest
 from onestream.worker.loading import load_model
 from onestream.worker.sampling import RequestSampler
 from onestream.worker.sequence import Sequence
@@ -21,7 +21,7 @@ from onestream.worker.speculative import (
     settle,
 )
 from onestream.worker.testing import write_tiny_checkpoint
-from onestream.worker.testing_spec import write_draftable_checkpoint
+from onestream.worker.testing_spec import generate_ids, write_draftable_checkpoint
 
 torch.set_num_threads(1)
 CHI2_999 = {4: 18.47, 5: 20.52, 7: 24.32}  # 0.999 quantiles of chi-square by degrees of freedom
@@ -51,18 +51,6 @@ def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
         ).tolist()
         for _ in range(n)
     ]
-
-
-def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Finished]:
-    ids: list[int] = []
-    finished = None
-    for item in engine.generate(request):
-        if isinstance(item, Finished):
-            finished = item
-        else:
-            ids.extend(item.token_ids)
-    assert finished is not None
-    return ids, finished
 
 
 # ---- acceptance rules, driven directly ------------------------------------------------------------
@@ -232,13 +220,19 @@ def test_untrained_mtp_head_still_gives_plain_greedy(random_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("piece", [512, 4])
-def test_greedy_drafts_as_one_chain_equal_the_stepwise_drafts(draftable_dir: Path, piece: int) -> None:
+@pytest.mark.parametrize("prefix", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_greedy_drafts_as_one_chain_equal_the_stepwise_drafts(
+    draftable_dir: Path, piece: int, prefix: bool
+) -> None:
     """`Sequence.draft_greedy` (the back end's chain of draft steps: the megakernel feeds each draft and hidden
     on the device) drafts what the step-by-step path drafts from the host's argmax and leaves the same MTP
-    cache; a `piece` shorter than the owed pairs cuts them into several calls first."""
+    cache; a `piece` shorter than the owed pairs cuts them into several calls first. With a draft vocabulary
+    each draft is the argmax among its first ids (worker/draft_vocab.py)."""
     model = load_model(draftable_dir, dtype=torch.float32)
     backend = ReferenceBackend(model)
     backend.prefill_tokens = piece
+    backend.draft_vocab = model.config.vocab_size // 4 // 8 * 8 if prefix else None
+    vocab = backend.draft_vocab or model.config.vocab_size
     prompt = [(17 * i + 3) % model.config.vocab_size for i in range(13)]
     chained, stepped = (Sequence(backend, 128, track_mtp=True) for _ in range(2))
     for seq in (chained, stepped):
@@ -246,11 +240,12 @@ def test_greedy_drafts_as_one_chain_equal_the_stepwise_drafts(draftable_dir: Pat
     k, pending = 4, 7
     drafts = chained.draft_greedy(pending, k)
     out = stepped.draft_first(pending)
-    expected = [out.logits[-1:].argmax(dim=-1)]
+    expected = [out.logits[-1:, :vocab].argmax(dim=-1)]
     for _ in range(k - 1):
         out = stepped.draft_next(expected[-1], out.hidden[-1:])
-        expected.append(out.logits[-1:].argmax(dim=-1))
+        expected.append(out.logits[-1:, :vocab].argmax(dim=-1))
     assert torch.equal(drafts, torch.cat(expected))
+    assert int(drafts.max()) < vocab
     m = stepped.state.mtp_length
     assert chained.state.mtp_length == m == len(prompt) + k - 1
     assert torch.equal(chained.state.mtp_kv.k[:, :m], stepped.state.mtp_kv.k[:, :m])

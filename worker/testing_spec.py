@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -60,3 +61,19 @@ def write_draftable_checkpoint(
         metadata={"format": "pt"},
     )
     return directory
+
+
+def generate_ids(engine: Any, request: Any) -> tuple[list[int], Any]:
+    """A request's generated ids and its `Finished` item, through `engine.generate` (the speculative tests'
+    way to compare runs)."""
+    from .api import Finished
+
+    ids: list[int] = []
+    finished = None
+    for item in engine.generate(request):
+        if isinstance(item, Finished):
+            finished = item
+        else:
+            ids.extend(item.token_ids)
+    assert finished is not None, "the engine's stream ended without a Finished item"
+    return ids, finished
