@@ -169,6 +169,17 @@ def test_eval_spec_needs_long_enough_files(
     assert "no file has" in capsys.readouterr().err
 
 
+def test_eval_spec_names_a_draft_vocabulary_it_cannot_take(
+    draft_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    source = tmp_path / "code.txt"
+    source.write_text("def f(x):\n    return x + 1\n" * 40)
+    assert main(["eval", "spec", "--model", str(draft_dir), "--backend", "reference", "--draft-vocab", "12",
+                 str(source)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("onestream eval spec: ") and "multiple of 8" in err and "got 12" in err
+
+
 def test_generate_streams_and_reports(draft_dir: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", "--model", str(draft_dir), "--backend", "reference", "--prompt", "def main():",
                  "--max-tokens", "12", "--ignore-eos", "--spec-k", "2"]) == 0  # fmt: skip
