@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from onestream.worker.draft_vocab import ALIGN as HEAD_ROWS_ALIGN
+
 
 class G(IntEnum):
     """Slots of the globals table (u64 each: a device pointer or an integer)."""
@@ -122,7 +124,9 @@ ERROR_TEXT = {
     KernelErrorCode.BARRIER_BROKEN: "a block left a grid barrier before every block arrived",
     KernelErrorCode.BAD_MODE: "an unknown step mode, or an MTP step on a model without an MTP head",
     KernelErrorCode.ATTENTION_CHUNKS: "the context has more attention chunks than this build's merge holds",
-    KernelErrorCode.HEAD_ROWS: "the lm_head rows to score are not a positive multiple of 8 within the vocabulary",
+    KernelErrorCode.HEAD_ROWS: (
+        f"the lm_head rows to score are not a positive multiple of {HEAD_ROWS_ALIGN} within the vocabulary"
+    ),
 }
 
 
@@ -166,6 +170,7 @@ def preamble_defines() -> dict[str, int]:
     defines["CTRL_FLAG_FEEDBACK"] = CTRL_FLAG_FEEDBACK
     defines["CTRL_FLAG_KEEP_STATES"] = CTRL_FLAG_KEEP_STATES
     defines["CTRL_FLAG_ACCEPT"] = CTRL_FLAG_ACCEPT
+    defines["HEAD_ROWS_ALIGN"] = HEAD_ROWS_ALIGN
     defines["MODE_MTP"] = MODE_MTP
     defines["LAYER_LINEAR"] = LAYER_LINEAR
     defines["LAYER_FULL"] = LAYER_FULL

@@ -65,7 +65,7 @@ __device__ bool read_step(const Tables& tb, BlockState& bs) {
         if (bs.si.mode != 0 && (bs.si.mode != MODE_MTP || tb.gi(G_MTP_FC) == 0)) err = MK_ERR_BAD_MODE;
         const int head_rows = ld_volatile_int(tb.ctrl + CTRL_HEAD_ROWS);
         bs.si.head_rows = head_rows == 0 ? MK_V : head_rows;
-        if (head_rows < 0 || head_rows > MK_V || head_rows % 8 != 0) err = MK_ERR_HEAD_ROWS;
+        if (head_rows < 0 || head_rows > MK_V || head_rows % HEAD_ROWS_ALIGN != 0) err = MK_ERR_HEAD_ROWS;
         for (int t = 0; t < MK_NT; ++t) {
             bs.si.tok[t] = ld_volatile_int(tb.ctrl + CTRL_TOKEN_IN + t);
             if (bs.si.tok[t] < 0 || bs.si.tok[t] >= MK_V) err = MK_ERR_BAD_TOKEN;

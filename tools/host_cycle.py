@@ -6,7 +6,7 @@ the sequence, the drafting, the stop checker and the text decoder in it: the Pyt
 GPU back end adds to its launches (the runner's own launch work, `bind` and the control-block upload, is not in
 it). On the CPU; the figures are host times of the machine it runs on.
 
-    python tools/host_cycle.py [--k 3] [--tokens 400]
+    python tools/host_cycle.py [--k 3] [--tokens 400] [--no-draft-learner]
 """
 
 from __future__ import annotations
@@ -127,11 +127,18 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument(
+        "--no-draft-learner",
+        action="store_true",
+        help="leave out the engine's DraftVocabulary (its cost per cycle: run with and without)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = open_checkpoint(None).config
     backend = NullBackend(config)
     engine = Engine(None, backend=backend, drafting="mtp", spec_k=0)  # type: ignore[arg-type]
+    if args.no_draft_learner:
+        engine.draft_vocabulary = None
     gaps_ms(engine, 50)  # warm-up
     plain = gaps_ms(engine, args.tokens)
     print(f"plain greedy (run ahead): {statistics.median(plain) * 1e3:.1f} us per token (median)")

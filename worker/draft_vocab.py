@@ -15,7 +15,7 @@ import torch
 
 from .errors import InvalidRequestError
 
-ALIGN = 8  # the megakernel's GEMV takes rows in items of up to 8
+ALIGN = 8  # lm_head rows come in multiples of this (the megakernel's GEMV items; kernels/layout.py passes it)
 GRAIN = 1024  # chosen prefixes are whole multiples of this many ids (few distinct launches' row counts)
 COVERAGE = 0.995  # the share of generated tokens the chosen prefix holds
 WARMUP = 2048  # generated tokens seen before the first choice (until then: the whole vocabulary)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
+from .api import Finished, GenerateRequest
 from .checkpoints.hf import SINGLE_FILE
 from .config import ModelConfig
 from .testing import random_weights, tiny_config, write_tiny_checkpoint
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
@@ -63,11 +67,9 @@ def write_draftable_checkpoint(
     return directory
 
 
-def generate_ids(engine: Any, request: Any) -> tuple[list[int], Any]:
+def generate_ids(engine: Engine, request: GenerateRequest) -> tuple[list[int], Finished]:
     """A request's generated ids and its `Finished` item, through `engine.generate` (the speculative tests'
     way to compare runs)."""
-    from .api import Finished
-
     ids: list[int] = []
     finished = None
     for item in engine.generate(request):
