@@ -391,6 +391,7 @@ async def _serve(config: Any, ray_address: str) -> int:
     gc.collect()
     gc.freeze()
     await stopping
+    gc.unfreeze()  # collectable again at exit: frozen extension objects are reported as leaks (nanobind)
     print("onestream serve: draining (finishing the streams in flight)…", flush=True)
     await pool.drain_and_stop()
     print("onestream serve: stopped", flush=True)
