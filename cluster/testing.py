@@ -23,6 +23,10 @@ POLL_S = 0.2  # how often `wait_for` asks: well under any timeout it is given, c
 # Ray declares a node dead after 5 failed health checks 3 s apart, which a raylet starved ~30 s on a loaded
 # machine misses; 20 ride out ~75 s, and a removed node still leaves at once (its raylet unregisters on SIGTERM).
 HEAD_SYSTEM_CONFIG = {"health_check_failure_threshold": 20}
+NODE_START_TIMEOUT = "timed out during startup"  # what ray._private.node.Node raises after its 30 s
+NODE_START_ATTEMPTS = 3
+
+logger = logging.getLogger(__name__)
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = POLL_S) -> T:
@@ -38,8 +42,33 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: fl
 
 
 def add_card_node(cluster: Cluster, cards: int = 1) -> Any:
-    """A node of one CPU advertising `cards` CPU card slots (the router places one card on each)."""
-    return cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: cards})
+    """A node of one CPU advertising `cards` CPU card slots (the router places one card on each).
+
+    Ray gives a new raylet a fixed 30 s to register with the GCS, which a raylet starved on a loaded 2-core
+    host can miss; such a half-started node is killed and started again, up to NODE_START_ATTEMPTS times."""
+    for attempt in range(1, NODE_START_ATTEMPTS + 1):
+        try:
+            return cluster.add_node(num_cpus=1, resources={CPU_CARD_RESOURCE: cards})
+        except Exception as error:
+            if NODE_START_TIMEOUT not in str(error) or attempt == NODE_START_ATTEMPTS:
+                raise
+            logger.warning("a Ray node missed its startup deadline (attempt %d); starting it again", attempt)
+            _kill_half_started_node(error)
+    raise AssertionError("unreachable")
+
+
+def _kill_half_started_node(error: BaseException) -> None:
+    """Kill the processes of the node whose `Node.__init__` raised `error`: Ray returns no handle to it, so it
+    is taken from the raising frame."""
+    from ray._private.node import Node
+
+    traceback = error.__traceback__
+    while traceback is not None:
+        node = traceback.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+            return
+        traceback = traceback.tb_next
 
 
 def start_cluster(cards_per_node: Sequence[int]) -> Cluster:

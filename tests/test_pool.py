@@ -575,6 +575,41 @@ def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
     assert new_card not in card_endpoints(pool)
 
 
+def test_a_node_that_misses_its_startup_deadline_is_killed_and_started_again(
+    cluster: Cluster, client: PoolClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray._private import node as ray_node
+    from ray._private import services
+
+    before = {c.card_id for c in client.cards()}
+    started: list[Any] = []
+    first_processes: list[Any] = []
+    real_start, real_get_node = ray_node.Node.start_ray_processes, services.get_node
+
+    def start_ray_processes(self: Any) -> None:
+        started.append(self)
+        real_start(self)
+
+    def get_node(*args: Any, **kwargs: Any) -> Any:
+        if len(started) == 1:  # the first node's raylet "never registers": Ray raises what it does after 30 s
+            first_processes.extend(info for infos in started[0].all_processes.values() for info in infos)
+            raise Exception("The current node timed out during startup (simulated by the test).")
+        return real_get_node(*args, **kwargs)
+
+    monkeypatch.setattr(ray_node.Node, "start_ray_processes", start_ray_processes)
+    monkeypatch.setattr(services, "get_node", get_node)
+    node = add_card_node(cluster)
+    monkeypatch.undo()
+
+    assert len(started) == 2 and node is started[1]
+    assert first_processes and all(info.process.poll() is not None for info in first_processes)
+    assert node.node_id in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    cluster.remove_node(node)
+    wait_for(
+        lambda: {c.card_id for c in client.cards()} == before, WAIT_S, "the pool to be back to its cards"
+    )
+
+
 # ---- observability --------------------------------------------------------------------------------
 def test_a_metrics_scrape_shows_the_traffic_of_each_card(
     pool: PoolThread, client: PoolClient, pool_model_dir: str
