@@ -409,6 +409,7 @@ class Router(pb_grpc.OneStreamServicer):
                         total_s=now - arrived,
                     )
                     await context.write(pb.GenerateResponse(request_id=request.request_id, finished=finished))
+                    call.end()  # the card's link keeps the connection for its next call
                     return
                 else:
                     raise PoolError(

@@ -1,20 +1,21 @@
-"""The router's link to a card (cluster/card_link.py), both ends in one process over real gRPC on loopback:
+"""The router's link to a card (cluster/card_link.py), both ends in one process over real TCP on loopback:
 items arrive in order as the card made them, a caller without the card's token is refused before anything
 it sent is unpickled, a failure on the card is `LinkFailed` naming it, a card that goes away is `LinkLost`,
-and cancelling a call ends the card's generation."""
+cancelling a call ends the card's generation, and a connection that ended cleanly serves the next call."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import pickle
+import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from onestream.cluster import wire
+from onestream.cluster import card_link, wire
 from onestream.cluster.card_link import (
-    METHOD,
     CardLink,
     LinkCall,
     LinkFailed,
@@ -65,11 +66,21 @@ def run(test: Any) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
+class CountingServer(LinkServer):
+    """A card's link server that counts the connections it accepted."""
+
+    accepted = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        await super()._serve(reader, writer)
+
+
 @contextlib.asynccontextmanager
-async def linked(card: Card, token: str | None = None) -> AsyncIterator[tuple[LinkServer, CardLink]]:
+async def linked(card: Card, token: str | None = None) -> AsyncIterator[tuple[CountingServer, CardLink]]:
     """A card's link server on loopback and a router's link to it (with `token`, else the card's own)."""
     card_token = new_token()
-    server = LinkServer("127.0.0.1", card_token, card.items)
+    server = CountingServer("127.0.0.1", card_token, card.items)
     await server.start()
     link = CardLink(server.endpoint, card_token if token is None else token)
     try:
@@ -139,7 +150,7 @@ def test_a_card_nobody_serves_is_link_lost() -> None:
     async def test() -> None:
         async with linked(Card()) as (server, link):
             await server.stop()
-            with pytest.raises(LinkLost, match="UNAVAILABLE"):
+            with pytest.raises(LinkLost, match="is gone: ConnectionRefusedError"):
                 await link.generate(GenerateRequest(prompt=[1])).next()
 
     run(test)
@@ -162,23 +173,120 @@ def test_a_request_the_card_cannot_read_is_link_failed_and_the_card_serves_on() 
     async def test() -> None:
         card = Card()
         async with linked(card) as (_, link):
-            bad = link._channel.unary_stream(METHOD)(b"not a pickle", metadata=link._metadata)
             with pytest.raises(LinkFailed, match="UnpicklingError"):
-                await LinkCall(bad).next()
+                await LinkCall(link, b"not a pickle").next()
             items = await drain(link.generate(GenerateRequest(prompt=[1])))
             assert isinstance(items[-1], Finished)
 
     run(test)
 
 
-def test_a_stream_quiet_for_many_keepalive_pings_lives(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A server that counts the router's keepalive pings as strikes ends a quiet stream (a long prefill)
-    # with GOAWAY too_many_pings after the third; pings every second make that happen in 3 s.
-    monkeypatch.setattr(wire, "KEEPALIVE_TIME_MS", 1_000)
+def test_a_connection_that_ended_cleanly_serves_the_next_call_and_a_cancelled_one_does_not() -> None:
+    async def test() -> None:
+        card = Card(chunks=2)
+        async with linked(card) as (server, link):
+            for _ in range(3):
+                assert isinstance((await drain(link.generate(GenerateRequest(prompt=[1]))))[-1], Finished)
+            assert server.accepted == 1
+            call = link.generate(GenerateRequest(prompt=[1]))
+            await call.next()
+            call.cancel()  # closes its connection: the card stops that generation
+            assert isinstance((await drain(link.generate(GenerateRequest(prompt=[2]))))[-1], Finished)
+            assert server.accepted == 2
+        assert [r.prompt for r in card.requests] == [[1], [1], [1], [1], [2]]
+
+    run(test)
+
+
+def test_a_reused_connection_the_card_closed_while_idle_is_replaced() -> None:
+    async def test() -> None:
+        card = Card(chunks=2)
+        async with linked(card) as (server, link):
+            await drain(link.generate(GenerateRequest(prompt=[1])))
+            for writer in list(server._connections):  # the card drops its idle connection
+                writer.close()
+            await asyncio.sleep(0.05)
+            items = await drain(link.generate(GenerateRequest(prompt=[2])))
+            assert isinstance(items[-1], Finished) and server.accepted == 2
+
+    run(test)
+
+
+def test_concurrent_calls_each_take_a_connection_of_their_own() -> None:
+    async def test() -> None:
+        card = Card(chunks=3)
+        async with linked(card) as (server, link):
+            results = await asyncio.gather(
+                *(drain(link.generate(GenerateRequest(prompt=[i]))) for i in range(3))
+            )
+        assert all(isinstance(items[-1], Finished) and len(items) == 4 for items in results)
+        assert server.accepted == 3
+
+    run(test)
+
+
+def test_a_frame_over_the_size_limit_is_refused_naming_it() -> None:
+    async def test() -> None:
+        async with linked(Card()) as (server, _):
+            host, port = server.endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            header = struct.Struct("!IB")
+            writer.write(header.pack(len(server.token), card_link.HELLO) + server.token.encode())
+            writer.write(header.pack(wire.MAX_MESSAGE_BYTES + 1, card_link.REQUEST))
+            length, kind = header.unpack(await reader.readexactly(header.size))
+            message = (await reader.readexactly(length)).decode()
+            writer.close()
+        assert kind == card_link.FAILED
+        assert (
+            message
+            == f"link protocol: a frame of {wire.MAX_MESSAGE_BYTES + 1} bytes, over the link's {wire.MAX_MESSAGE_BYTES}"
+        )
+
+    run(test)
+
+
+def test_both_ends_send_at_once_and_keep_quiet_connections_alive() -> None:
+    """Nagle's algorithm would hold a token behind the peer's delayed acknowledgement (20-40 ms on a warm
+    connection); a long prefill sends nothing for seconds: TCP keepalive, not silence, decides that a peer
+    is gone."""
 
     async def test() -> None:
-        async with linked(Card(chunks=2, pause_s=4.5)) as (_, link):
-            items = await drain(link.generate(GenerateRequest(prompt=[1])))
-        assert [i.token_ids for i in items[:-1]] == [[0], [1]]  # type: ignore[attr-defined]
+        async with linked(Card(chunks=2, pause_s=0.5)) as (server, link):
+            call = link.generate(GenerateRequest(prompt=[1]))
+            assert (await call.next()).token_ids == [0]  # type: ignore[attr-defined]
+            ends = [call._opened.result().writer, *server._connections]
+            for writer in ends:
+                sock = writer.get_extra_info("socket")
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert (
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == wire.KEEPALIVE_TIME_MS // 1000
+                )
+            await drain(call)
+
+    run(test)
+
+
+def test_a_call_ended_at_its_last_item_keeps_its_connection_once_the_card_ends_the_stream() -> None:
+    """The router stops reading at the final item (`end`): the card's END is read in the background."""
+
+    async def test() -> None:
+        card = Card(chunks=2)
+        async with linked(card) as (server, link):
+            for prompt in ([1], [2]):
+                call = link.generate(GenerateRequest(prompt=prompt))
+                while not isinstance(await call.next(), Finished):
+                    pass
+                call.end()
+                await asyncio.wait_for(card.ended.wait(), 5)
+                card.ended.clear()
+                await asyncio.sleep(0.05)  # the END arrives
+            assert server.accepted == 1 and len(link._idle) == 1
+            call = link.generate(GenerateRequest(prompt=[3]))
+            await call.next()
+            call.end()  # not at the last item: the card may still be sending, so the connection closes
+            await asyncio.wait_for(card.ended.wait(), 5)
+            await drain(link.generate(GenerateRequest(prompt=[4])))
+            assert server.accepted == 2
 
     run(test)
