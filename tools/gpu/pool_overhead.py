@@ -16,8 +16,9 @@ copy of the model at a time): the in-process engine first, then the pool.
   receive times. Three host stamps per chunk (`time.perf_counter`, CLOCK_MONOTONIC: one clock for every
   process of the machine): as it leaves the engine inside the card (`StampedSource`), as the router takes it
   from the card's link (the tool wraps `cluster.router._next_object`, the one place the router awaits an item),
-  and as the client receives it. So: TTFT = client -> engine start (gRPC, admission, scheduling, the call on
-  the card's link, the card's thread hop) + the engine's own first token + engine -> router (the card's loop,
+  and as the client receives it; and two per request in the router, as its handler takes it and as it leaves
+  on the card's link. So: TTFT = client -> engine start (gRPC to the router's handler, admission and
+  scheduling, the card's link and its thread hop) + the engine's own first token + engine -> router (the card's loop,
   the link) + router -> client (gRPC); the decode gap splits into the engine's own gap inside the card (against
   the in-process gap: what sharing the card's process with Ray costs the engine) and the hops' jitter.
 
@@ -210,13 +211,29 @@ def _free(args: argparse.Namespace) -> None:
 # ---- through the pool -------------------------------------------------------------------------------------
 class RouterStamps:
     """Wraps the router's `_next_object` (the one await that takes an item from a card's link) to stamp
-    each item as the router gets it; the router runs in this process (PoolThread)."""
+    each item as the router gets it, and stamps each request as the router's handler takes it and as it
+    leaves on the card's link; the router runs in this process (PoolThread)."""
 
     def __init__(self) -> None:
         from onestream.cluster import router
+        from onestream.cluster.card_link import CardLink
 
         self.items: list[tuple[float, str, int]] = []
+        self.requests: dict[str, dict[str, float]] = {}  # request id -> {"handler": t, "link": t}
         original = router._next_object
+        handler = router.Router.Generate
+        send = CardLink.generate
+
+        async def stamped_handler(servicer: Any, request: Any, context: Any) -> None:
+            self.requests.setdefault(request.request_id, {})["handler"] = time.perf_counter()
+            await handler(servicer, request, context)
+
+        def stamped_send(link: Any, request: Any) -> Any:
+            self.requests.setdefault(request.request_id, {})["link"] = time.perf_counter()
+            return send(link, request)
+
+        router.Router.Generate = stamped_handler  # type: ignore[method-assign]
+        CardLink.generate = stamped_send  # type: ignore[method-assign]
 
         async def stamped(generator: Any) -> object:
             item = await original(generator)
@@ -305,9 +322,11 @@ def pool_phase(args: argparse.Namespace) -> dict[str, Any]:
                                     stamps.append((time.perf_counter(), len(event.chunk.token_ids)))
                             routed = router_stamps.take()
                             engine = _read_stamps(stamps_dir / f"{request_id}.json")
+                            at_router = router_stamps.requests.pop(request_id, {})
                             if i:
                                 runs.append(
-                                    summarise(start, stamps) | {"hops": hops(start, engine, routed, stamps)}
+                                    summarise(start, stamps)
+                                    | {"hops": hops(start, engine, routed, stamps, at_router)}
                                 )
                 card_backend = str(served_backend(pool))
             finally:
@@ -348,10 +367,15 @@ def _read_stamps(path: Path) -> dict[str, Any]:
 
 
 def hops(
-    start: float, engine: dict[str, Any], routed: list[tuple[float, int]], client: list[tuple[float, int]]
+    start: float,
+    engine: dict[str, Any],
+    routed: list[tuple[float, int]],
+    client: list[tuple[float, int]],
+    at_router: dict[str, float],
 ) -> dict[str, Any]:
-    """Where one pooled request's time went, from the three stamps of every chunk. The card merges chunks
-    that queue up behind its link, so a routed chunk is timed from the engine chunk that completed it."""
+    """Where one pooled request's time went, from the three stamps of every chunk and the request's two at
+    the router (`at_router`: its handler took it, it left on the card's link). The card merges chunks that
+    queue up behind its link, so a routed chunk is timed from the engine chunk that completed it."""
     produced = [(t, n) for t, kind, n in engine["items"] if kind == "chunk"]
     if len(routed) != len(client) or sum(n for _, n in produced) != sum(n for _, n in routed):
         return {
@@ -366,8 +390,12 @@ def hops(
     to_router = [1e3 * (r - e) for e, (r, _) in zip(completed, routed, strict=True)]
     to_client = [1e3 * (c - r) for (r, _), (c, _) in zip(routed, client, strict=True)]
     inside = summarise(engine["start"], produced)  # the engine's own TTFT and decode, inside the card
+    handler, link = at_router.get("handler"), at_router.get("link")
     return {
         "client_to_engine_ms": 1e3 * (engine["start"] - start),
+        "client_to_router_ms": None if handler is None else 1e3 * (handler - start),
+        "router_admission_ms": None if handler is None or link is None else 1e3 * (link - handler),
+        "link_to_engine_ms": None if link is None else 1e3 * (engine["start"] - link),
         "engine_ttft_ms": inside["ttft_ms"],
         "engine_decode_tok_s": inside["decode_tok_s"],
         "first_engine_to_router_ms": to_router[0],
@@ -473,7 +501,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines += [
             f"where the pool's time goes ({r['config']}, ms, medians; host stamps per chunk):",
             f"  TTFT: client -> engine start {f(h.get('client_to_engine_ms'), '.3f')} "
-            f"(gRPC, admission, the call on the card's link, the card's thread hop)"
+            f"(client -> router's handler {f(h.get('client_to_router_ms'), '.3f')}, gRPC; "
+            f"admission {f(h.get('router_admission_ms'), '.3f')}; "
+            f"the card's link and thread hop {f(h.get('link_to_engine_ms'), '.3f')})"
             f" + engine's own first token {f(h.get('engine_ttft_ms'), '.3f')}"
             f" + engine -> router {f(h.get('first_engine_to_router_ms'), '.3f')} (card loop, the link)"
             f" + router -> client {f(h.get('first_router_to_client_ms'), '.3f')} (gRPC)",
