@@ -39,7 +39,8 @@ _HEADER = struct.Struct("!IB")  # body length, kind
 _KEEPALIVE_PROBES = 4  # unanswered probes, KEEPALIVE_TIME_MS / 4 apart, before a quiet peer is dropped
 FAIL_LINGER_S = 2.0  # how long a card that sent FAILED waits for the router to close the connection
 END_WAIT_S = 5.0  # how long a finished call's END may take before its connection is closed instead of kept
-MAX_IDLE_CONNECTIONS = 4  # kept per card: one generation runs at a time, a few may be ending
+MAX_IDLE_CONNECTIONS = 4
+HELLO_LIMIT = 1024  # bytes: a caller must show the token before the card reads more of what it sends  # kept per card: one generation runs at a time, a few may be ending
 
 Items = Callable[[Any], AsyncIterator[object]]
 
@@ -60,12 +61,14 @@ class _ProtocolError(Exception):
     """The peer sent something the link does not speak: a frame of the wrong kind or size."""
 
 
-async def _read_frame(reader: asyncio.StreamReader, read: bytes = b"") -> tuple[int, bytes]:
+async def _read_frame(
+    reader: asyncio.StreamReader, read: bytes = b"", limit: int = MAX_MESSAGE_BYTES
+) -> tuple[int, bytes]:
     """The next frame's (kind, body), of which `read` was read already; IncompleteReadError at the end of
-    the stream."""
+    the stream, _ProtocolError for a body over `limit` bytes (not read)."""
     length, kind = _HEADER.unpack(read + await reader.readexactly(_HEADER.size - len(read)))
-    if length > MAX_MESSAGE_BYTES:
-        raise _ProtocolError(f"a frame of {length} bytes, over the link's {MAX_MESSAGE_BYTES}")
+    if length > limit:
+        raise _ProtocolError(f"a frame of {length} bytes, over the link's {limit}")
     return kind, await reader.readexactly(length)
 
 
@@ -128,7 +131,7 @@ class LinkServer:
         self._connections.add(writer)
         _tune(writer)
         try:
-            kind, body = await _read_frame(reader)
+            kind, body = await _read_frame(reader, limit=HELLO_LIMIT)
             if kind != HELLO or not hmac.compare_digest(body, self._token):
                 await _fail(reader, writer, "the card link's token is missing or wrong")
                 return

@@ -290,3 +290,19 @@ def test_a_call_ended_at_its_last_item_keeps_its_connection_once_the_card_ends_t
             assert server.accepted == 2
 
     run(test)
+
+
+def test_a_caller_must_show_the_token_before_the_card_reads_a_large_frame() -> None:
+    async def test() -> None:
+        async with linked(Card()) as (server, _):
+            host, port = server.endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            header = struct.Struct("!IB")
+            writer.write(header.pack(card_link.HELLO_LIMIT + 1, card_link.HELLO))  # and no body follows
+            length, kind = header.unpack(await reader.readexactly(header.size))
+            message = (await reader.readexactly(length)).decode()
+            writer.close()
+        assert kind == card_link.FAILED
+        assert message == f"link protocol: a frame of {card_link.HELLO_LIMIT + 1} bytes, over the link's 1024"
+
+    run(test)
