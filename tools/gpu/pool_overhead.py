@@ -9,7 +9,8 @@ every timed request has its own prompt, the same prompts on both sides), `--toke
 request goes first; the timed ones follow, `--repeats` of them, each side in its own process (the GPU holds one
 copy of the model at a time): the in-process engine first, then the pool.
 
-- in process: `Engine.generate` under inference mode, as the card's engine thread calls it; TTFT from the
+- in process: `Engine.generate` under inference mode, as the card's engine thread calls it (on the main thread,
+  or with `--engine-thread worker` on a thread of its own, as in the card); TTFT from the
   call to the first chunk, decode tok/s over the chunks after the first (tokens after the first over the time
   from the first chunk to the last).
 - pool: TTFT from `PoolClient.generate` to the client's first chunk event; decode as above on the client's
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=[1.0],
         help="greedy with each penalty on both sides, one row each (1: plain greedy, the kernel's own argmax)",
+    )
+    p.add_argument(
+        "--engine-thread",
+        choices=("main", "worker"),
+        default="main",
+        help="where the in-process engine runs: the main thread, or a worker thread as in the card",
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -167,11 +175,13 @@ def summarise(start: float, stamps: list[tuple[float, int]]) -> dict[str, Any]:
 # ---- the engine in process --------------------------------------------------------------------------------
 def engine_phase(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from onestream.worker.api import GenerateRequest, SamplingParams, TokenChunk
+    from onestream.worker.api import GenerateRequest, SamplingParams
 
     if args.device == "cpu":
         torch.set_num_threads(1)  # as the pool's CPU card (card_torch_threads=1)
     source = make_source(args)
+    # As the card runs its engine: on a thread of its own, not the one that built it.
+    thread = ThreadPoolExecutor(max_workers=1) if args.engine_thread == "worker" else None
     out: dict[str, Any] = {}
     for label, options in configs(args):
         t0 = time.perf_counter()
@@ -184,18 +194,30 @@ def engine_phase(args: argparse.Namespace) -> dict[str, Any]:
                 request = GenerateRequest(
                     prompt, SamplingParams(**params), max_tokens=args.tokens, ignore_eos=True
                 )
-                stamps: list[tuple[float, int]] = []
-                with torch.inference_mode():  # the card's engine thread serves under it
-                    start = time.perf_counter()
-                    for item in engine.generate(request):
-                        if isinstance(item, TokenChunk):
-                            stamps.append((time.perf_counter(), len(item.token_ids)))
+                if thread is None:
+                    start, stamps = timed_request(engine, request)
+                else:
+                    start, stamps = thread.submit(timed_request, engine, request).result()
                 if i:  # the first request warms up
                     runs.append(summarise(start, stamps))
             out[label + suffix] = {"runs": runs, "build_s": built_s, "backend": engine.backend.name}
         del engine
         _free(args)
     return out
+
+
+def timed_request(engine: Any, request: Any) -> tuple[float, list[tuple[float, int]]]:
+    """When `request` started and each chunk's (time, tokens)."""
+    import torch
+    from onestream.worker.api import TokenChunk
+
+    stamps: list[tuple[float, int]] = []
+    with torch.inference_mode():  # the card's engine thread serves under it
+        start = time.perf_counter()
+        for item in engine.generate(request):
+            if isinstance(item, TokenChunk):
+                stamps.append((time.perf_counter(), len(item.token_ids)))
+    return start, stamps
 
 
 def _free(args: argparse.Namespace) -> None:
