@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
+from . import wire
 from .client import PoolClient, make_request
 from .server import PoolThread
 from .testing import add_card_node, cpu_pool_config, start_cluster, stop_cluster, wait_for
@@ -164,7 +165,7 @@ def _run_sessions(
     faults: list[tuple[float, str, Callable[[], None]]] = [
         (0.2, "killed a card actor", lambda: _kill_card(pool, rng)),
         (0.4, "added a node, removed another", lambda: _replace_node(pool, settings)),
-        (0.6, "restarted the router", lambda: _restart_router(pool, report)),
+        (0.6, "restarted the router", lambda: _restart_router(pool, client, report)),
     ]
     for fraction, what, fault in faults:
         wait_for(progressed(fraction), START_TIMEOUT_S, f"{fraction:.0%} of the turns")
@@ -247,16 +248,32 @@ def _replace_node(pool: _Pool, settings: SoakSettings) -> None:
     pool.nodes.append(added)
 
 
-def _restart_router(pool: _Pool, report: SoakReport) -> None:
+def _restart_router(pool: _Pool, client: PoolClient, report: SoakReport) -> None:
     """Stop the router and start another on the same port: it adopts the running cards, which keep
-    their processes (and caches)."""
+    their processes (and caches). The sessions' client, which called while it was down, reaches it again
+    within its channel's reconnection backoff (cluster/wire.py)."""
     before = _incarnations(pool)
     pool.restart_router()
     wait_for(lambda: set(pool.card_ids()) >= set(before), START_TIMEOUT_S, "the cards to be adopted")
+    wait_for(
+        lambda: _reachable(client),
+        2 * wire.MAX_RECONNECT_BACKOFF_MS / 1e3 + 5.0,
+        "the client to reach the restarted router",
+    )
     after = _incarnations(pool)
     for card, incarnation in before.items():
         if after.get(card, incarnation) != incarnation:
             report.problems.append(f"card {card} restarted with the router: its cache was lost")
+
+
+def _reachable(client: PoolClient) -> bool:
+    try:
+        client.pool_status()
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return False
+    return True
 
 
 def _incarnations(pool: _Pool) -> dict[str, str]:

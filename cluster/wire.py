@@ -31,12 +31,19 @@ KEEPALIVE_TIME_MS = 20_000
 # How often a server lets a client ping. gRPC's default (5 minutes) counts each quicker ping on a quiet
 # connection as a strike and at the third answers GOAWAY too_many_pings, killing the streams in flight.
 MIN_PING_INTERVAL_MS = 1_000
+# A channel whose server went away retries with exponential backoff, up to gRPC's default 120 s, and fails
+# every call at once until the next try: a client that called while the router restarted would find it
+# back only minutes later. Capped, a restarted router is reached within about this long.
+MAX_RECONNECT_BACKOFF_MS = 2_000
 
 
 def channel_options() -> list[tuple[str, int]]:
-    """Options for every gRPC channel of the pool: message bounds, and keepalive pings even when quiet
-    (`KEEPALIVE_TIME_MS`, read when the channel is made)."""
+    """Options for every gRPC channel of the pool: message bounds, keepalive pings even when quiet
+    (`KEEPALIVE_TIME_MS`, read when the channel is made), and reconnection tries at most
+    `MAX_RECONNECT_BACKOFF_MS` apart."""
     return [
+        ("grpc.initial_reconnect_backoff_ms", min(250, MAX_RECONNECT_BACKOFF_MS)),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
