@@ -228,16 +228,22 @@ class LinkCall:
 
     def __init__(self, link: CardLink, payload: bytes) -> None:
         self._link = link
-        self._payload = payload
         self._answered = False  # a frame came back: the card has the request
         self._done = False
+        self._reused = False
+        self._opened: asyncio.Future[_Connection] = asyncio.get_running_loop().create_future()
+        self._opened.add_done_callback(_retrieved)
+        try:
+            self._request = _frame(REQUEST, payload)
+        except _ProtocolError as e:  # `next` answers it as LinkFailed, as it does the card's errors
+            self._opened.set_exception(e)
+            return
         reused = link._take_idle()
-        self._reused = reused is not None
         if reused is None:
             self._opened = self._open()
         else:  # on its way now, before the caller's next await (the router's reply to its client)
-            reused.writer.write(_frame(REQUEST, payload))
-            self._opened = asyncio.get_running_loop().create_future()
+            reused.writer.write(self._request)
+            self._reused = True
             self._opened.set_result(reused)
 
     def _open(self) -> asyncio.Future[_Connection]:
@@ -248,7 +254,7 @@ class LinkCall:
     async def _send(self) -> _Connection:
         connection = await self._link._connect()
         try:
-            connection.writer.write(_frame(REQUEST, self._payload))
+            connection.writer.write(self._request)
             await connection.writer.drain()
         except BaseException:
             connection.close()

@@ -62,6 +62,21 @@ async def drain(call: Any) -> list[object]:
             return items
 
 
+HEADER = struct.Struct("!IB")  # a frame's body length and kind, as the link writes them
+
+
+async def first_answer(server: LinkServer, sent: bytes) -> tuple[int, str]:
+    """The kind and text of the first frame the card answers raw bytes `sent` with."""
+    host, port = server.endpoint.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(sent)
+        length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+        return kind, (await reader.readexactly(length)).decode()
+    finally:
+        writer.close()
+
+
 def run(test: Any) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
@@ -228,14 +243,10 @@ def test_concurrent_calls_each_take_a_connection_of_their_own() -> None:
 def test_a_frame_over_the_size_limit_is_refused_naming_it() -> None:
     async def test() -> None:
         async with linked(Card()) as (server, _):
-            host, port = server.endpoint.rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            header = struct.Struct("!IB")
-            writer.write(header.pack(len(server.token), card_link.HELLO) + server.token.encode())
-            writer.write(header.pack(wire.MAX_MESSAGE_BYTES + 1, card_link.REQUEST))
-            length, kind = header.unpack(await reader.readexactly(header.size))
-            message = (await reader.readexactly(length)).decode()
-            writer.close()
+            hello = HEADER.pack(len(server.token), card_link.HELLO) + server.token.encode()
+            kind, message = await first_answer(
+                server, hello + HEADER.pack(wire.MAX_MESSAGE_BYTES + 1, card_link.REQUEST)
+            )
         assert kind == card_link.FAILED
         assert (
             message
@@ -295,14 +306,25 @@ def test_a_call_ended_at_its_last_item_keeps_its_connection_once_the_card_ends_t
 def test_a_caller_must_show_the_token_before_the_card_reads_a_large_frame() -> None:
     async def test() -> None:
         async with linked(Card()) as (server, _):
-            host, port = server.endpoint.rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            header = struct.Struct("!IB")
-            writer.write(header.pack(card_link.HELLO_LIMIT + 1, card_link.HELLO))  # and no body follows
-            length, kind = header.unpack(await reader.readexactly(header.size))
-            message = (await reader.readexactly(length)).decode()
-            writer.close()
+            # A header announcing too long a token, and no body after it.
+            kind, message = await first_answer(
+                server, HEADER.pack(card_link.HELLO_LIMIT + 1, card_link.HELLO)
+            )
         assert kind == card_link.FAILED
         assert message == f"link protocol: a frame of {card_link.HELLO_LIMIT + 1} bytes, over the link's 1024"
+
+    run(test)
+
+
+def test_a_request_over_the_frame_limit_is_link_failed_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(card_link, "MAX_MESSAGE_BYTES", 4096)  # above every item here
+
+    async def test() -> None:
+        card = Card()
+        async with linked(card) as (_, link):
+            await drain(link.generate(GenerateRequest(prompt=[1])))  # a connection to reuse
+            with pytest.raises(LinkFailed, match="over the link's 4096"):
+                await link.generate(GenerateRequest(prompt=list(range(10_000)))).next()
+        assert len(card.requests) == 1
 
     run(test)
