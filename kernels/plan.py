@@ -261,17 +261,20 @@ class KernelPlan:
     def quant_rows(self) -> int:
         """Rows per item of the quantized GEMV (MK_QROWS): the tuning's, else 4 up to 2 tokens per launch; up to 4
         tokens, 4 where such items stream through the weight ring and 2 where they would be held in registers (the
-        register path's loop spills with 4 rows of 4 tokens' sums: the sm_86 build); 1 beyond (the per-row sums of
-        every token stay in registers)."""
+        register path's loop spills with 4 rows of 4 tokens' sums: the sm_86 build); beyond, 2 where such items
+        stream through the ring (a Q4_K_M verify of 5 to 8 tokens measured 1.6-1.8x faster than with 1-row items
+        in registers, docs/benchmarks.md) and 1 where they would not (the per-row sums of every token stay in
+        registers)."""
         if self.tuning.qrows is not None:
             return self.tuning.qrows
         nt = self.tokens_per_launch
         if nt <= 2:
             return 4
-        if nt <= 4:
-            four = replace(self, tuning=replace(self.tuning, qrows=4))
-            return 4 if four.stages > 0 else 2
-        return 1
+        rows = 4 if nt <= 4 else 2
+        ringed = replace(self, tuning=replace(self.tuning, qrows=rows))
+        if ringed.stages > 0:
+            return rows
+        return 2 if nt <= 4 else 1
 
     @property
     def quant_slot_planes(self) -> int:

@@ -236,20 +236,23 @@ def test_q4_k_m_27b_steps_match_the_fp32_reference(q4_k_m_27b):
 
 
 @torch.no_grad()
-def test_q4_k_m_27b_verify_launch_equals_single_steps(q4_k_m_27b):
-    """A T = 4 launch gives each token the logits of its own single step, bit for bit (greedy speculative output
-    equals plain greedy output)."""
+@pytest.mark.parametrize("n", [4, 8])
+def test_q4_k_m_27b_verify_launch_equals_single_steps(q4_k_m_27b, n):
+    """A T = n launch gives each token the logits of its own single step, bit for bit (greedy speculative output
+    equals plain greedy output): T = 4 streams 4-row items through the weight ring, T = 8 2-row items."""
     model, runner, _ = q4_k_m_27b
     g = torch.Generator(device="cuda").manual_seed(6)
     prompt = torch.randint(0, model.config.vocab_size, (8,), device="cuda", generator=g)
-    tokens = torch.randint(0, model.config.vocab_size, (4,), device="cuda", generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (n,), device="cuda", generator=g)
     single = model.new_state(64)
     model.forward_step(prompt, single, logits="last")
     batch = single.clone()
     one = [runner.step(t.view(1), single).logits[0].clone() for t in tokens]
-    four = runner.step(tokens, batch, keep_states=True).logits[:4].clone()
-    for t in range(4):
-        assert torch.equal(four[t], one[t]), (t, float((four[t] - one[t]).abs().max()))
+    many = runner.step(tokens, batch, keep_states=True).logits[:n].clone()
+    plan = runner._build(n).plan
+    print(f"\nT = {n}: {plan.quant_rows}-row items, {plan.stages} ring stages")
+    for t in range(n):
+        assert torch.equal(many[t], one[t]), (t, float((many[t] - one[t]).abs().max()))
 
 
 # ---- a GGUF in llama.cpp's order, and the device's one copy of the weights ----------------------------------

@@ -129,8 +129,8 @@ def test_the_window_holds_a_quantized_chunk() -> None:
 
 
 def test_rows_per_quantized_item_follow_the_tokens_per_launch_and_the_ring() -> None:
-    """4 rows per item up to 4 tokens where such items stream through the weight ring (the H200's shared memory),
-    2 at 3-4 tokens where they would be held in registers (the RTX 3090's), 1 beyond."""
+    """4 rows per item up to 4 tokens and 2 from 5 to 8 where such items stream through the weight ring (the
+    H200's shared memory); where they would be held in registers (the RTX 3090's), 2 at 3-4 tokens and 1 beyond."""
 
     def plan(tokens: int, smem: int, **fields: object) -> KernelPlan:
         return KernelPlan(
@@ -145,8 +145,9 @@ def test_rows_per_quantized_item_follow_the_tokens_per_launch_and_the_ring() -> 
     def rows(tokens: int, smem: int = 227 * 1024, **fields: object) -> int:
         return plan(tokens, smem, **fields).defines()["MK_QROWS"]
 
-    assert [rows(t) for t in (1, 2, 4, 8)] == [4, 4, 4, 1]
-    assert [rows(t, 99 * 1024) for t in (1, 2, 4, 8)] == [4, 4, 2, 1]
+    assert [rows(t) for t in range(1, 9)] == [4, 4, 4, 4, 2, 2, 2, 2]
+    assert all(plan(t, 227 * 1024).stages == 2 for t in range(1, 9))
+    assert [rows(t, 99 * 1024) for t in (1, 2, 4, 5, 8)] == [4, 4, 2, 1, 1]
     assert plan(4, 227 * 1024).stages > 0 and plan(4, 99 * 1024, qrows=4).stages == 0
     assert rows(8, qrows=2) == 2
     with pytest.raises(ValueError, match="qrows"):
@@ -214,13 +215,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_gemv_quant_probe(
         ("sm_86", 82, 99 * 1024, 1),
         ("sm_90", 132, 227 * 1024, 4),
         ("sm_86", 82, 99 * 1024, 4),
+        ("sm_90", 132, 227 * 1024, 8),
     ],
 )
 def test_the_q4_k_m_build_compiles_and_its_gemv_loop_does_not_spill(
     arch: str, sms: int, smem: int, tokens: int
 ) -> None:
-    """The 27B Q4_K_M build compiles for the H200 and the RTX 3090, decode and a T = 4 verify, and the quantized
-    GEMV loop alone spills nothing (the loop that streams every weight: a spill there would be paid per item)."""
+    """The 27B Q4_K_M build compiles for the H200 and the RTX 3090, decode and T = 4 (and on the H200 T = 8, with
+    its 2-row items through the ring) verifies, and the quantized GEMV loop alone spills nothing (the loop that streams every weight: a spill there would be paid per item)."""
     plan = KernelPlan(
         config_27b(), num_sms=sms, tokens_per_launch=tokens, smem_limit=smem, weight_formats=q4_k_m_formats()
     )
