@@ -112,12 +112,10 @@ class PoolServer:
 
     async def _start_frontdoor(self, address: str) -> None:
         host, port = split_address(address)
-        grpc_host = split_address(self.config.grpc_address)[0]
-        wildcard = grpc_host in ("0.0.0.0", "::", "localhost")  # reach it over loopback
         self.frontdoor = FrontDoor(
             model=self.model,
             model_dir=self.config.model_dir,
-            router_address=f"{'127.0.0.1' if wildcard else grpc_host}:{self.grpc_port}",
+            router=self.router,
             host=host,
             port=port,
             max_body_bytes=self.config.http_max_body_bytes,

@@ -11,17 +11,11 @@ from onestream.cluster.frontdoor.errors import (
     ApiError,
     anthropic_context_error,
     chat_context_error,
-    from_grpc,
+    from_status,
     responses_context_error,
 )
 from onestream.cluster.frontdoor.service import output_budget
 from onestream.cluster.frontdoor.upstream import credentials
-
-
-def rpc_error(
-    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
-) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
 @pytest.mark.parametrize(
@@ -40,7 +34,7 @@ def rpc_error(
 def test_each_status_code_maps_to_its_http_status_and_error_types(
     code: grpc.StatusCode, status: int, openai_type: str, anthropic_type: str
 ) -> None:
-    error = from_grpc(rpc_error(code, "what went wrong"))
+    error = from_status(code, "what went wrong")
     assert error.status == status
     assert error.openai_body()["error"] == {
         "message": "what went wrong",
@@ -57,12 +51,8 @@ def test_each_status_code_maps_to_its_http_status_and_error_types(
 
 
 def test_the_routers_retry_hint_becomes_retry_after() -> None:
-    error = from_grpc(
-        rpc_error(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "user u1 has 4 requests queued",
-            ((RETRY_AFTER_METADATA, "7"),),
-        )
+    error = from_status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "user u1 has 4 requests queued", ((RETRY_AFTER_METADATA, "7"),)
     )
     assert (error.status, error.headers) == (429, {"Retry-After": "7"})
 

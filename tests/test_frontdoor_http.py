@@ -1421,7 +1421,7 @@ def test_an_oversized_body_is_413(pool: PoolThread) -> None:
     door = FrontDoor(
         model=MODEL,
         model_dir=str(default_model_dir()),
-        router_address=pool.grpc_address,
+        router=pool.pool.router,
         host="127.0.0.1",
         port=0,
         max_body_bytes=4096,

@@ -1,8 +1,8 @@
 """The HTTP server: routes, body limits, and every failure answered in its API's error shape.
 
-`FrontDoor` runs in the pool's process, on its event loop, and reaches the router through the router's
-gRPC port over loopback, so that authentication, limits, session ownership and routing apply to HTTP
-callers exactly as to gRPC ones."""
+`FrontDoor` runs in the pool's process, on its event loop, and calls the router's gRPC servicer there
+(upstream.py), so that authentication, limits, session ownership and routing apply to HTTP callers exactly as
+to gRPC ones."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .errors import ApiError
 from .params import object_body
 from .service import Service
 from .template import ChatTemplate
-from .upstream import RouterClient
+from .upstream import Router
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Service, web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -110,7 +110,7 @@ class FrontDoor:
         *,
         model: str,
         model_dir: str,
-        router_address: str,
+        router: Any,
         host: str,
         port: int,
         max_body_bytes: int,
@@ -120,20 +120,18 @@ class FrontDoor:
     ) -> None:
         self.model = model
         self.model_dir = model_dir
-        self.router_address = router_address
+        self.router = Router(router)
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.user_sessions = user_sessions
         self.prefix_sharing = prefix_sharing
         self.keepalive_s = keepalive_s
         self._runner: web.AppRunner | None = None
-        self._router: RouterClient | None = None
 
     async def start(self) -> None:
         tokenizer = await asyncio.to_thread(self._tokenizer)
         template = await asyncio.to_thread(ChatTemplate, tokenizer)
-        self._router = RouterClient(self.router_address)
-        service = Service(self._router, template, self.model, self.user_sessions, self.prefix_sharing)
+        service = Service(self.router, template, self.model, self.user_sessions, self.prefix_sharing)
         # handler_cancellation: a client that closes its connection cancels its handler, which cancels
         # the gRPC call, which frees the card at once.
         self._runner = web.AppRunner(
@@ -159,6 +157,3 @@ class FrontDoor:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._router is not None:
-            await self._router.close()
-            self._router = None

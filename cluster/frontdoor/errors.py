@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -110,15 +111,16 @@ def anthropic_context_error(prompt_tokens: int, max_context: int) -> ApiError:
     return ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {max_context} maximum")
 
 
-def from_grpc(error: grpc.aio.AioRpcError) -> ApiError:
-    """The HTTP answer to a failed router call: its status, the router's message, Retry-After on 429/503."""
-    code = error.code()
+def from_status(
+    code: grpc.StatusCode, details: str | None, trailing_metadata: Iterable[tuple[str, Any]] | None = ()
+) -> ApiError:
+    """The HTTP answer to a router call that ended with `code`: its status, the router's message,
+    Retry-After on 429/503 (the router's hint in the trailing metadata, else a default)."""
     status = HTTP_STATUS.get(code, 500)
     retry_after = None
     if status in (429, 503):
         retry_after = DEFAULT_RETRY_AFTER_S
-        for key, value in error.trailing_metadata() or ():
+        for key, value in trailing_metadata or ():
             if key == RETRY_AFTER_METADATA and str(value).isdigit():
                 retry_after = int(value)
-    message = error.details() or code.name.lower()
-    return ApiError(status, message, retry_after_s=retry_after)
+    return ApiError(status, details or code.name.lower(), retry_after_s=retry_after)

@@ -1,17 +1,32 @@
-"""The router, as the front door calls it: its own gRPC API over loopback, with the caller's credentials."""
+"""The router, as the front door calls it: the pool's own gRPC servicer, in this process, with the caller's
+credentials.
+
+The front door runs in the router's process and event loop, so it calls the servicer's methods directly
+instead of over a loopback gRPC channel (which cost each HTTP turn about a millisecond of serialisation and
+hops: docs/benchmarks.md). `_Context` is the part of `grpc.aio.ServicerContext` the router uses; everything a
+gRPC client sees is kept: the caller's metadata, the router's aborts with their code, message and trailing
+metadata, its streamed messages in order, and cancellation when the HTTP client goes away (which frees the
+card at once).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
-from onestream.cluster.wire import channel_options
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
-from onestream.protos.onestream.v1 import onestream_pb2_grpc as pb_grpc
 
-from .errors import ApiError, from_grpc
+from .errors import ApiError, from_status
+
+log = logging.getLogger(__name__)
 
 Metadata = Sequence[tuple[str, str]]
+# Messages the router may write ahead of the HTTP side before its writes wait (a gRPC stream's flow
+# control would hold it back the same way).
+STREAM_BUFFER = 64
 
 
 def credentials(headers: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -24,22 +39,102 @@ def credentials(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {key}")] if key else []
 
 
-class RouterClient:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
-        self.stub = pb_grpc.OneStreamStub(self.channel)
+class _Aborted(Exception):
+    """The router ended the call with a status (what `context.abort` raises under gRPC)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        super().__init__(details)
+        self.error = from_status(code, details, trailing)
+
+
+class _Context:
+    """What the router's methods use of a gRPC servicer context, for a call made in this process."""
+
+    def __init__(self, metadata: Metadata, write: Callable[[Any], Awaitable[None]] | None = None) -> None:
+        self._metadata = tuple(metadata)
+        self._write = write
+        self._cancelled = False
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None  # the front door sets no deadline of its own; a request's `deadline` field still counts
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    async def write(self, message: Any) -> None:
+        if self._write is None:
+            raise RuntimeError("a unary call writes no stream")
+        await self._write(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Metadata = ()) -> None:
+        raise _Aborted(code, details, trailing_metadata)
+
+
+class Router:
+    """The router's servicer (cluster/router.Router), called in process."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
 
     async def model_info(self, metadata: Metadata = ()) -> pb.ModelInfo:
         try:
-            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e) from e
+            return await self.servicer.GetModelInfo(pb.GetModelInfoRequest(), _Context(metadata))
+        except _Aborted as e:
+            raise e.error from None
 
     def generate(self, request: pb.GenerateRequest, metadata: Metadata = ()) -> Turn:
-        return Turn(self.stub.Generate(request, metadata=metadata))
+        """Start the router's Generate for `request` now (in this event loop); the turn reads its stream."""
+        return Turn(_Call(self.servicer.Generate, request, metadata))
 
-    async def close(self) -> None:
-        await self.channel.close()
+
+_END = object()
+
+
+class _Call:
+    """One Generate running as a task of this loop: its messages through a bounded queue, then its end (the
+    queue's `_END`, or the `ApiError` it ended with)."""
+
+    def __init__(
+        self, method: Callable[..., Awaitable[None]], request: pb.GenerateRequest, metadata: Metadata
+    ) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(STREAM_BUFFER)
+        self._context = _Context(metadata, self._queue.put)
+        self._ended = False
+        self._task = asyncio.get_running_loop().create_task(self._run(method, request))
+
+    async def _run(self, method: Callable[..., Awaitable[None]], request: pb.GenerateRequest) -> None:
+        try:
+            await method(request, self._context)
+            end: Any = _END
+        except _Aborted as e:
+            end = e.error
+        except asyncio.CancelledError:
+            raise  # cancel(): nobody reads the end
+        except Exception as e:  # a bug in the router: what a gRPC client would hear as UNKNOWN
+            log.exception("the router's Generate failed")
+            end = ApiError(500, f"the router failed: {type(e).__name__}: {e}")
+        await self._queue.put(end)
+
+    async def read(self) -> pb.GenerateResponse | None:
+        """The next message; None once the call ended well; raises the ApiError it ended with."""
+        if self._ended:
+            return None
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, ApiError):
+            self._ended = True
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """End the call now: the router's task is cancelled, which frees its card."""
+        self._context._cancelled = True
+        self._task.cancel()
 
 
 class Turn:
@@ -48,7 +143,7 @@ class Turn:
     still answer with an HTTP status); iterating gives the chunks and the final `finished`. `cancel()`
     ends the call at once (the card is freed)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: _Call) -> None:
         self._call = call
         self._held: list[pb.GenerateResponse] = []
         self._queued = False
@@ -62,7 +157,7 @@ class Turn:
 
     async def _advance(self, *, until_queued: bool) -> None:
         while self.assignment is None and not self._held and not (until_queued and self._queued):
-            message = await self._read()
+            message = await self._call.read()
             if message is None:
                 raise ApiError(502, "the router ended the turn without an answer")
             kind = message.WhichOneof("event")
@@ -75,7 +170,7 @@ class Turn:
 
     async def events(self) -> AsyncIterator[pb.TokenChunk | pb.Finished]:
         while True:
-            message = self._held.pop(0) if self._held else await self._read()
+            message = self._held.pop(0) if self._held else await self._call.read()
             if message is None:
                 return
             kind = message.WhichOneof("event")
@@ -85,13 +180,6 @@ class Turn:
                 yield message.finished
             elif kind == "assigned":  # a retry on another card before the first token
                 self.assignment = message.assigned
-
-    async def _read(self) -> pb.GenerateResponse | None:
-        try:
-            message = await self._call.read()
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e) from e
-        return None if message is grpc.aio.EOF else message
 
     def cancel(self) -> None:
         self._call.cancel()
