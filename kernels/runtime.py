@@ -252,6 +252,11 @@ class MegakernelRunner:
 
     # ---- binding a sequence state --------------------------------------------------------------------
     def _caches(self, state: Any) -> list[Any]:
+        if getattr(state, "kv_format", "auto") != "auto":
+            raise MegakernelError(
+                f"the megakernel reads KV caches in the model's dtype; this state's are {state.kv_format} "
+                "(worker/kv_cache.py: they run on the reference back end)"
+            )
         caches = [state.kv[i] for i in self.config.full_attention_layers]
         if self.has_mtp and state.mtp_kv is not None:
             caches.append(state.mtp_kv)

@@ -19,6 +19,7 @@ import torch
 from .config import ModelConfig
 from .draft_vocab import greedy_draft
 from .errors import BackendUnavailableError, StateError
+from .kv_cache import DEFAULT_KV_FORMAT, check_kv_format
 from .model import StepOutput
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,10 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, model: Any, *, prefill: str = "reference") -> None:
+    def __init__(self, model: Any, *, prefill: str = "reference", kv_format: str = DEFAULT_KV_FORMAT) -> None:
         if prefill not in PREFILL_CHOICES:
             raise BackendUnavailableError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
+        self.kv_format = check_kv_format(kv_format)
         self.model = model
         self.config: ModelConfig = model.config
         self.device: torch.device = model.device
@@ -202,7 +204,7 @@ class ReferenceBackend:
         return self.config.has_mtp
 
     def new_state(self, max_len: int) -> Any:
-        return self.model.new_state(max_len)
+        return self.model.new_state(max_len, kv_format=self.kv_format)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, state: Any) -> StepOutput:
@@ -293,6 +295,7 @@ def create_backend(
     progress: Any = None,
     prefill: str | None = None,
     drafts: str | None = None,
+    kv_cache: str = DEFAULT_KV_FORMAT,
 ) -> Backend:
     """Load `model` (a checkpoint path in any format, or an opened `Checkpoint`) and wrap it in the chosen
     back end.
@@ -306,6 +309,9 @@ def create_backend(
 
     drafts: where the engine's speculative drafts come from ("mtp": the model's MTP head, "lookup": the context;
     None: it decodes plainly); the megakernel's GEMV follows it ($ONESTREAM_MK_GEMV auto: kernels/tuning.py).
+
+    kv_cache: the KV caches' format (worker/kv_cache.py). The megakernel reads caches in the model's dtype only,
+    so an int8 cache runs on the reference back end (auto takes it there; megakernel refuses).
     """
     from .loading import load_model
 
@@ -314,6 +320,12 @@ def create_backend(
 
     if kind not in BACKEND_CHOICES:
         raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {kind!r}")
+    check_kv_format(kv_cache)
+    if kind == "megakernel" and kv_cache != DEFAULT_KV_FORMAT:
+        raise BackendUnavailableError(
+            f"backend 'megakernel' reads KV caches in the model's dtype only, not {kv_cache}; an {kv_cache} "
+            "cache runs on the reference back end (--backend reference)"
+        )
     prefill = prefill or os.environ.get(PREFILL_ENV, "auto")
     if prefill not in PREFILL_CHOICES:
         raise BackendUnavailableError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
@@ -327,7 +339,14 @@ def create_backend(
     dtype = dtype or default_dtype(device)
     loaded = load_model(model, dtype=dtype, device=device, progress=progress)
     if kind == "reference" or device.type != "cuda":
-        return ReferenceBackend(loaded, prefill="reference" if prefill == "auto" else prefill)
+        return ReferenceBackend(
+            loaded, prefill="reference" if prefill == "auto" else prefill, kv_format=kv_cache
+        )
+    if kv_cache != DEFAULT_KV_FORMAT:  # auto on a GPU
+        log.warning(
+            "an %s KV cache runs on the reference back end (the megakernel reads the model's dtype)", kv_cache
+        )
+        return ReferenceBackend(loaded, prefill=prefill, kv_format=kv_cache)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
 
@@ -336,7 +355,7 @@ def create_backend(
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e
         log.warning("megakernel back end unavailable (%s); using the reference back end", e)
-        return ReferenceBackend(loaded, prefill=prefill)
+        return ReferenceBackend(loaded, prefill=prefill, kv_format=kv_cache)
 
 
 def megakernel_tuning(model: Any, drafts: str | None) -> Any:

@@ -34,6 +34,7 @@ from .drafting import (
     NGramIndex,
 )
 from .errors import ContextLengthError, EngineBusyError, InvalidRequestError
+from .kv_cache import DEFAULT_KV_FORMAT
 from .memory import checkpoint_weight_types, fit_prefill_pieces
 from .prefixes import (
     DEFAULT_PREFIX_SHARING,
@@ -121,6 +122,7 @@ class Engine:
         adaptive_drafts: bool = True,
         extend_mtp: bool = True,
         memory_budget: int | None = None,
+        kv_cache: str = DEFAULT_KV_FORMAT,
     ) -> None:
         """`model_dir` names a checkpoint in any format (`worker/checkpoints/`); `quantize` a preset that
         quantizes a full-precision one as it loads; `tokenizer_dir` a Hugging Face tokenizer to use instead of
@@ -130,7 +132,8 @@ class Engine:
         with copies) say where speculative drafts come from and how long they are (worker/drafting/).
         `memory_budget`: the bytes the engine may hold on its device (default: what the device has for this
         process); the fast prefill's piece is the longest whose accounting fits it (worker/memory.py), unless
-        $ONESTREAM_PREFILL_TOKENS sets one."""
+        $ONESTREAM_PREFILL_TOKENS sets one. `kv_cache`: the KV caches' format (worker/kv_cache.py: "auto", the
+        model's dtype, or "int8", which runs on the reference back end)."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):
@@ -141,6 +144,7 @@ class Engine:
                 dtype=parse_dtype(dtype),
                 progress=LoadProgress(self.checkpoint.stored_sizes(), on_update=on_load_progress),
                 drafts=draft_source(drafting, spec_k, lookup_k),
+                kv_cache=kv_cache,
             )
         else:
             self.backend = backend
@@ -277,6 +281,7 @@ class Engine:
             "backend": self.backend.name,
             "device": str(self.backend.device),
             "dtype": str(self.backend.dtype).removeprefix("torch."),
+            "kv_cache": getattr(self.backend, "kv_format", DEFAULT_KV_FORMAT),
             "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size,
             "num_layers": c.num_hidden_layers,

@@ -18,10 +18,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .checkpoints.base import PLAIN, Checkpoint
 from .config import ModelConfig
 from .errors import MemoryBudgetError
+from .kv_cache import DEFAULT_KV_FORMAT, KV_CHUNK, kv_vector_bytes
 from .layout import expected_tensor_shapes
 from .quant.weight import SLAB_ELEMENTS
 from .sequence import MAX_TOKENS_PER_CALL
-from .state import KV_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ def device_memory(
     dequantize_once: bool = False,
     megakernel: bool = False,
     delta_rule: str = "torch",
+    kv_format: str = DEFAULT_KV_FORMAT,
 ) -> MemoryPlan:
     """The plan for `config` with each tensor (our names) stored as `weight_types[name]` (GGML type names),
     serving one sequence of up to `context` tokens in compute `dtype` with `spec_k` drafts per cycle.
@@ -113,7 +114,8 @@ def device_memory(
     `prefill_tokens`: the piece of the fast prefill path (worker/prefill/), or None for the reference path's
     pieces. `megakernel`: the decode megakernel's runner too (`megakernel_buffers`); its verify records the
     DeltaNet states in its own buffers, which then are the rollback history. `delta_rule`: the fast prefill's
-    delta-rule kernel (worker/prefill/deltanet.py: "fla" or "torch"), whose transients differ."""
+    delta-rule kernel (worker/prefill/deltanet.py: "fla" or "torch"), whose transients differ. `kv_format`: the KV
+    caches' (worker/kv_cache.py: the model's dtype, or int8 with a scale per head vector)."""
     shapes = expected_tensor_shapes(config)
     missing = sorted(set(shapes) - set(weight_types))
     if missing:
@@ -143,11 +145,12 @@ def device_memory(
                 per_call = 0
             largest_dequantized = max(largest_dequantized, per_call * elem)
 
-    kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * context * elem
+    kv_position = 2 * config.num_key_value_heads * kv_vector_bytes(kv_format, config.head_dim, elem)
+    kv_per_layer = kv_position * context
     kv_cache = kv_per_layer * len(config.full_attention_layers)
     mtp_kv = kv_per_layer if config.has_mtp else 0
     # a cache growing past its capacity holds the old and the new storage of one layer for a moment
-    kv_growth = 2 * config.num_key_value_heads * config.head_dim * max(context // 2, KV_CHUNK) * elem
+    kv_growth = kv_position * max(context // 2, KV_CHUNK)
     conv = config.linear_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
     recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     linear_layers = len(config.linear_attention_layers)
@@ -317,11 +320,12 @@ def fit_report(
     megakernel: bool = False,
     fast_prefill: bool = False,
     delta_rule: str = "torch",
+    kv_format: str = DEFAULT_KV_FORMAT,
 ) -> str:
     """One line for `serve`: what a card needs for this model, format and context, and whether it fits
     (`prefill_tokens`: the fast prefill path's piece as the operator set it; `fast_prefill` without one: the
     piece the engine will choose for `device_bytes`, `choose_prefill_piece`; `megakernel`: its runner's
-    buffers too; `delta_rule`: the fast prefill's kernel)."""
+    buffers too; `delta_rule`: the fast prefill's kernel; `kv_format`: the KV caches')."""
     from .loading import dequantizes_once
 
     config = checkpoint.config
@@ -339,6 +343,7 @@ def fit_report(
             dequantize_once=dequantizes_once(config, dtype),
             megakernel=megakernel,
             delta_rule=delta_rule,
+            kv_format=kv_format,
         )
 
     chosen = ""
@@ -448,6 +453,7 @@ def fit_prefill_pieces(
             dequantize_once=dequantizes_once(config, dtype),
             megakernel=getattr(backend, "name", None) == "megakernel",
             delta_rule=fast.delta_rule.name,
+            kv_format=getattr(backend, "kv_format", DEFAULT_KV_FORMAT),
         )
 
     operator = operator_piece_tokens()

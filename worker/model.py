@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import InvalidRequestError, StateError, UnsupportedModelError
+from .kv_cache import DEFAULT_KV_FORMAT
 from .layers.attention import RotaryEmbedding
 from .layers.decoder import DecoderLayer
 from .layers.deltanet import GatedDeltaNet
@@ -129,9 +130,14 @@ class Qwen35ForCausalLM(nn.Module):
             )
 
     # ---- one sequence, incremental -------------------------------------------------------------------
-    def new_state(self, max_len: int, device: torch.device | str | None = None) -> SequenceState:
-        """An empty state for up to `max_len` tokens, in the model's dtype, on `device` (default: the model's)."""
-        return SequenceState(self.config, max_len, self.dtype, self.device if device is None else device)
+    def new_state(
+        self, max_len: int, device: torch.device | str | None = None, kv_format: str = DEFAULT_KV_FORMAT
+    ) -> SequenceState:
+        """An empty state for up to `max_len` tokens, in the model's dtype, on `device` (default: the model's),
+        with KV caches of `kv_format` (worker/kv_cache.py)."""
+        return SequenceState(
+            self.config, max_len, self.dtype, self.device if device is None else device, kv_format
+        )
 
     @torch.no_grad()
     def forward_step(

@@ -2,7 +2,7 @@
 
 One `SequenceState` holds everything the model needs to continue one sequence:
 - a KV cache per full-attention layer (and one for the MTP layer), preallocated in chunks so that decode
-  does not reallocate per token;
+  does not reallocate per token, in the model's dtype or as int8 (`worker/kv_cache.py`);
 - per Gated DeltaNet layer, the causal-conv window (the last `kernel - 1` inputs, model dtype) and the fp32
   recurrent state `[Hv, dk, dv]`;
 - the main length (`length`), the MTP length (`mtp_length`) and the token ids the state has consumed.
@@ -19,113 +19,17 @@ does not synchronise once per step to record them.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
 from .config import ModelConfig
 from .errors import ContextLengthError, StateError
+from .kv_cache import DEFAULT_KV_FORMAT, KV_CHUNK, Cache, KVCache, allocates, check_kv_format, new_kv_cache
 
 __all__ = ["KV_CHUNK", "DeltaNetHistory", "KVCache", "SequenceState", "StateError", "StateSnapshot"]
 
-KV_CHUNK = 256  # KV caches grow by at least this many positions at a time
 MAX_UNREAD_PIECES = 256  # token-id tensors not yet read back before they are concatenated into one
-
-
-_F = TypeVar("_F", bound=Callable)
-
-
-@contextlib.contextmanager
-def _plain_tensors() -> Iterator[None]:
-    """Allocate ordinary (non-inference) tensors without autograd, even inside `torch.inference_mode()`.
-
-    Ordinary tensors may be updated in place both inside and outside inference mode; inference tensors
-    only inside. State tensors are therefore always ordinary, whatever mode the caller runs the model in.
-    """
-    with torch.inference_mode(False), torch.no_grad():
-        yield
-
-
-def _allocates(fn: _F) -> _F:
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        with _plain_tensors():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class KVCache:
-    """Keys and values of one attention layer: `[kv_heads, capacity, head_dim]`, grown geometrically up to `max_len`."""
-
-    @_allocates
-    def __init__(
-        self,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        capacity: int = 0,
-    ) -> None:
-        self.max_len = max_len
-        capacity = min(max_len, capacity)
-        self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    @_allocates
-    def reserve(self, needed: int) -> None:
-        """Make room for `needed` positions; growth at least doubles, so appends are amortised O(1)."""
-        if needed <= self.capacity:
-            return
-        if needed > self.max_len:
-            raise ContextLengthError(
-                f"sequence of {needed} tokens exceeds the state's max_len {self.max_len}"
-            )
-        new_cap = max(needed, 2 * self.capacity, KV_CHUNK)
-        new_cap = min(self.max_len, -(-new_cap // KV_CHUNK) * KV_CHUNK)
-        kv_heads, old_cap, head_dim = self.k.shape
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(kv_heads, new_cap, head_dim)
-            new[:, :old_cap] = old
-            setattr(self, name, new)
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return views of `[0, start+T)`."""
-        end = start + k.shape[1]
-        self.reserve(end)
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
-        return self.k[:, :end], self.v[:, :end]
-
-    @_allocates
-    def copy_prefix(self, length: int, *, capacity: int | None = None) -> KVCache:
-        """An independent cache holding positions `[0, length)`."""
-        out = KVCache(
-            self.k.shape[0], self.k.shape[2], self.max_len, self.k.dtype, self.k.device, capacity or length
-        )
-        out.k[:, :length] = self.k[:, :length]
-        out.v[:, :length] = self.v[:, :length]
-        return out
-
-    @_allocates
-    def load_prefix(self, other: KVCache, length: int) -> None:
-        """Overwrite positions `[0, length)` with `other`'s."""
-        self.reserve(length)
-        self.k[:, :length] = other.k[:, :length]
-        self.v[:, :length] = other.v[:, :length]
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -188,10 +92,10 @@ class StateSnapshot:
     length: int
     mtp_length: int
     token_ids: tuple[int, ...]
-    kv: dict[int, KVCache] | None
+    kv: dict[int, Cache] | None
     conv: dict[int, torch.Tensor]
     recurrent: dict[int, torch.Tensor]
-    mtp_kv: KVCache | None
+    mtp_kv: Cache | None
 
     @property
     def light(self) -> bool:
@@ -207,9 +111,14 @@ class StateSnapshot:
 class SequenceState:
     """The decoding state of one sequence. Build it with `Qwen35ForCausalLM.new_state(max_len)`."""
 
-    @_allocates
+    @allocates
     def __init__(
-        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> None:
         if max_len < 1:
             raise StateError(f"max_len must be positive, got {max_len}")
@@ -220,13 +129,15 @@ class SequenceState:
         self.max_len = max_len
         self.dtype = dtype
         self.device = device
+        self.kv_format = check_kv_format(kv_format)
         self.length = 0
         self.mtp_length = 0
         self._tokens: list[int] = []  # consumed token ids already on the host
         self._unread: list[torch.Tensor] = []  # token-id tensors consumed after those, not read back yet
         kv_shape = (config.num_key_value_heads, config.head_dim)
-        self.kv: dict[int, KVCache] = {
-            i: KVCache(*kv_shape, max_len, dtype, device) for i in config.full_attention_layers
+        self.kv: dict[int, Cache] = {
+            i: new_kv_cache(kv_format, *kv_shape, max_len, dtype, device)
+            for i in config.full_attention_layers
         }
         conv_shape = (config.linear_qkv_dim, config.linear_conv_kernel_dim - 1)
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
@@ -237,7 +148,9 @@ class SequenceState:
             i: torch.zeros(rec_shape, dtype=torch.float32, device=device)
             for i in config.linear_attention_layers
         }
-        self.mtp_kv: KVCache | None = KVCache(*kv_shape, max_len, dtype, device) if config.has_mtp else None
+        self.mtp_kv: Cache | None = (
+            new_kv_cache(kv_format, *kv_shape, max_len, dtype, device) if config.has_mtp else None
+        )
         self.history: DeltaNetHistory | None = None
 
     # ---- bookkeeping used by the model ---------------------------------------------------------------
@@ -282,10 +195,10 @@ class SequenceState:
         self._unread = pieces
 
     def _layout(self) -> tuple:
-        return (self.config, self.dtype, self.device)
+        return (self.config, self.dtype, self.device, self.kv_format)
 
     # ---- public operations ---------------------------------------------------------------------------
-    @_allocates
+    @allocates
     def rollback(self, n_tokens: int) -> None:
         """Forget the last `n_tokens` main-model tokens.
 
@@ -329,7 +242,7 @@ class SequenceState:
         """Free the DeltaNet states the last `keep_states=True` step recorded (rollback into it then fails)."""
         self.history = None
 
-    @_allocates
+    @allocates
     def snapshot(self, *, include_kv: bool = True) -> StateSnapshot:
         """A copy of everything needed to come back to this exact point later (see `restore`).
 
@@ -361,11 +274,13 @@ class SequenceState:
             return False
         return tuple(self.token_ids[: snap.length]) == snap.token_ids
 
-    @_allocates
+    @allocates
     def restore(self, snap: StateSnapshot) -> None:
         """Return to the point `snap` was taken at (the snapshot stays valid for further restores)."""
         if snap.owner_layout != self._layout():
-            raise StateError("snapshot was taken from a state of another model, dtype or device")
+            raise StateError(
+                "snapshot was taken from a state of another model, dtype, device or KV cache format"
+            )
         if snap.length > self.max_len or snap.mtp_length > self.max_len:
             raise StateError(
                 f"snapshot of {snap.length} tokens does not fit this state's max_len {self.max_len}"
@@ -392,11 +307,12 @@ class SequenceState:
             self._tokens, self._unread = list(snap.token_ids), []
         self.history = None
 
-    @_allocates
+    @allocates
     def clone(self) -> SequenceState:
         """An independent deep copy (same capacity, same recorded DeltaNet history)."""
         out = SequenceState.__new__(SequenceState)
         out.config, out.max_len, out.dtype, out.device = self.config, self.max_len, self.dtype, self.device
+        out.kv_format = self.kv_format
         out.length, out.mtp_length = self.length, self.mtp_length
         out._tokens, out._unread = list(self.token_ids), []
         out.kv = {i: c.copy_prefix(self.length, capacity=c.capacity) for i, c in self.kv.items()}
@@ -430,5 +346,5 @@ class SequenceState:
     def __repr__(self) -> str:
         return (
             f"SequenceState(length={self.length}, mtp_length={self.mtp_length}, max_len={self.max_len}, "
-            f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes()})"
+            f"dtype={self.dtype}, device={self.device}, kv_format={self.kv_format}, nbytes={self.nbytes()})"
         )

@@ -156,7 +156,9 @@ def run_kld(args: argparse.Namespace) -> int:
     from onestream.worker.loading import load_model
 
     checkpoint = open_checkpoint(args.model, **engine_format_options(args))
-    backend = create_backend(checkpoint, kind=args.backend, device=args.device, dtype=_dtype(args.dtype))
+    backend = create_backend(
+        checkpoint, kind=args.backend, device=args.device, dtype=_dtype(args.dtype), kv_cache=args.kv_cache
+    )
     device = backend.device
     if args.tokens is not None:
         tokens = read_token_file(args.tokens)
@@ -206,7 +208,12 @@ def run_spec(args: argparse.Namespace) -> int:
     from onestream.worker.evaluation import SpeculativeMismatchError, cut_prompts, time_runs
 
     engine = Engine(
-        args.model, backend=args.backend, device=args.device, dtype=args.dtype, **engine_format_options(args)
+        args.model,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache=args.kv_cache,
+        **engine_format_options(args),
     )
     draftings = args.drafting or list(WORKLOAD_DRAFTING if args.workload else ("mtp",))
     needs_mtp = [d for d in draftings if d != "lookup"]

@@ -46,6 +46,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on GPU, fp32 on CPU)"
     )
+    add_kv_cache_argument(parser)
+
+
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    # Kept here (not imported from worker/kv_cache.py) so that `onestream --help` does not load torch.
+    parser.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=("auto", "int8"),
+        help="KV cache format: auto (the model's dtype) or int8 with a scale per head vector (half the memory; "
+        "runs on the reference back end)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -139,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             spec_k=args.spec_k,
             **drafting_options(args),
             token_healing=args.token_healing,
+            kv_cache=args.kv_cache,
             **engine_format_options(args),
         )
         request = GenerateRequest(

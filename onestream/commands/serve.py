@@ -16,6 +16,7 @@ from .generate import (
     MODEL_HELP,
     add_drafting_arguments,
     add_format_arguments,
+    add_kv_cache_argument,
     drafting_options,
     engine_format_options,
 )
@@ -73,6 +74,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "megakernel"))
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the back end's choice)")
     p.add_argument("--spec-k", type=int, default=None, help="MTP drafts per speculative cycle (0 = off)")
+    add_kv_cache_argument(p)
     add_drafting_arguments(p)
     p.add_argument("--max-context", type=int, default=None, help="cap the context length of every card")
     p.add_argument("--cache-gib", type=float, default=None, help="session cache per card, GiB")
@@ -184,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     engine_options: dict[str, Any] = {}
     if args.spec_k is not None:
         engine_options["spec_k"] = args.spec_k
+    if args.kv_cache != "auto":
+        engine_options["kv_cache"] = args.kv_cache
     engine_options |= drafting_options(args)
     if args.max_context is not None:
         engine_options["max_context"] = args.max_context
@@ -305,7 +309,8 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
         prefill_tokens=operator_piece_tokens() if gpu else None,  # a GPU card prefills on the fast path
         fast_prefill=gpu,
         delta_rule=expected_kernel() if gpu else "torch",
-        megakernel=gpu and args.backend != "reference",  # and decodes on the megakernel when it builds
+        megakernel=gpu and args.backend != "reference" and args.kv_cache == "auto",  # when it builds
+        kv_format=args.kv_cache,
     )
 
 
