@@ -149,7 +149,7 @@ class KVCache:
         return out
 
     @allocates
-    def load_prefix(self, other: KVCache, length: int) -> None:  # type: ignore[override]
+    def load_prefix(self, other: KVCache, length: int) -> None:
         """Overwrite positions `[0, length)` with `other`'s."""
         self.reserve(length)
         self.k[:, :length] = other.k[:, :length]
@@ -236,7 +236,7 @@ class Int8KVCache:
         return out
 
     @allocates
-    def load_prefix(self, other: Int8KVCache, length: int) -> None:  # type: ignore[override]
+    def load_prefix(self, other: Int8KVCache, length: int) -> None:
         """Overwrite positions `[0, length)` with `other`'s."""
         self.reserve(length)
         for mine, theirs in zip(self._tensors(), other._tensors(), strict=True):
