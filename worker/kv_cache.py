@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -63,41 +63,69 @@ def kv_vector_bytes(kv_format: str, head_dim: int, dtype_bytes: int = 2) -> int:
     return head_dim + 4 if check_kv_format(kv_format) == "int8" else head_dim * dtype_bytes
 
 
-class Cache(Protocol):
-    """What a `SequenceState` and the attention layers use of a KV cache."""
+class Cache:
+    """A KV cache of either format: its tensors `[kv_heads, capacity, ...]` (`_tensors`) grow, copy and count
+    together; `write` is the format's own."""
 
     max_len: int
+    dtype: torch.dtype
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        raise NotImplementedError
+
+    def _empty(self, capacity: int) -> Cache:
+        """An empty cache of this one's shape and format holding `capacity` positions."""
+        raise NotImplementedError
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return the keys and values of
+        `[0, start+T)` as attention reads them."""
+        raise NotImplementedError
 
     @property
-    def capacity(self) -> int: ...
+    def capacity(self) -> int:
+        return self._tensors()[0].shape[1]
 
-    def reserve(self, needed: int) -> None: ...
+    @allocates
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` positions; growth at least doubles, so appends are amortised O(1)."""
+        if needed <= self.capacity:
+            return
+        if needed > self.max_len:
+            raise ContextLengthError(
+                f"sequence of {needed} tokens exceeds the state's max_len {self.max_len}"
+            )
+        capacity = max(needed, 2 * self.capacity, KV_CHUNK)
+        capacity = min(self.max_len, -(-capacity // KV_CHUNK) * KV_CHUNK)
+        grown = []
+        for t in self._tensors():
+            new = t.new_zeros(t.shape[0], capacity, *t.shape[2:])
+            new[:, : t.shape[1]] = t
+            grown.append(new)
+        self._set_tensors(tuple(grown))
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @allocates
+    def copy_prefix(self, length: int, *, capacity: int | None = None) -> Cache:
+        """An independent cache holding positions `[0, length)`."""
+        out = self._empty(capacity or length)
+        out.load_prefix(self, length)
+        return out
 
-    def copy_prefix(self, length: int, *, capacity: int | None = None) -> Cache: ...
+    @allocates
+    def load_prefix(self, other: Cache, length: int) -> None:
+        """Overwrite positions `[0, length)` with `other`'s (a cache of the same format)."""
+        self.reserve(length)
+        for mine, theirs in zip(self._tensors(), other._tensors(), strict=True):
+            mine[:, :length] = theirs[:, :length]
 
-    def load_prefix(self, other: Cache, length: int) -> None: ...
-
-    def nbytes(self) -> int: ...
-
-
-def _grown(capacity: int, needed: int, max_len: int) -> int:
-    """The capacity a cache of `capacity` positions takes to hold `needed` (at least double, whole chunks)."""
-    if needed > max_len:
-        raise ContextLengthError(f"sequence of {needed} tokens exceeds the state's max_len {max_len}")
-    new_cap = max(needed, 2 * capacity, KV_CHUNK)
-    return min(max_len, -(-new_cap // KV_CHUNK) * KV_CHUNK)
-
-
-def _regrow(t: torch.Tensor, capacity: int) -> torch.Tensor:
-    """`t` ([heads, positions, ...]) with room for `capacity` positions, its contents kept."""
-    new = t.new_zeros(t.shape[0], capacity, *t.shape[2:])
-    new[:, : t.shape[1]] = t
-    return new
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
-class KVCache:
+class KVCache(Cache):
     """Keys and values of one attention layer in the model's dtype: `[kv_heads, capacity, head_dim]`, grown
     geometrically up to `max_len`."""
 
@@ -113,22 +141,18 @@ class KVCache:
         device: torch.device,
         capacity: int = 0,
     ) -> None:
-        self.max_len = max_len
-        capacity = min(max_len, capacity)
-        self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.max_len, self.dtype = max_len, dtype
+        self.k = torch.zeros(kv_heads, min(max_len, capacity), head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
 
-    @allocates
-    def reserve(self, needed: int) -> None:
-        """Make room for `needed` positions; growth at least doubles, so appends are amortised O(1)."""
-        if needed <= self.capacity:
-            return
-        capacity = _grown(self.capacity, needed, self.max_len)
-        self.k, self.v = _regrow(self.k, capacity), _regrow(self.v, capacity)
+    def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.k, self.v = tensors
+
+    def _empty(self, capacity: int) -> KVCache:
+        return KVCache(self.k.shape[0], self.k.shape[2], self.max_len, self.dtype, self.k.device, capacity)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return views of `[0, start+T)`."""
@@ -137,26 +161,6 @@ class KVCache:
         self.k[:, start:end] = k
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
-
-    @allocates
-    def copy_prefix(self, length: int, *, capacity: int | None = None) -> KVCache:
-        """An independent cache holding positions `[0, length)`."""
-        out = KVCache(
-            self.k.shape[0], self.k.shape[2], self.max_len, self.k.dtype, self.k.device, capacity or length
-        )
-        out.k[:, :length] = self.k[:, :length]
-        out.v[:, :length] = self.v[:, :length]
-        return out
-
-    @allocates
-    def load_prefix(self, other: KVCache, length: int) -> None:
-        """Overwrite positions `[0, length)` with `other`'s."""
-        self.reserve(length)
-        self.k[:, :length] = other.k[:, :length]
-        self.v[:, :length] = other.v[:, :length]
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +178,7 @@ def dequantize_int8(levels: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (levels.float() * scale[..., None]).to(dtype)
 
 
-class Int8KVCache:
+class Int8KVCache(Cache):
     """Keys and values of one attention layer as int8 levels `[kv_heads, capacity, head_dim]` with fp32 scales
     `[kv_heads, capacity]` (one per head vector); `write` returns them dequantized to the model's dtype."""
 
@@ -190,28 +194,23 @@ class Int8KVCache:
         device: torch.device,
         capacity: int = 0,
     ) -> None:
-        self.max_len = max_len
-        self.dtype = dtype
+        self.max_len, self.dtype = max_len, dtype
         capacity = min(max_len, capacity)
         self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=torch.int8, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_scale = torch.zeros(kv_heads, capacity, dtype=torch.float32, device=device)
         self.v_scale = torch.zeros_like(self.k_scale)
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self.k, self.v, self.k_scale, self.v_scale
 
-    @allocates
-    def reserve(self, needed: int) -> None:
-        """Make room for `needed` positions; growth at least doubles, so appends are amortised O(1)."""
-        if needed <= self.capacity:
-            return
-        capacity = _grown(self.capacity, needed, self.max_len)
-        self.k, self.v, self.k_scale, self.v_scale = (_regrow(t, capacity) for t in self._tensors())
+    def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.k, self.v, self.k_scale, self.v_scale = tensors
+
+    def _empty(self, capacity: int) -> Int8KVCache:
+        return Int8KVCache(
+            self.k.shape[0], self.k.shape[2], self.max_len, self.dtype, self.k.device, capacity
+        )
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return `[0, start+T)`
@@ -224,26 +223,6 @@ class Int8KVCache:
             dequantize_int8(self.k[:, :end], self.k_scale[:, :end], self.dtype),
             dequantize_int8(self.v[:, :end], self.v_scale[:, :end], self.dtype),
         )
-
-    @allocates
-    def copy_prefix(self, length: int, *, capacity: int | None = None) -> Int8KVCache:
-        """An independent cache holding positions `[0, length)`."""
-        out = Int8KVCache(
-            self.k.shape[0], self.k.shape[2], self.max_len, self.dtype, self.k.device, capacity or length
-        )
-        for mine, theirs in zip(out._tensors(), self._tensors(), strict=True):
-            mine[:, :length] = theirs[:, :length]
-        return out
-
-    @allocates
-    def load_prefix(self, other: Int8KVCache, length: int) -> None:
-        """Overwrite positions `[0, length)` with `other`'s."""
-        self.reserve(length)
-        for mine, theirs in zip(self._tensors(), other._tensors(), strict=True):
-            mine[:, :length] = theirs[:, :length]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 def new_kv_cache(
