@@ -151,6 +151,7 @@ class CardActor:
             device_name=device_name,
             spec_k=int(self._model_info.get("max_drafts", self._model_info.get("spec_k")) or 0),
             model_format=str(self._model_info.get("format", "")),
+            kv_cache=str(self._model_info.get("kv_cache", "auto")),
         )
         self._http = MetricsHTTPServer(settings.metrics_host or node_ip, 0, self._metrics.registry)
         self.identity = CardIdentity(

@@ -111,6 +111,7 @@ class CardMetrics:
         device_name: str,
         spec_k: int = 0,
         model_format: str = "",
+        kv_cache: str = "auto",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         card = {"node": node, "gpu_index": str(gpu_index), "gpu_uuid": gpu_uuid, "model": model}
@@ -200,9 +201,11 @@ class CardMetrics:
         Gauge(
             "onestream_card_info",
             "Card identity, for joins.",
-            (*CARD_LABELS, "backend", "device_name", "format"),
+            (*CARD_LABELS, "backend", "device_name", "format", "kv_cache"),
             registry=r,
-        ).labels(**card, backend=backend, device_name=device_name, format=model_format).set(1)
+        ).labels(
+            **card, backend=backend, device_name=device_name, format=model_format, kv_cache=kv_cache
+        ).set(1)
         self._card = card
         # Labelled series exist at zero from the start: a series born at its first increment hides that
         # increment from rate() and increase().

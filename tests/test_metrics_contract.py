@@ -93,6 +93,22 @@ def test_card_metrics_match_the_doc() -> None:
     assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"
 
 
+def test_the_card_info_names_its_kv_cache_format() -> None:
+    metrics = CardMetrics(
+        node="abc123",
+        gpu_index=0,
+        gpu_uuid="GPU-1",
+        model="tiny",
+        backend="reference",
+        device_name="cpu",
+        kv_cache="int8",
+    )
+    text, server = serve_and_scrape(metrics.registry)
+    server.close()
+    line = next(line for line in text.splitlines() if line.startswith("onestream_card_info{"))
+    assert 'kv_cache="int8"' in line and line.endswith(" 1.0")
+
+
 def test_router_metrics_match_the_doc() -> None:
     metrics = RouterMetrics("tiny", per_user=True)
     metrics.observe_queue_time("0123456789ab/0/cpu-0", 0.5)

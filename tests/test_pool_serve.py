@@ -109,17 +109,29 @@ def test_plain_serve_runs_the_embedded_model_on_cpu_cards_without_a_gpu() -> Non
         server.kill()
 
 
-def test_serve_a_gguf_file_and_its_card_shows_the_weights_format(
+def test_serve_a_gguf_file_and_its_card_shows_the_weights_and_kv_cache_formats(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`onestream quantize` writes a Q4_K_M GGUF; `onestream serve --model X.gguf` serves it; the card's
-    /metrics (a real scrape) label it `gguf Q4_K_M` in `onestream_card_info` and count what it streamed."""
+    """`onestream quantize` writes a Q4_K_M GGUF; `onestream serve --model X.gguf --kv-cache int8` serves it; the
+    card's /metrics (a real scrape) label it `gguf Q4_K_M` and `kv_cache="int8"` in `onestream_card_info` and
+    count what it streamed."""
     from onestream.cli import main
 
     model_dir = write_tiny_checkpoint(tmp_path / "tiny")
     gguf = tmp_path / "tiny-q4_k_m.gguf"
     assert main(["quantize", "--model", str(model_dir), "--type", "q4_k_m", "--out", str(gguf)]) == 0
-    server = Serve("--model", str(gguf), "--cpu-cards", "1", "--max-context", "256", "--http", "off")
+    server = Serve(
+        "--model",
+        str(gguf),
+        "--cpu-cards",
+        "1",
+        "--max-context",
+        "256",
+        "--http",
+        "off",
+        "--kv-cache",
+        "int8",
+    )
     try:
         grpc_address = server.wait_for_line(r"gRPC\s+(\S+:\d+)", START_TIMEOUT_S).group(1)
         card_metrics = server.wait_for_line(r"card\s+\S+/0/cpu-0\s.*http://(\S+)/metrics", 10).group(1)
@@ -129,7 +141,10 @@ def test_serve_a_gguf_file_and_its_card_shows_the_weights_format(
             events = list(client.generate(make_request("def main():", max_tokens=6, ignore_eos=True)))
             assert events[-1].finished.usage.generated_tokens == 6
         samples = scrape(card_metrics)
-        assert total(samples, "onestream_card_info", format="gguf Q4_K_M", backend="reference") == 1
+        assert (
+            total(samples, "onestream_card_info", format="gguf Q4_K_M", backend="reference", kv_cache="int8")
+            == 1
+        )
         assert total(samples, "onestream_card_info") == 1  # one identity series: no other format label
         assert total(samples, "onestream_generation_tokens_total") == 6
         capsys.readouterr()
