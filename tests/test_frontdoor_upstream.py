@@ -9,7 +9,7 @@ import grpc
 import pytest
 from onestream.cluster.auth import RETRY_AFTER
 from onestream.cluster.frontdoor.errors import ApiError
-from onestream.cluster.frontdoor.upstream import STREAM_BUFFER, Router
+from onestream.cluster.frontdoor.upstream import STREAM_BUFFER, InProcessRouter
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 
 
@@ -48,7 +48,9 @@ def test_a_turn_streams_the_routers_messages_in_order_with_the_callers_metadata(
 
     async def main():
         servicer = Servicer(behaviour)
-        turn = Router(servicer).generate(pb.GenerateRequest(request_id="r"), [("authorization", "Bearer k")])
+        turn = InProcessRouter(servicer).generate(
+            pb.GenerateRequest(request_id="r"), [("authorization", "Bearer k")]
+        )
         await turn.admitted()
         await turn.assigned()
         items = [item async for item in turn.events()]
@@ -66,7 +68,7 @@ def test_an_abort_keeps_its_status_and_retry_hint() -> None:
         )
 
     async def main():
-        turn = Router(Servicer(behaviour)).generate(pb.GenerateRequest())
+        turn = InProcessRouter(Servicer(behaviour)).generate(pb.GenerateRequest())
         await turn.admitted()
 
     with pytest.raises(ApiError) as error:
@@ -81,7 +83,7 @@ def test_a_failing_router_is_a_500_naming_the_failure() -> None:
         raise RuntimeError("scheduler lost the card")
 
     async def main():
-        turn = Router(Servicer(behaviour)).generate(pb.GenerateRequest())
+        turn = InProcessRouter(Servicer(behaviour)).generate(pb.GenerateRequest())
         await turn.assigned()
         return [item async for item in turn.events()]
 
@@ -91,7 +93,7 @@ def test_a_failing_router_is_a_500_naming_the_failure() -> None:
 
 
 def test_model_info_answers_or_refuses_as_the_router_does() -> None:
-    router = Router(Servicer(None))
+    router = InProcessRouter(Servicer(None))
     assert run(router.model_info([("authorization", "Bearer k")])).max_context == 4096
     with pytest.raises(ApiError) as error:
         run(router.model_info())
@@ -109,7 +111,7 @@ def test_cancelling_a_turn_cancels_the_routers_task() -> None:
 
     async def main():
         servicer = Servicer(behaviour)
-        turn = Router(servicer).generate(pb.GenerateRequest())
+        turn = InProcessRouter(servicer).generate(pb.GenerateRequest())
         await turn.assigned()
         turn.cancel()
         for _ in range(10):
@@ -129,7 +131,7 @@ def test_the_router_waits_when_the_http_side_lags() -> None:
 
     async def main():
         servicer = Servicer(behaviour)
-        turn = Router(servicer).generate(pb.GenerateRequest())
+        turn = InProcessRouter(servicer).generate(pb.GenerateRequest())
         for _ in range(20):
             await asyncio.sleep(0)
         held = servicer.seen["written"]

@@ -149,8 +149,11 @@ def device_memory(
     kv_per_layer = kv_position * context
     kv_cache = kv_per_layer * len(config.full_attention_layers)
     mtp_kv = kv_per_layer if config.has_mtp else 0
-    # a cache growing past its capacity holds the old and the new storage of one layer for a moment
+    # a cache growing past its capacity holds the old and the new storage of one layer for a moment; an int8
+    # cache also hands attention one layer's keys and values dequantized to the compute dtype
     kv_growth = kv_position * max(context // 2, KV_CHUNK)
+    if kv_format != DEFAULT_KV_FORMAT:
+        kv_growth += 2 * config.num_key_value_heads * config.head_dim * context * elem
     conv = config.linear_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
     recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     linear_layers = len(config.linear_attention_layers)

@@ -22,7 +22,7 @@ from .errors import ApiError
 from .params import object_body
 from .service import Service
 from .template import ChatTemplate
-from .upstream import Router
+from .upstream import InProcessRouter
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Service, web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -120,7 +120,7 @@ class FrontDoor:
     ) -> None:
         self.model = model
         self.model_dir = model_dir
-        self.router = Router(router)
+        self.router = InProcessRouter(router)
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.user_sessions = user_sessions
@@ -133,7 +133,7 @@ class FrontDoor:
         template = await asyncio.to_thread(ChatTemplate, tokenizer)
         service = Service(self.router, template, self.model, self.user_sessions, self.prefix_sharing)
         # handler_cancellation: a client that closes its connection cancels its handler, which cancels
-        # the gRPC call, which frees the card at once.
+        # the router's task for its turn, which frees the card at once.
         self._runner = web.AppRunner(
             make_app(service, self.max_body_bytes, self.keepalive_s),
             handler_cancellation=True,

@@ -17,7 +17,7 @@ from .errors import ApiError, bad_field
 from .events import Event, Reasoning, Text
 from .reasoning import OutputParser
 from .template import ChatTemplate
-from .upstream import Router, Turn, credentials
+from .upstream import InProcessRouter, Turn, credentials
 
 SESSION_HEADER = "x-session-id"
 # Builds the API's own error for a prompt that leaves no room (prompt tokens, the context).
@@ -36,7 +36,7 @@ def output_budget(prompt_tokens: int, max_context: int, requested: int | None, o
 
 @dataclass
 class Service:
-    router: Router
+    router: InProcessRouter
     template: ChatTemplate
     model: str  # the served model's name (/v1/models); requests may name any model
     # The opt-in (`serve --http-user-sessions`): a request's `user` field pins its session when it sends

@@ -73,7 +73,7 @@ class _Context:
         raise _Aborted(code, details, trailing_metadata)
 
 
-class Router:
+class InProcessRouter:
     """The router's servicer (cluster/router.Router), called in process."""
 
     def __init__(self, servicer: Any) -> None:
