@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from onestream.worker.backend import AheadStep, ReferenceBackend
+from onestream.worker.kv_cache import DEFAULT_KV_FORMAT
 from onestream.worker.model import StepOutput
 
 from .layout import MAX_TOKENS_PER_LAUNCH
@@ -44,9 +45,11 @@ class MegakernelBackend(ReferenceBackend):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         prefill: str = "auto",
         launch_prefill_tokens: int = LAUNCH_PREFILL_TOKENS,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> None:
-        super().__init__(model, prefill=prefill)  # auto: the fast prefill path (worker/prefill/)
-        self.runner = MegakernelRunner(model, tuning=tuning, timeout_s=timeout_s)
+        # auto: the fast prefill path (worker/prefill/)
+        super().__init__(model, prefill=prefill, kv_format=kv_format)
+        self.runner = MegakernelRunner(model, tuning=tuning, timeout_s=timeout_s, kv_cache=kv_format)
         self.launch_prefill_tokens = launch_prefill_tokens
         if (
             self.fast_prefill is not None

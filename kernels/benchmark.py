@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from onestream.worker.config import ModelConfig
+from onestream.worker.kv_cache import DEFAULT_KV_FORMAT, kv_vector_bytes
 
 from .alternate import AlternatedResult, alternate
 from .diagnostics import DiagnosticRunner
@@ -306,11 +307,12 @@ def lm_head_bytes(model: Any) -> int:
     return module_weight_bytes(head)
 
 
-def _state_bytes(c: ModelConfig, context: int) -> int:
-    """DeltaNet recurrent state read and written, conv windows, and the KV cache read at `context`."""
+def _state_bytes(c: ModelConfig, context: int, kv_format: str = DEFAULT_KV_FORMAT) -> int:
+    """DeltaNet recurrent state read and written, conv windows, and the KV cache (of `kv_format`) read at
+    `context`."""
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     conv = c.linear_qkv_dim * (c.linear_conv_kernel_dim - 1) * 2
-    kv = 2 * c.num_key_value_heads * c.head_dim * 2 * context
+    kv = 2 * c.num_key_value_heads * kv_vector_bytes(kv_format, c.head_dim) * context
     return len(c.linear_attention_layers) * 2 * (rec + conv) + len(c.full_attention_layers) * kv
 
 

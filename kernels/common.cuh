@@ -208,6 +208,13 @@ __device__ __forceinline__ void prefetch_l2_bytes(const void* p, unsigned bytes)
 #endif
 }
 
+// prefetch_l2_bytes of any span (at most MK_PF_PIECE - 16 bytes), widened to whole aligned 16-byte pieces (the
+// allocator's blocks are whole 512 bytes, so the widening stays inside the allocation).
+__device__ __forceinline__ void prefetch_l2_span(const void* p, unsigned bytes) {
+    const unsigned long long a = (unsigned long long)p & ~15ull, e = ((unsigned long long)p + bytes + 15) & ~15ull;
+    prefetch_l2_bytes((const void*)a, (unsigned)(e - a));
+}
+
 __device__ __forceinline__ void unpack8(const vec16& v, float (&f)[8]) {
     f[0] = bf_lo(v.x), f[1] = bf_hi(v.x), f[2] = bf_lo(v.y), f[3] = bf_hi(v.y);
     f[4] = bf_lo(v.z), f[5] = bf_hi(v.z), f[6] = bf_lo(v.w), f[7] = bf_hi(v.w);

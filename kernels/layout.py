@@ -72,7 +72,7 @@ class L(IntEnum):
     O = 20  # noqa: E741 - the o_proj slot, named like the others (Q, K, V)
     QNORM = 21  # fp32 (1 + w)
     KNORM = 22  # fp32 (1 + w)
-    KCACHE = 23  # bf16 [nKV, capacity, hd] (the reference state's tensor)
+    KCACHE = 23  # bf16 or int8 [nKV, capacity, hd] (the reference state's tensor: worker/kv_cache.py)
     VCACHE = 24
     # Keep-states launches: the conv window (bf16 [E, C, kernel - 1]) and the recurrent state (fp32 [E, Hv, dk, dv])
     # after each token but the last: E = KernelPlan.history_entries, T - 1.
@@ -81,7 +81,9 @@ class L(IntEnum):
     KV_CAP = (
         27  # this layer's KV cache capacity: its per-head stride (caches grow separately, so they differ)
     )
-    COUNT = 28
+    KSCALE = 28  # fp32 [nKV, capacity]: an int8 cache's scale per key vector (0 for bf16 caches)
+    VSCALE = 29
+    COUNT = 30
 
 
 class Phase(IntEnum):

@@ -656,7 +656,6 @@ static_assert(MK_ATT_PAIRS <= MK_NWARPS, "MK_ATT_PAIRS must not exceed the warps
 static_assert(ATT_PW == 4 || ATT_PW == 8, "positions per warp and step of the attention loop");
 static_assert(MK_HD <= 32 * ATT_DPL && MK_HD % ATT_KL == 0 && ATT_DQ % ATT_PB == 0 && ATT_PB % 4 == 0,
               "head_dim must split into even pieces over a key's lanes");
-static_assert(2 * MK_HD * 2 <= MK_XLD * (int)sizeof(bf16_t), "the new keys and values exceed the GEMV input buffer");
 // The attention scratch spans part and rowval (contiguous, 2 * PART_FLOATS); the plan sizes it
 // (MK_ATT_SCRATCH_FLOATS) as attention_items lays it out.
 static_assert(MK_ATT_MACC >= 1 && MK_ATT_MACC <= MK_NWARPS, "the chunk merge's accumulators");
@@ -669,6 +668,98 @@ static_assert(MK_ATT_SCRATCH_FLOATS == (1 + MK_ATT_MACC) * MK_ATT_PAIRS * MK_HD 
 static_assert(MK_ATT_SPLIT_LOG >= 0 && MK_ATT_SPLIT_LOG <= 10 && MK_ATT_FOLD_LEVELS >= 1 && MK_ATT_FOLD_LEVELS <= 16 &&
                   MK_ATT_MERGE_CHUNKS == (1 << (MK_ATT_SPLIT_LOG + MK_ATT_FOLD_LEVELS)),
               "the attention tree's limits");
+
+// The KV cache's storage (MK_KV_I8: worker/kv_cache.py's int8 format, else the model's bf16): int8 levels with
+// one fp32 scale per (head, position) vector (tables L_KSCALE, L_VSCALE: [nKV, capacity]). A score is the dot
+// product with the levels times the key's scale, and a value's weight takes its vector's scale, so the levels
+// convert to floats once per element, as bf16 values do. The new positions of a launch are quantized where they
+// are made, so a verify reads them as later launches read the cache.
+#ifndef MK_KV_I8
+#define MK_KV_I8 0
+#endif
+#if MK_KV_I8
+typedef signed char kv_t;
+#else
+typedef bf16_t kv_t;
+#endif
+static_assert(MK_NT * (2 * MK_HD * (int)sizeof(kv_t) + 8) <= MK_NT * MK_XLD * (int)sizeof(bf16_t),
+              "the new keys and values (and their scales) exceed the GEMV input buffer");
+
+// ATT_PB elements of a key (an aligned piece) as packed words, from the shared new positions or the cache.
+struct AttKey {
+    u32 w[ATT_PB * (int)sizeof(kv_t) / 4];
+};
+__device__ __forceinline__ AttKey att_ld_key(const kv_t* p, bool shared) {
+    AttKey k;
+    if constexpr (ATT_PB * sizeof(kv_t) == 16) {
+        const vec16 v = shared ? ld_shared16(p) : ld_cg16(p);
+        k.w[0] = v.x, k.w[1] = v.y, k.w[2] = v.z, k.w[3] = v.w;
+    } else if constexpr (ATT_PB * sizeof(kv_t) == 8) {
+        const uint2 v = shared ? *(const uint2*)p : __ldcg((const uint2*)p);
+        k.w[0] = v.x, k.w[1] = v.y;
+    } else {
+        k.w[0] = shared ? *(const u32*)p : __ldcg((const u32*)p);
+    }
+    return k;
+}
+// Element e of a key piece (e a constant after unrolling): an int8 level or a bf16 value, as a float.
+__device__ __forceinline__ float att_key_elem(const AttKey& k, int e) {
+#if MK_KV_I8
+    return (float)(int)(signed char)(k.w[e >> 2] >> (8 * (e & 3)));
+#else
+    return (e & 1) ? bf_hi(k.w[e >> 1]) : bf_lo(k.w[e >> 1]);
+#endif
+}
+// A lane's ATT_DPL elements of one position's value, with the vector's scale (int8; 1 for bf16).
+struct AttVal {
+#if MK_KV_I8
+    u32 w[ATT_DPL / 4];
+    float s;
+#else
+    vec16 v;
+#endif
+};
+__device__ __forceinline__ AttVal att_val_zero() {
+    AttVal v;
+#if MK_KV_I8
+    v.w[0] = v.w[1] = 0u;
+    v.s = 0.0f;
+#else
+    v.v = vec16{0u, 0u, 0u, 0u};
+#endif
+    return v;
+}
+__device__ __forceinline__ float att_val_elem(const AttVal& v, int e) {
+#if MK_KV_I8
+    return (float)(int)(signed char)(v.w[e >> 2] >> (8 * (e & 3)));
+#else
+    const u32 w = e < 2 ? v.v.x : e < 4 ? v.v.y : e < 6 ? v.v.z : v.v.w;
+    return (e & 1) ? bf_hi(w) : bf_lo(w);
+#endif
+}
+// A position's softmax weight as its value's elements take it (int8: times the vector's scale).
+__device__ __forceinline__ float att_val_weight(const AttVal& v, float w) {
+#if MK_KV_I8
+    return w * v.s;
+#else
+    return w;
+#endif
+}
+#if MK_KV_I8
+// One warp: a head vector's int8 levels and scale as worker/kv_cache.py quantize_int8 makes them (the largest |x|
+// at 127, x times the scale's reciprocal rounded to nearest even); x[j]: element lane + 32 j.
+__device__ __forceinline__ float att_quantize(const float (&x)[ATT_NPL], signed char (&q)[ATT_NPL]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) m = fmaxf(m, fabsf(x[j]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float s = __fdiv_rn(m, 127.0f), inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) q[j] = (signed char)(int)fminf(fmaxf(rintf(__fmul_rn(x[j], inv)), -127.0f), 127.0f);
+    return s;
+}
+#endif
 
 // One warp: zero-centred RMSNorm of a head (fp32 1+w), then partial rotate-half RoPE at position p, into
 // out[0..HD) (fp32 holding bf16 values).
@@ -795,28 +886,6 @@ __device__ __forceinline__ AttNode att_root(const AttNode (&stk)[LV], int n) {
     return node;
 }
 
-// ATT_PB bf16 of a key (an aligned piece) as packed words, from the shared new positions or the cache.
-struct AttKey {
-    u32 w[ATT_PB / 2];
-};
-__device__ __forceinline__ AttKey att_ld_key(const bf16_t* p, bool shared) {
-    AttKey k;
-    if constexpr (ATT_PB == 8) {
-        const vec16 v = shared ? ld_shared16(p) : ld_cg16(p);
-        k.w[0] = v.x, k.w[1] = v.y, k.w[2] = v.z, k.w[3] = v.w;
-    } else {
-        const uint2 v = shared ? *(const uint2*)p : __ldcg((const uint2*)p);
-        k.w[0] = v.x, k.w[1] = v.y;
-    }
-    return k;
-}
-
-// Value e (0..7, a constant after unrolling) of 8 bf16 in a 16-byte vector.
-__device__ __forceinline__ float bf_elem(const vec16& v, int e) {
-    const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
-    return (e & 1) ? bf_hi(w) : bf_lo(w);
-}
-
 // The last split item of a (key/value head, pass): each thread folds its values' split roots in split order up
 // the tree (8 splits' loads in flight), gates and writes the attention output.
 __device__ __noinline__ void att_fold(const Tables& tb, int kvh, int pass, int np, int nsplit, int maxch) {
@@ -870,8 +939,12 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     const float* inv_freq = tb.gp<const float>(G_INV_FREQ);
     float* part = tb.gp<float>(G_ATT_PART);
     bf16_t* att_out = tb.gp<bf16_t>(G_ATT_OUT);
-    bf16_t* kc = tb.lp<bf16_t>(layer, L_KCACHE);
-    bf16_t* vc = tb.lp<bf16_t>(layer, L_VCACHE);
+    kv_t* kc = tb.lp<kv_t>(layer, L_KCACHE);
+    kv_t* vc = tb.lp<kv_t>(layer, L_VCACHE);
+#if MK_KV_I8
+    float* ksc = tb.lp<float>(layer, L_KSCALE);  // [nKV, capacity]
+    float* vsc = tb.lp<float>(layer, L_VSCALE);
+#endif
     const float* qn_w = tb.lp<const float>(layer, L_QNORM);
     const float* kn_w = tb.lp<const float>(layer, L_KNORM);
     const float cs = rsqrtf((float)MK_HD) * 1.44269504088896341f;  // the softmax scale times log2(e)
@@ -883,8 +956,12 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
     float* wl = wm + MK_NWARPS * MK_ATT_PAIRS;     // [NWARPS][PAIRS]
     float* knew = wl + MK_NWARPS * MK_ATT_PAIRS;   // [NT][HD]
     float* tml = knew + MK_NT * MK_HD;             // [SPLIT_LOG + 1][PAIRS][2]: the split tree's (m, l) per level
-    // [NT][2][HD]: the new positions' key and value as cached, in the GEMV input's buffer (free in this phase).
-    bf16_t* kvnew = (bf16_t*)xs;
+    // [NT][2][HD]: the new positions' key and value as cached, in the GEMV input's buffer (free in this phase);
+    // int8: their scales after them, [NT][2].
+    kv_t* kvnew = (kv_t*)xs;
+#if MK_KV_I8
+    float* kvs = (float*)(kvnew + MK_NT * 2 * MK_HD);
+#endif
 
     bool any = false;
     const int passes = sp.passes, nsplit = sp.splits;
@@ -894,8 +971,12 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
         const int s = rest / passes, pass = rest - s * passes;
         const int c0 = s << sp.k, c1 = min(nch, c0 + (1 << sp.k));
         const int q0 = c0 * cl, q1 = min(L, c1 * cl);  // the split's positions
-        bf16_t* kh = kc + (long long)kvh * cap * MK_HD;
-        bf16_t* vh = vc + (long long)kvh * cap * MK_HD;
+        kv_t* kh = kc + (long long)kvh * cap * MK_HD;
+        kv_t* vh = vc + (long long)kvh * cap * MK_HD;
+#if MK_KV_I8
+        float* ksh = ksc + (long long)kvh * cap;
+        float* vsh = vsc + (long long)kvh * cap;
+#endif
         // New positions of this split: normed, rotated key and raw value. Every pass's item of the split computes
         // them into shared memory and attends to them there, so that none waits for another block; only the pass-0
         // item writes them to the cache (for later launches). The last warps take a token each (the first np warps
@@ -914,7 +995,34 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 }
                 float* kt = knew + t * MK_HD;
                 norm_rope_head(row + MK_ATT_QROWS + kvh * MK_HD, kn_w, inv_freq, p, kt);
-                bf16_t* kv = kvnew + t * 2 * MK_HD;
+                kv_t* kv = kvnew + t * 2 * MK_HD;
+#if MK_KV_I8
+                // The key as the model's dtype holds it, then both vectors quantized.
+                float xk[ATT_NPL], xv[ATT_NPL];
+#pragma unroll
+                for (int j = 0; j < ATT_NPL; ++j) {
+                    const int d = lane + 32 * j;
+                    xk[j] = d < MK_HD ? bf2f(f2bf(kt[d])) : 0.0f;
+                    xv[j] = bf2f(vv[j]);
+                }
+                signed char lk[ATT_NPL], lv[ATT_NPL];
+                const float sk = att_quantize(xk, lk), sv = att_quantize(xv, lv);
+#pragma unroll
+                for (int j = 0; j < ATT_NPL; ++j) {
+                    const int d = lane + 32 * j;
+                    if (d >= MK_HD) continue;
+                    kv[d] = lk[j];
+                    kv[MK_HD + d] = lv[j];
+                    if (pass == 0) {
+                        kh[(long long)p * MK_HD + d] = lk[j];
+                        vh[(long long)p * MK_HD + d] = lv[j];
+                    }
+                }
+                if (lane == 0) {
+                    kvs[t * 2] = sk, kvs[t * 2 + 1] = sv;
+                    if (pass == 0) ksh[p] = sk, vsh[p] = sv;
+                }
+#else
 #pragma unroll
                 for (int j = 0; j < ATT_NPL; ++j) {
                     const int d = lane + 32 * j;
@@ -927,6 +1035,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                         vh[(long long)p * MK_HD + d] = vv[j];
                     }
                 }
+#endif
                 __syncwarp();
             }
         }
@@ -957,14 +1066,18 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             // The next chunk of the split starts towards L2 while this one is used (the barrier before the phase
             // started the first).
             if (tid == 0 && c + 1 < c1) {
-                const int bytes = (min(L, p1 + cl) - p1) * MK_HD * 2;
+                const int n = min(L, p1 + cl) - p1, bytes = n * MK_HD * (int)sizeof(kv_t);
                 const char* kn = (const char*)(kh + (long long)p1 * MK_HD);
                 const char* vn = (const char*)(vh + (long long)p1 * MK_HD);
                 for (int off = 0; off < bytes; off += MK_PF_PIECE) {
-                    const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
-                    prefetch_l2_bytes(kn + off, n);
-                    prefetch_l2_bytes(vn + off, n);
+                    const unsigned m = (unsigned)min(bytes - off, MK_PF_PIECE);
+                    prefetch_l2_bytes(kn + off, m);
+                    prefetch_l2_bytes(vn + off, m);
                 }
+#if MK_KV_I8
+                prefetch_l2_span(ksh + p1, n * 4);
+                prefetch_l2_span(vsh + p1, n * 4);
+#endif
             }
             // The queries stay in shared memory (qsm): registers go to the accumulators and the loads in flight.
             // l is per lane: the sum of its position group's weights (the groups' sums add up after the chunk).
@@ -981,34 +1094,51 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             // come from shared memory, earlier ones from the cache. Past the chunk a lane loads the chunk's last
             // position instead (finite values under a weight of 0).
             constexpr int GS = ATT_PW * MK_NWARPS;
-            auto load_k = [&](int q, AttKey (&k)[ATT_NPC]) {
+            // `ks`: the key's scale (int8; bf16 keys leave it 1).
+            auto load_k = [&](int q, AttKey (&k)[ATT_NPC], float& ks) {
                 q = min(q, p1 - 1);
+                ks = 1.0f;
                 if (q >= pos) {
-                    const bf16_t* src = kvnew + (q - pos) * 2 * MK_HD + sub * ATT_PB;
+                    const kv_t* src = kvnew + (q - pos) * 2 * MK_HD + sub * ATT_PB;
 #pragma unroll
                     for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, true);
+#if MK_KV_I8
+                    ks = kvs[(q - pos) * 2];
+#endif
                 } else {
                     // interleaved pieces: the loads of a position's lanes are contiguous
-                    const bf16_t* src = kh + (long long)q * MK_HD + sub * ATT_PB;
+                    const kv_t* src = kh + (long long)q * MK_HD + sub * ATT_PB;
 #pragma unroll
                     for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, false);
+#if MK_KV_I8
+                    ks = ld_cg_f(ksh + q);
+#endif
                 }
             };
-            auto load_v = [&](int q, vec16& v) {
+            auto load_v = [&](int q, AttVal& v) {
                 q = min(q, p1 - 1);
+#if MK_KV_I8
                 if (q >= pos) {
-                    v = ld_shared16(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL);
+                    const uint2 w = *(const uint2*)(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL);
+                    v.w[0] = w.x, v.w[1] = w.y;
+                    v.s = kvs[(q - pos) * 2 + 1];
                 } else {
-                    v = ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
+                    const uint2 w = __ldcg((const uint2*)(vh + (long long)q * MK_HD + lane * ATT_DPL));
+                    v.w[0] = w.x, v.w[1] = w.y;
+                    v.s = ld_cg_f(vsh + q);
                 }
+#else
+                v.v = q >= pos ? ld_shared16(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL)
+                               : ld_cg16(vh + (long long)q * MK_HD + lane * ATT_DPL);
+#endif
             };
             // One step over the positions p..p + ATT_PW - 1 from the keys in kg; the values load at its start (the
             // scores' work covers them), the keys a step ahead.
-            auto att_step = [&](int p, const AttKey (&kg)[ATT_NPC]) {
-                vec16 vg[ATT_PW];
+            auto att_step = [&](int p, const AttKey (&kg)[ATT_NPC], float ks) {
+                AttVal vg[ATT_PW];
 #pragma unroll
                 for (int i = 0; i < ATT_PW; ++i) {
-                    vg[i] = vec16{0u, 0u, 0u, 0u};
+                    vg[i] = att_val_zero();
                     if (active) load_v(p + i, vg[i]);
                 }
                 // Every pair's partial score of the lane's position (its ATT_DQ dims), then a log2(ATT_KL)-level
@@ -1020,7 +1150,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 for (int i = 0; i < ATT_NPC; ++i) {
                     float kf[ATT_PB];
 #pragma unroll
-                    for (int e = 0; e < ATT_PB; ++e) kf[e] = (e & 1) ? bf_hi(kg[i].w[e >> 1]) : bf_lo(kg[i].w[e >> 1]);
+                    for (int e = 0; e < ATT_PB; ++e) kf[e] = att_key_elem(kg[i], e);
 #pragma unroll
                     for (int j = 0; j < NP; ++j) {
                         const float* qj = qsm + j * MK_HD + (sub + ATT_KL * i) * ATT_PB;
@@ -1044,7 +1174,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 for (int j = 0; j < NP; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform; so are the later steps' tests
                     // Scores in log2 units (exp2 is one MUFU); no key: weight 0 exactly.
-                    const float x = q <= lastpos[j] && q < p1 ? sc[j] * cs : -MK_INF;
+                    const float x = q <= lastpos[j] && q < p1 ? (MK_KV_I8 ? sc[j] * ks : sc[j]) * cs : -MK_INF;
                     float smax = x;
 #pragma unroll
                     for (int o = ATT_KL; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
@@ -1054,25 +1184,27 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     l[j] = fmaf(l[j], corr, wx);
                     float w[ATT_PW];  // the step's weights, from each position's first lane
 #pragma unroll
-                    for (int i = 0; i < ATT_PW; ++i) w[i] = __shfl_sync(0xffffffffu, wx, i * ATT_KL);
+                    for (int i = 0; i < ATT_PW; ++i) w[i] = att_val_weight(vg[i], __shfl_sync(0xffffffffu, wx, i * ATT_KL));
 #pragma unroll
                     for (int e = 0; e < ATT_DPL; ++e) {
-                        float u = w[0] * bf_elem(vg[0], e);
+                        float u = w[0] * att_val_elem(vg[0], e);
 #pragma unroll
-                        for (int i = 1; i < ATT_PW; ++i) u = fmaf(w[i], bf_elem(vg[i], e), u);
+                        for (int i = 1; i < ATT_PW; ++i) u = fmaf(w[i], att_val_elem(vg[i], e), u);
                         acc[j][e] = fmaf(acc[j][e], corr, u);
                     }
                     m[j] = mn;
                 }
             };
             AttKey kr[ATT_NPC];
-            load_k(p0 + warp * ATT_PW + grp, kr);
+            float krs;
+            load_k(p0 + warp * ATT_PW + grp, kr, krs);
             for (int p = p0 + warp * ATT_PW; p < p1; p += GS) {
                 AttKey kg[ATT_NPC];  // this step's keys (kr refills with the next step's)
 #pragma unroll
                 for (int i = 0; i < ATT_NPC; ++i) kg[i] = kr[i];
-                load_k(p + GS + grp, kr);
-                att_step(p, kg);
+                const float kgs = krs;
+                load_k(p + GS + grp, kr, krs);
+                att_step(p, kg, kgs);
             }
             // The warp's sum per pair: its position groups' sums by a butterfly (every lane the same bits).
 #pragma unroll
@@ -1214,17 +1346,22 @@ __device__ void prefetch_mixer_inputs(const Tables& tb, const StepInfo& si, int 
         const int L = si.pos + MK_NT;
         const AttSplit sp = att_split(si);
         const long long cap = tb.li(layer, L_KV_CAP);
-        const char* kc = (const char*)tb.lp<const bf16_t>(layer, L_KCACHE);
-        const char* vc = (const char*)tb.lp<const bf16_t>(layer, L_VCACHE);
+        const char* kc = (const char*)tb.lp<const kv_t>(layer, L_KCACHE);
+        const char* vc = (const char*)tb.lp<const kv_t>(layer, L_VCACHE);
         const int item = bid_x();
         if (item >= att_items(sp)) return;
         const int kvh = item / (sp.splits * sp.passes), c = ((item - kvh * sp.splits * sp.passes) / sp.passes) << sp.k;
-        const int p0 = c * MK_ATT_CHUNK, bytes = (min(L, p0 + MK_ATT_CHUNK) - p0) * MK_HD * 2;
-        const long long start = ((long long)kvh * cap + p0) * MK_HD * 2;
+        const int p0 = c * MK_ATT_CHUNK, n = min(L, p0 + MK_ATT_CHUNK) - p0;
+        const int bytes = n * MK_HD * (int)sizeof(kv_t);
+        const long long start = ((long long)kvh * cap + p0) * MK_HD * (int)sizeof(kv_t);
         for (int off = 0; off < bytes; off += MK_PF_PIECE) {
-            const unsigned n = (unsigned)min(bytes - off, MK_PF_PIECE);
-            prefetch_l2_bytes(kc + start + off, n);
-            prefetch_l2_bytes(vc + start + off, n);
+            const unsigned m = (unsigned)min(bytes - off, MK_PF_PIECE);
+            prefetch_l2_bytes(kc + start + off, m);
+            prefetch_l2_bytes(vc + start + off, m);
         }
+#if MK_KV_I8
+        prefetch_l2_span(tb.lp<const float>(layer, L_KSCALE) + kvh * cap + p0, n * 4);
+        prefetch_l2_span(tb.lp<const float>(layer, L_VSCALE) + kvh * cap + p0, n * 4);
+#endif
     }
 }

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import ContextLengthError, UnsupportedModelError
+from onestream.worker.kv_cache import DEFAULT_KV_FORMAT, KV_FORMATS
 from onestream.worker.quant import QuantType
 
 from .layout import (
@@ -202,9 +203,16 @@ class KernelPlan:
     # The embedding table's rows as the kernel reads them: bf16, or a block-quantized table in the device layout
     # (the model's own repacked copy: embed.cuh decodes the rows a phase reads).
     embed_format: WeightFormat = WeightFormat.BF16
+    # The KV caches' format (worker/kv_cache.py KV_FORMATS): "auto" (the model's bf16) or "int8" (levels and an
+    # fp32 scale per head vector; MK_KV_I8).
+    kv_cache: str = DEFAULT_KV_FORMAT
 
     def __post_init__(self) -> None:
         check_supported(self.config, self.tokens_per_launch, self.tuning)
+        if self.kv_cache not in KV_FORMATS:
+            raise UnsupportedModelError(
+                f"megakernel: KV cache format must be one of {', '.join(KV_FORMATS)}, got {self.kv_cache!r}"
+            )
         if self.embed_format is not WeightFormat.BF16:
             if self.tuning.mma:
                 raise UnsupportedModelError(
@@ -540,6 +548,10 @@ class KernelPlan:
                 shapes["MK_QI8"] = 1
         if not self.streams_bf16:
             shapes["MK_GEMV_BF16"] = 0
+        if (
+            self.kv_cache == "int8"
+        ):  # left out for bf16 caches: those plans keep their defines (and their PTX)
+            shapes["MK_KV_I8"] = 1
         if self.dn_out_tiled:  # left out otherwise: plans in HF order keep their defines (and their PTX)
             shapes["MK_DN_OUT_TILED"] = 1
         if t.phase_timing:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from onestream.worker.draft_vocab import check_draft_vocab
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
+from onestream.worker.kv_cache import DEFAULT_KV_FORMAT
 from onestream.worker.quant.weight import QuantizedEmbedding
 from onestream.worker.state import DeltaNetHistory
 
@@ -87,7 +88,10 @@ class MegakernelRunner:
         tokens_per_launch: int = 1,
         tuning: Tuning | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_cache: str = DEFAULT_KV_FORMAT,
     ) -> None:
+        """`kv_cache`: the format of the KV caches of the states it runs (worker/kv_cache.py); its builds read
+        that one."""
         embed = model.model.embed_tokens
         quantized = isinstance(embed, QuantizedEmbedding)
         device = embed.raw.device if quantized else embed.weight.device
@@ -100,6 +104,7 @@ class MegakernelRunner:
         self.config = model.config
         self.device = device
         self.tuning = tuning or Tuning()
+        self.kv_cache = kv_cache
         self.props = torch.cuda.get_device_properties(self.device)
         self.smem_limit = _smem_optin(self.props, self.device)
         self.tokens_per_launch = tokens_per_launch
@@ -174,6 +179,7 @@ class MegakernelRunner:
             weight_formats=self.weights.weight_formats,
             dn_out_tiled=self.weights.dn_out_tiled,
             embed_format=self.weights.embed_format,
+            kv_cache=self.kv_cache,
         )
         if plan.smem_bytes > plan.dynamic_smem_limit:
             raise MegakernelError(
@@ -252,10 +258,11 @@ class MegakernelRunner:
 
     # ---- binding a sequence state --------------------------------------------------------------------
     def _caches(self, state: Any) -> list[Any]:
-        if getattr(state, "kv_format", "auto") != "auto":
+        kv_format = getattr(state, "kv_format", DEFAULT_KV_FORMAT)
+        if kv_format != self.kv_cache:
             raise MegakernelError(
-                f"the megakernel reads KV caches in the model's dtype; this state's are {state.kv_format} "
-                "(worker/kv_cache.py: they run on the reference back end)"
+                f"this runner's kernels read {self.kv_cache} KV caches; the state's are {kv_format} "
+                "(make the state with the back end's new_state)"
             )
         caches = [state.kv[i] for i in self.config.full_attention_layers]
         if self.has_mtp and state.mtp_kv is not None:
@@ -381,6 +388,9 @@ class MegakernelRunner:
                     _ptr(_contig(cache.v, "KV cache")),
                 )
                 r[L.KV_CAP] = cache.capacity
+                if self.kv_cache == "int8":
+                    r[L.KSCALE] = _ptr(_contig(cache.k_scale, "KV cache scales"))
+                    r[L.VSCALE] = _ptr(_contig(cache.v_scale, "KV cache scales"))
             else:
                 la = layer.linear_attn
                 r[L.KIND] = LAYER_LINEAR

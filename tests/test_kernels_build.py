@@ -224,6 +224,13 @@ def test_bench_decode_takes_a_list_of_contexts() -> None:
     for bad in ("", "0,512", "512,512", "5k"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench._contexts(bad)
+    both = parser.parse_args(["bench", "decode", "--context", "512,32768", "--kv-cache", "auto,int8"])
+    assert both.kv_cache == ["auto", "int8"] and parser.parse_args(["bench", "decode"]).kv_cache == ["auto"]
+    for bad in ("", "fp8", "int8,int8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench._kv_formats(bad)
+    one = parser.parse_args(["bench", "decode", "--kv-cache", "int8"])
+    assert bench.run_decode(one) == 2  # one context: refused before any GPU work
 
 
 @torch.no_grad()
@@ -238,6 +245,12 @@ def test_context_bench_state_holds_the_context_in_every_cache() -> None:
         assert cache.k[:, 300:].abs().sum() == 0
     model.forward_step(torch.tensor([5]), state)  # a step continues from it
     assert state.length == 301
+    int8 = synthetic_state(model, 300, 340, seed=1, kv_format="int8")
+    for cache in int8.kv.values():
+        assert cache.k.dtype == torch.int8 and bool((cache.k_scale[:, :300] > 0).all())
+        assert cache.k[:, 300:].abs().sum() == 0 and cache.v_scale[:, 300:].abs().sum() == 0
+    model.forward_step(torch.tensor([5]), int8)
+    assert int8.length == 301
 
 
 def test_weight_ring_only_where_shared_memory_holds_it() -> None:

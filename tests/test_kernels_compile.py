@@ -13,6 +13,7 @@ from onestream.kernels.build import nvcc_compile, ptxas_report
 from onestream.kernels.plan import KernelPlan
 from onestream.kernels.random_model import config_27b
 from onestream.kernels.tuning import Tuning
+from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.testing import tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -52,3 +53,25 @@ def test_shipped_switches_compile(tuning: Tuning, arch: str) -> None:
     report = ptxas_report(nvcc_compile(spec, arch))
     assert report["mk_decode"]["registers"] * spec.tuning.threads <= 65536, report["mk_decode"]
     print(f"\n{tuning} {arch}: stages {spec.stages} {report['mk_decode']}")
+
+
+def test_an_int8_cache_plan_defines_it_and_others_keep_their_defines() -> None:
+    plain = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024)
+    int8 = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, kv_cache="int8")
+    assert "MK_KV_I8" not in plain.defines()
+    assert {**plain.defines(), "MK_KV_I8": 1} == int8.defines()
+    with pytest.raises(UnsupportedModelError, match="KV cache format"):
+        KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, kv_cache="fp8")
+
+
+@pytest.mark.parametrize(("arch", "tokens"), [("sm_90", 8), ("sm_86", 1)])
+def test_the_int8_cache_builds_compile(arch: str, tokens: int) -> None:
+    """The attention phase reading int8 keys and values builds for the H200's widest verify and the RTX 3090's
+    decode step, its block's registers within the register file."""
+    plan = KernelPlan(
+        config_27b(), num_sms=SMS[arch], tokens_per_launch=tokens, smem_limit=SMEM[arch], kv_cache="int8"
+    )
+    report = ptxas_report(nvcc_compile(plan, arch))
+    assert report["mk_decode"]["registers"] * plan.tuning.threads <= 65536, report["mk_decode"]
+    attention = next(v for k, v in report.items() if "phase_attention" in k)
+    print(f"\nint8 KV {arch} T = {tokens}: mk_decode {report['mk_decode']}, attention {attention}")

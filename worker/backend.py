@@ -310,8 +310,7 @@ def create_backend(
     drafts: where the engine's speculative drafts come from ("mtp": the model's MTP head, "lookup": the context;
     None: it decodes plainly); the megakernel's GEMV follows it ($ONESTREAM_MK_GEMV auto: kernels/tuning.py).
 
-    kv_cache: the KV caches' format (worker/kv_cache.py). The megakernel reads caches in the model's dtype only,
-    so an int8 cache runs on the reference back end (auto takes it there; megakernel refuses).
+    kv_cache: the KV caches' format (worker/kv_cache.py), on either back end.
     """
     from .loading import load_model
 
@@ -321,11 +320,6 @@ def create_backend(
     if kind not in BACKEND_CHOICES:
         raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {kind!r}")
     check_kv_format(kv_cache)
-    if kind == "megakernel" and kv_cache != DEFAULT_KV_FORMAT:
-        raise BackendUnavailableError(
-            f"backend 'megakernel' reads KV caches in the model's dtype only, not {kv_cache}; an {kv_cache} "
-            "cache runs on the reference back end (--backend reference)"
-        )
     prefill = prefill or os.environ.get(PREFILL_ENV, "auto")
     if prefill not in PREFILL_CHOICES:
         raise BackendUnavailableError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
@@ -342,15 +336,12 @@ def create_backend(
         return ReferenceBackend(
             loaded, prefill="reference" if prefill == "auto" else prefill, kv_format=kv_cache
         )
-    if kv_cache != DEFAULT_KV_FORMAT:  # auto on a GPU
-        log.warning(
-            "an %s KV cache runs on the reference back end (the megakernel reads the model's dtype)", kv_cache
-        )
-        return ReferenceBackend(loaded, prefill=prefill, kv_format=kv_cache)
     try:
         from onestream.kernels.backend import MegakernelBackend  # type: ignore[import-not-found]
 
-        return MegakernelBackend(loaded, tuning=megakernel_tuning(loaded, drafts), prefill=prefill)
+        return MegakernelBackend(
+            loaded, tuning=megakernel_tuning(loaded, drafts), prefill=prefill, kv_format=kv_cache
+        )
     except Exception as e:  # auto falls back on any build failure, and says why
         if kind == "megakernel":
             raise BackendUnavailableError(f"the megakernel back end is unavailable: {e}") from e

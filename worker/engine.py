@@ -133,7 +133,7 @@ class Engine:
         `memory_budget`: the bytes the engine may hold on its device (default: what the device has for this
         process); the fast prefill's piece is the longest whose accounting fits it (worker/memory.py), unless
         $ONESTREAM_PREFILL_TOKENS sets one. `kv_cache`: the KV caches' format (worker/kv_cache.py: "auto", the
-        model's dtype, or "int8", which runs on the reference back end)."""
+        model's dtype, or "int8")."""
         self.checkpoint = open_checkpoint(model_dir, tokenizer_dir=tokenizer_dir, quantize=quantize)
         self.model_dir = self.checkpoint.path
         if isinstance(backend, str):

@@ -36,6 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "baselines, the megakernel at each context (random KV caches of that length), with the ratio to the "
         "shortest, for bf16 and each --weights format (and each --variant build)",
     )
+    decode.add_argument(
+        "--kv-cache",
+        type=_kv_formats,
+        default=["auto"],
+        metavar="FORMAT[,FORMAT...]",
+        help="with several --context lengths: the KV cache formats to time, each against its own shortest "
+        "context (auto: the model's dtype; int8: levels and a scale per head vector), e.g. auto,int8",
+    )
     decode.add_argument("--steps", type=int, default=64, help="decode steps timed for the megakernel")
     decode.add_argument("--ref-steps", type=int, default=16, help="decode steps timed for the baselines")
     decode.add_argument(
@@ -98,6 +106,15 @@ def _contexts(text: str) -> list[int]:
     return values
 
 
+def _kv_formats(text: str) -> list[str]:
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names or any(n not in ("auto", "int8") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"KV cache formats are distinct names among auto, int8 separated by commas, got {text!r}"
+        )
+    return names
+
+
 def run_contexts(args: argparse.Namespace, tuning: Any, ceilings: Any, device: str) -> int:
     from onestream.kernels.bench_context import bench_contexts, contexts_json, format_contexts
     from onestream.kernels.random_model import config_27b
@@ -111,6 +128,7 @@ def run_contexts(args: argparse.Namespace, tuning: Any, ceilings: Any, device: s
         steps=args.steps,
         tuning=tuning,
         variants=dict(args.variant),
+        kv_caches=tuple(args.kv_cache),
     )
     print(f"device: {device}")
     print(
@@ -176,6 +194,9 @@ def run_decode(args: argparse.Namespace) -> int:
     labels = [label for label, _ in args.variant]
     if len(set(labels)) != len(labels):
         print(f"onestream bench decode: --variant labels repeat: {labels}", file=sys.stderr)
+        return 2
+    if args.kv_cache != ["auto"] and len(args.context) < 2:
+        print("onestream bench decode: --kv-cache needs several --context lengths", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("onestream bench decode: needs a CUDA GPU (torch sees none)", file=sys.stderr)

@@ -55,8 +55,8 @@ def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
         "--kv-cache",
         default="auto",
         choices=("auto", "int8"),
-        help="KV cache format: auto (the model's dtype) or int8 with a scale per head vector (half the memory; "
-        "runs on the reference back end)",
+        help="KV cache format: auto (the model's dtype) or int8 with a scale per head vector (about half the "
+        "memory and the bytes attention reads)",
     )
 
 

@@ -309,7 +309,7 @@ def _memory_report(model_dir: str, args: argparse.Namespace, engine_options: dic
         prefill_tokens=operator_piece_tokens() if gpu else None,  # a GPU card prefills on the fast path
         fast_prefill=gpu,
         delta_rule=expected_kernel() if gpu else "torch",
-        megakernel=gpu and args.backend != "reference" and args.kv_cache == "auto",  # when it builds
+        megakernel=gpu and args.backend != "reference",  # when it builds
         kv_format=args.kv_cache,
     )
 
