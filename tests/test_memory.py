@@ -33,6 +33,22 @@ def test_27b_q4_k_m_with_32k_context_fits_24_gb() -> None:
     assert plan.fits(CARD_24GB), plan.format()
 
 
+def test_an_int8_kv_cache_doubles_the_27b_q4_k_m_context_a_24_gb_card_holds() -> None:
+    """With the megakernel reading int8 caches, 64K tokens of context fit under 23 GB where bf16 keys and values
+    hold about 32K (the fast prefill's 4K pieces, the fla delta rule, three drafts)."""
+    config = config_27b(mtp=True)
+    types = preset_weight_types(config, "q4_k_m")
+
+    def plan(context: int, kv_format: str) -> MemoryPlan:
+        return device_memory(
+            config, types, context, dtype=torch.bfloat16, spec_k=3, prefill_tokens=4096, megakernel=True,
+            delta_rule="fla", kv_format=kv_format,
+        )  # fmt: skip
+
+    assert plan(65536, "int8").total < TARGET_23GB < plan(65536, "auto").total
+    assert plan(65536, "int8").kv_cache == 16 * 2 * 4 * (256 + 4) * 65536
+
+
 def test_27b_bf16_does_not_fit_24_gb() -> None:
     config = config_27b(mtp=True)
     plan = device_memory(config, dtype_weight_types(config, torch.bfloat16), 32768)
