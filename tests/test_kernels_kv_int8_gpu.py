@@ -100,7 +100,7 @@ def test_int8_steps_follow_the_reference_and_a_verify_launch_equals_its_single_s
         ref = model.forward_step(t.reshape(1), ref_state)
         errors.append(rel_err(out.logits, ref.logits))
     print(f"\n[int8 KV] logits rel err per step against the bf16 reference: {[f'{e:.2e}' for e in errors]}")
-    assert max(errors) < 3e-2
+    assert max(errors) < 5e-2
     single = _prefilled(model, seed=5)
     wide = single.clone()
     singles = torch.cat([runner.step(t.reshape(1), single).logits.clone() for t in tokens])
