@@ -695,8 +695,12 @@ __device__ __forceinline__ AttKey att_ld_key(const kv_t* p, bool shared) {
         const vec16 v = shared ? ld_shared16(p) : ld_cg16(p);
         k.w[0] = v.x, k.w[1] = v.y, k.w[2] = v.z, k.w[3] = v.w;
     } else if constexpr (ATT_PB * sizeof(kv_t) == 8) {
-        const uint2 v = shared ? *(const uint2*)p : __ldcg((const uint2*)p);
-        k.w[0] = v.x, k.w[1] = v.y;
+        if (shared) {
+            ld_shared8(p, k.w[0], k.w[1]);
+        } else {
+            const uint2 v = __ldcg((const uint2*)p);
+            k.w[0] = v.x, k.w[1] = v.y;
+        }
     } else {
         k.w[0] = shared ? *(const u32*)p : __ldcg((const u32*)p);
     }
@@ -709,13 +713,9 @@ __device__ __forceinline__ float i8_elem(u32 w, int e) {
     return __int_as_float(__byte_perm(w ^ 0x80808080u, 0x4B000000u, 0x7440 | e)) - 8388736.0f;
 }
 #endif
-// Element e of a key piece (e a constant after unrolling): an int8 level or a bf16 value, as a float.
+// Element e of a bf16 key piece (e a constant after unrolling) as a float (int8 keys are multiplied by dp4a).
 __device__ __forceinline__ float att_key_elem(const AttKey& k, int e) {
-#if MK_KV_I8
-    return i8_elem(k.w[e >> 2], e & 3);
-#else
     return (e & 1) ? bf_hi(k.w[e >> 1]) : bf_lo(k.w[e >> 1]);
-#endif
 }
 // A lane's ATT_DPL elements of one position's value, with the vector's scale (int8; 1 for bf16).
 struct AttVal {
@@ -765,6 +765,35 @@ __device__ __forceinline__ float att_quantize(const float (&x)[ATT_NPL], signed 
 #pragma unroll
     for (int j = 0; j < ATT_NPL; ++j) q[j] = (signed char)(int)fminf(fmaxf(rintf(__fmul_rn(x[j], inv)), -127.0f), 127.0f);
     return s;
+}
+// One warp: a query (MK_HD floats in shared memory, normed and rotated) rewritten in place as two int8 planes,
+// x ~= d (256 q1 + q2) with the largest |x| at 32639 d (15 bits relative to it, as the quantized GEMV's inputs):
+// q1 at bytes [0, MK_HD), q2 at [MK_HD, 2 MK_HD), d at byte 2 MK_HD. The scores are then exact integer sums of
+// levels times planes (dp4a), scaled once: a query's planes depend on it alone, so every build scores alike.
+__device__ __forceinline__ void att_query_planes(float* q) {
+    const int lane = tid_x() & 31;
+    float x[ATT_NPL], m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        x[j] = d < MK_HD ? q[d] : 0.0f;
+        m = fmaxf(m, fabsf(x[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __syncwarp();  // every lane holds its floats before the planes overwrite them
+    const float inv = m > 0.0f ? __fdiv_rn(32639.0f, m) : 0.0f;
+    signed char* planes = (signed char*)q;
+#pragma unroll
+    for (int j = 0; j < ATT_NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d >= MK_HD) continue;
+        const int x16 = __float2int_rn(x[j] * inv), q1 = (x16 + 128) >> 8;
+        planes[d] = (signed char)q1;
+        planes[MK_HD + d] = (signed char)(x16 - 256 * q1);
+    }
+    if (lane == 0) q[MK_HD / 2] = m * (1.0f / 32639.0f);
+    __syncwarp();
 }
 #endif
 
@@ -1051,6 +1080,9 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             if (pp < MK_GQ_PAIRS) {
                 const int g = pp / MK_NT, t = pp - g * MK_NT, hq = kvh * MK_GQ + g;
                 norm_rope_head(qkv + t * MK_ATT_IN_ROWS + hq * 2 * MK_HD, qn_w, inv_freq, pos + t, qsm + warp * MK_HD);
+#if MK_KV_I8
+                att_query_planes(qsm + warp * MK_HD);
+#endif
             }
         }
         __syncthreads();  // queries and the new keys and values ready
@@ -1089,6 +1121,11 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             // The queries stay in shared memory (qsm): registers go to the accumulators and the loads in flight.
             // l is per lane: the sum of its position group's weights (the groups' sums add up after the chunk).
             float acc[NP][ATT_DPL], m[NP], l[NP];
+#if MK_KV_I8
+            float qd[NP];  // the queries' plane scales (att_query_planes; unused pairs' are never read back)
+#pragma unroll
+            for (int j = 0; j < NP; ++j) qd[j] = qsm[j * MK_HD + MK_HD / 2];
+#endif
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
                 m[j] = -MK_INF;
@@ -1151,6 +1188,41 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 // Every pair's partial score of the lane's position (its ATT_DQ dims), then a log2(ATT_KL)-level
                 // butterfly within the position's lanes: each of them ends with the same bits (additions commute).
                 float sc[NP];
+#if MK_KV_I8
+                // Exact integer sums of the key's levels times the query's two planes (att_query_planes), scaled once.
+                int t1[NP], t2[NP];
+#pragma unroll
+                for (int j = 0; j < NP; ++j) t1[j] = t2[j] = 0;
+#pragma unroll
+                for (int i = 0; i < ATT_NPC; ++i) {
+#pragma unroll
+                    for (int j = 0; j < NP; ++j) {
+                        const signed char* qj = (const signed char*)(qsm + j * MK_HD) + (sub + ATT_KL * i) * ATT_PB;
+                        u32 qa[ATT_PB / 4], qb[ATT_PB / 4];  // the piece's words of each plane
+                        if constexpr (ATT_PB == 8) {
+                            ld_shared8(qj, qa[0], qa[1]);
+                            ld_shared8(qj + MK_HD, qb[0], qb[1]);
+                        } else {
+                            qa[0] = ld_shared4(qj);
+                            qb[0] = ld_shared4(qj + MK_HD);
+                        }
+#pragma unroll
+                        for (int w = 0; w < ATT_PB / 4; ++w) {
+                            t1[j] = __dp4a((int)kg[i].w[w], (int)qa[w], t1[j]);
+                            t2[j] = __dp4a((int)kg[i].w[w], (int)qb[w], t2[j]);
+                        }
+                    }
+                }
+                int ti[NP];
+#pragma unroll
+                for (int j = 0; j < NP; ++j) ti[j] = t1[j] * 256 + t2[j];
+#pragma unroll
+                for (int o = 1; o < ATT_KL; o <<= 1)
+#pragma unroll
+                    for (int j = 0; j < NP; ++j) ti[j] += __shfl_xor_sync(0xffffffffu, ti[j], o);
+#pragma unroll
+                for (int j = 0; j < NP; ++j) sc[j] = (float)ti[j] * (qd[j] * ks);
+#else
 #pragma unroll
                 for (int j = 0; j < NP; ++j) sc[j] = 0.0f;
 #pragma unroll
@@ -1176,12 +1248,13 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 for (int o = 1; o < ATT_KL; o <<= 1)
 #pragma unroll
                     for (int j = 0; j < NP; ++j) sc[j] += __shfl_xor_sync(0xffffffffu, sc[j], o);
+#endif
                 const int q = p + grp;  // the lane's position
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
                     if (p > lastpos[j]) continue;  // warp-uniform; so are the later steps' tests
                     // Scores in log2 units (exp2 is one MUFU); no key: weight 0 exactly.
-                    const float x = q <= lastpos[j] && q < p1 ? (MK_KV_I8 ? sc[j] * ks : sc[j]) * cs : -MK_INF;
+                    const float x = q <= lastpos[j] && q < p1 ? sc[j] * cs : -MK_INF;
                     float smax = x;
 #pragma unroll
                     for (int o = ATT_KL; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
