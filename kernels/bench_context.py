@@ -114,14 +114,16 @@ def bench_contexts(
                 runner = MegakernelRunner(model, tuning=build, kv_cache=kv)
             except Exception as e:
                 note = f"failed: {type(e).__name__}: {e}"[:300]
-                out += [ContextResult(fmt, n, None, None, 0, note, label, kv) for n in sorted(contexts)]
+                out += [
+                    ContextResult(fmt, n, None, None, 0, note, build=label, kv_cache=kv)
+                    for n in sorted(contexts)
+                ]
                 torch.cuda.empty_cache()
                 continue
             weights = runner.weights.gemv_bytes + config.hidden_size * 2  # and one embedding row
             for context in sorted(contexts):
-                row = ContextResult(
-                    fmt, context, None, None, weights + _state_bytes(config, context, kv), label, kv_cache=kv
-                )
+                bytes_per_token = weights + _state_bytes(config, context, kv)
+                row = ContextResult(fmt, context, None, None, bytes_per_token, build=label, kv_cache=kv)
                 try:
                     row.tok_s, row.ms_per_token = time_context(runner, model, context, steps)
                 except Exception as e:
