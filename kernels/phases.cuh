@@ -670,10 +670,10 @@ static_assert(MK_ATT_SPLIT_LOG >= 0 && MK_ATT_SPLIT_LOG <= 10 && MK_ATT_FOLD_LEV
               "the attention tree's limits");
 
 // The KV cache's storage (MK_KV_I8: worker/kv_cache.py's int8 format, else the model's bf16): int8 levels with
-// one fp32 scale per (head, position) vector (tables L_KSCALE, L_VSCALE: [nKV, capacity]). A score is the dot
-// product with the levels times the key's scale, and a value's weight takes its vector's scale, so the levels
-// convert to floats once per element, as bf16 values do. The new positions of a launch are quantized where they
-// are made, so a verify reads them as later launches read the cache.
+// one fp32 scale per (head, position) vector (tables L_KSCALE, L_VSCALE: [nKV, capacity]). A score is the exact
+// integer sum (dp4a) of the key's levels times the query's two int8 planes (att_query_planes), times both scales;
+// a value's softmax weight takes its vector's scale and its levels convert to floats (i8_elem). The new positions
+// of a launch are quantized where they are made, so a verify reads them as later launches read the cache.
 #ifndef MK_KV_I8
 #define MK_KV_I8 0
 #endif
