@@ -64,21 +64,39 @@ def kv_vector_bytes(kv_format: str, head_dim: int, dtype_bytes: int = 2) -> int:
 
 
 class Cache:
-    """A KV cache of either format: its tensors `[kv_heads, capacity, ...]` (`_tensors`) grow, copy and count
-    together; `write` is the format's own."""
+    """A KV cache of either format: its tensors `[kv_heads, capacity, ...]` (the attributes `FIELDS` names) grow,
+    copy and count together; `_allocate` makes them and `write` fills them, each the format's own."""
 
-    max_len: int
-    dtype: torch.dtype
+    FIELDS: tuple[str, ...] = ("k", "v")
+
+    @allocates
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = 0,
+    ) -> None:
+        self.kv_heads, self.head_dim, self.max_len, self.dtype = kv_heads, head_dim, max_len, dtype
+        self._allocate(min(max_len, capacity), torch.device(device))
+
+    def _allocate(self, capacity: int, device: torch.device) -> None:
+        """Zeroed tensors for `capacity` positions."""
+        raise NotImplementedError
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        return tuple(getattr(self, name) for name in self.FIELDS)
 
     def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        raise NotImplementedError
+        for name, t in zip(self.FIELDS, tensors, strict=True):
+            setattr(self, name, t)
 
     def _empty(self, capacity: int) -> Cache:
         """An empty cache of this one's shape and format holding `capacity` positions."""
-        raise NotImplementedError
+        device = self._tensors()[0].device
+        return type(self)(self.kv_heads, self.head_dim, self.max_len, self.dtype, device, capacity)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return the keys and values of
@@ -131,28 +149,9 @@ class KVCache(Cache):
 
     kv_format = "auto"
 
-    @allocates
-    def __init__(
-        self,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        capacity: int = 0,
-    ) -> None:
-        self.max_len, self.dtype = max_len, dtype
-        self.k = torch.zeros(kv_heads, min(max_len, capacity), head_dim, dtype=dtype, device=device)
+    def _allocate(self, capacity: int, device: torch.device) -> None:
+        self.k = torch.zeros(self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device)
         self.v = torch.zeros_like(self.k)
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.k, self.v
-
-    def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.k, self.v = tensors
-
-    def _empty(self, capacity: int) -> KVCache:
-        return KVCache(self.k.shape[0], self.k.shape[2], self.max_len, self.dtype, self.k.device, capacity)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return views of `[0, start+T)`."""
@@ -183,34 +182,13 @@ class Int8KVCache(Cache):
     `[kv_heads, capacity]` (one per head vector); `write` returns them dequantized to the model's dtype."""
 
     kv_format = "int8"
+    FIELDS = ("k", "v", "k_scale", "v_scale")
 
-    @allocates
-    def __init__(
-        self,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        capacity: int = 0,
-    ) -> None:
-        self.max_len, self.dtype = max_len, dtype
-        capacity = min(max_len, capacity)
-        self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=torch.int8, device=device)
+    def _allocate(self, capacity: int, device: torch.device) -> None:
+        self.k = torch.zeros(self.kv_heads, capacity, self.head_dim, dtype=torch.int8, device=device)
         self.v = torch.zeros_like(self.k)
-        self.k_scale = torch.zeros(kv_heads, capacity, dtype=torch.float32, device=device)
+        self.k_scale = torch.zeros(self.kv_heads, capacity, dtype=torch.float32, device=device)
         self.v_scale = torch.zeros_like(self.k_scale)
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.k, self.v, self.k_scale, self.v_scale
-
-    def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.k, self.v, self.k_scale, self.v_scale = tensors
-
-    def _empty(self, capacity: int) -> Int8KVCache:
-        return Int8KVCache(
-            self.k.shape[0], self.k.shape[2], self.max_len, self.dtype, self.k.device, capacity
-        )
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store `k, v [kv_heads, T, head_dim]` at positions `start..start+T`; return `[0, start+T)`
