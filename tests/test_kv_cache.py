@@ -13,6 +13,7 @@ from onestream.worker.errors import BackendUnavailableError, InvalidRequestError
 from onestream.worker.kv_cache import (
     INT8_TOP,
     KV_CHUNK,
+    KV_FORMATS,
     Int8KVCache,
     KVCache,
     dequantize_int8,
@@ -125,6 +126,12 @@ def test_an_engine_generates_on_an_int8_cache_and_says_so() -> None:
         "def add(a, b):\n" + "".join(getattr(i, "text", "") for i in items), max_tokens=4
     )
     assert any(getattr(i, "token_ids", ()) for i in engine.generate(follow))
+
+
+def test_the_command_lines_offer_the_formats_there_are() -> None:
+    from onestream.commands.generate import KV_CACHE_CHOICES
+
+    assert KV_CACHE_CHOICES == KV_FORMATS
 
 
 def test_a_back_end_checks_the_cache_format_before_loading_anything() -> None:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .generate import KV_CACHE_CHOICES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -108,9 +110,10 @@ def _contexts(text: str) -> list[int]:
 
 def _kv_formats(text: str) -> list[str]:
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if not names or any(n not in ("auto", "int8") for n in names) or len(set(names)) != len(names):
+    if not names or any(n not in KV_CACHE_CHOICES for n in names) or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(
-            f"KV cache formats are distinct names among auto, int8 separated by commas, got {text!r}"
+            f"KV cache formats are distinct names among {', '.join(KV_CACHE_CHOICES)} separated by commas, "
+            f"got {text!r}"
         )
     return names
 

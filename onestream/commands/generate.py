@@ -49,12 +49,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_argument(parser)
 
 
+# worker/kv_cache.py's KV_FORMATS, kept here so that `onestream --help` does not load torch (a test pins them equal).
+KV_CACHE_CHOICES = ("auto", "int8")
+
+
 def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
-    # Kept here (not imported from worker/kv_cache.py) so that `onestream --help` does not load torch.
     parser.add_argument(
         "--kv-cache",
         default="auto",
-        choices=("auto", "int8"),
+        choices=KV_CACHE_CHOICES,
         help="KV cache format: auto (the model's dtype) or int8 with a scale per head vector (about half the "
         "memory and the bytes attention reads)",
     )
