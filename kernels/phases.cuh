@@ -729,7 +729,8 @@ struct AttVal {
 __device__ __forceinline__ AttVal att_val_zero() {
     AttVal v;
 #if MK_KV_I8
-    v.w[0] = v.w[1] = 0u;
+#pragma unroll
+    for (int i = 0; i < ATT_DPL / 4; ++i) v.w[i] = 0u;
     v.s = 0.0f;
 #else
     v.v = vec16{0u, 0u, 0u, 0u};
