@@ -10,7 +10,8 @@ leaves out the fixed part: the launch, the control block's round trip, the phase
 build to time beside the default one (KEY=VALUE[,KEY=VALUE]).
 
 run (GPU machine, from the link tree of tools/gpu/env.sh):
-    python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--tuning g8:att_group=8] [--launches 9]
+    python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--kv-cache int8] [--tuning g8:att_group=8]
+        [--launches 9]
 Under `ncu --kernel-name mk_phase --launch-skip N` it is also the launch to profile.
 """
 
@@ -24,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 
-def kv_bytes(config: Any, positions: int) -> int:
-    """Key and value bytes of one attention layer's cache over `positions` (bf16)."""
-    return 2 * config.num_key_value_heads * positions * config.head_dim * 2
+def kv_bytes(config: Any, positions: int, kv_format: str = "auto") -> int:
+    """Key and value bytes of one attention layer's cache over `positions` in `kv_format` (worker/kv_cache.py: bf16,
+    or int8 levels with a scale per vector)."""
+    from onestream.worker.kv_cache import kv_vector_bytes
+
+    return 2 * config.num_key_value_heads * positions * kv_vector_bytes(kv_format, config.head_dim)
 
 
 def marginal_gbs(rows: list[dict[str, Any]]) -> float | None:
@@ -39,6 +43,8 @@ def marginal_gbs(rows: list[dict[str, Any]]) -> float | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from onestream.worker.kv_cache import KV_FORMATS
+
     from onestream.commands.bench import tuning_changes
 
     def build(text: str) -> tuple[str, dict[str, Any]]:
@@ -49,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", default="512,32768,131072", help="comma-separated context lengths")
+    p.add_argument("--kv-cache", choices=KV_FORMATS, default="auto", help="the cache's format (auto: bf16)")
     p.add_argument("--tuning", type=build, action="append", default=[], metavar="LABEL:KEY=VALUE,...")
     p.add_argument("--launches", type=int, default=9, help="timed launches per (build, context); the median")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -72,17 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}; read ceiling {ceilings.read_gbs:.0f} GB/s", flush=True)
     g = torch.Generator(device="cuda").manual_seed(3)
     builds = {"default": {}, **dict(args.tuning)}
-    results: dict[str, Any] = {"read_gbs": ceilings.read_gbs, "layer": layer, "builds": {}}
+    kv = args.kv_cache
+    results: dict[str, Any] = {"read_gbs": ceilings.read_gbs, "layer": layer, "kv_cache": kv, "builds": {}}
     for label, fields in builds.items():
-        runner = DiagnosticRunner(model, tuning=Tuning(**fields))
+        runner = DiagnosticRunner(model, tuning=Tuning(**fields), kv_cache=kv)
         rows = []
         for ctx in contexts:
-            state = model.new_state(ctx + 8)
+            state = model.new_state(ctx + 8, kv_format=kv)
             cache = state.kv[layer]
             cache.reserve(ctx + 1)
             shape = (config.num_key_value_heads, ctx, config.head_dim)
-            cache.k[:, :ctx] = torch.randn(shape, device="cuda", generator=g).to(cache.k.dtype)
-            cache.v[:, :ctx] = torch.randn(shape, device="cuda", generator=g).to(cache.v.dtype)
+            k = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+            cache.write(0, k, torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16))
             runner.buf["qkv_att"].normal_(generator=g)
             times = []
             for i in range(args.launches + 1):
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 if i:  # the first loads the module
                     times.append(start.elapsed_time(end) * 1e3)
             us = statistics.median(times)
-            nbytes = kv_bytes(config, ctx + 1)
+            nbytes = kv_bytes(config, ctx + 1, kv)
             split = runner.plan.att_split(ctx + 1)
             row = {
                 "context": ctx,
