@@ -47,3 +47,35 @@ def test_tuning_fields_take_the_bench_syntax_and_a_bad_one_names_itself(capsys) 
     with pytest.raises(SystemExit):
         tool.parse_args(["--tuning", "no_such_field=1"])
     assert "no_such_field" in capsys.readouterr().err
+
+
+def test_loops_are_a_label_and_a_branch_back_to_it_with_arithmetic_in_between() -> None:
+    tool = _tool()
+    sass = "\n".join(
+        [
+            "mk_other:",
+            ".L_x_1:",
+            "        /*0000*/                   IDP.4A.S8.S8 R1, R2, R3, RZ ;",
+            "        /*0010*/                   BRA `(.L_x_1) ;",
+            "mk_phase:",
+            ".L_x_2:",
+            "        /*0000*/                   LDS.64 R98, [R56+UR9] ;",
+            ".L_x_3:",
+            "        /*0010*/                   IDP.4A.S8.S8 R98, R96, R98, RZ ;",
+            "        /*0020*/              @!P3 IDP.4A.S8.S8 R98, R96, R98, RZ ;",
+            "        /*0030*/                   BRA.DIV UR4, `(.L_x_2) ;",
+            "        /*0040*/                   FADD R1, R2, R3 ;",
+            "        /*0050*/               @P0 BRA `(.L_x_3) ;",
+            "        /*0060*/                   IADD3 R1, R2, R3, RZ ;",
+            "        /*0070*/                   BRA `(.L_x_2) ;",
+            "        /*0080*/                   BRA `(.L_x_4) ;",
+            ".L_x_4:",
+            "        /*0090*/                   EXIT ;",
+        ]
+    )
+    loops = tool.sass_loops(sass, "mk_phase")
+    # The inner loop (a predicated branch back), then the outer one; the divergence check and the forward branch are
+    # no loops, and the other kernel's loop is not counted.
+    assert [loop.instructions for loop in loops] == [5, 8]
+    assert loops[0].opcodes == {"IDP": 2, "BRA": 2, "FADD": 1}
+    assert loops[1].opcodes["IDP"] == 2 and loops[1].opcodes["LDS"] == 1

@@ -1,7 +1,8 @@
 """Spills per function of the 27B megakernel builds (bf16, or --formats) at chosen tokens per launch, without a GPU.
 
     python tools/gpu/build_spills.py [--tokens 8 16] [--gemv scalar tensor] [--arch sm_90] [--where [N]]
-        [--formats q4_k q6_k] [--threads 640] [--tuning att_group=8,qunits=2]
+        [--formats q4_k q6_k] [--kv-cache int8] [--threads 640] [--tuning att_group=8,qunits=2]
+        [--loops mk_phase]
 
 Each build's CUDA text comes from this tree's own build code (kernels/build.py, as tools/gpu/compare_builds.py
 does); `nvcc -Xptxas -v` compiles it, and every function with a stack frame or spills is printed: the check a
@@ -9,8 +10,11 @@ wider launch must pass before it is worth timing on the GPU. ptxas counts a call
 calls it, and a callee may spill in one kernel and not in another (the values its caller keeps across the call
 take registers from it). `--where` also says where: the build compiled with line information, nvdisasm's
 spill marks counted per kernel and source function, and the N source lines with the most (a spill inside a loop
-over positions or weights costs every iteration; one in a prologue costs once). Needs nvcc; `--where` also
-nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
+over positions or weights costs every iteration; one in a prologue costs once). `--loops KERNEL` counts the machine
+instructions of KERNEL's loops that do arithmetic (dp4a or at least LOOP_MIN_FFMA FFMAs, fewer than LOOP_MAX_BODY
+instructions: the inner loops, not the phases around them), with their most frequent opcodes: `--loops mk_phase
+--kv-cache int8 --tokens 1 --gemv scalar` gives the attention loop's instructions per warp step. Needs nvcc; `--where`
+and `--loops` also nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from onestream.commands.bench import tuning_changes
 
@@ -43,15 +48,15 @@ from onestream.kernels.tuning import Tuning
 
 out, tokens, gemvs = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sms, smem = json.loads(sys.argv[4])
-formats, fields = json.loads(sys.argv[5]), json.loads(sys.argv[6])
+formats, fields, kv = json.loads(sys.argv[5]), json.loads(sys.argv[6]), sys.argv[7]
 kinds = weight_formats_of({k: {WeightFormat(f) for f in formats} for k in WEIGHT_KINDS}) if formats else ()
 name = "-".join(formats) or "bf16"
 for t in tokens:
     for gemv in gemvs:
         tuning = Tuning(mma=gemv == "tensor", **fields)
         plan = KernelPlan(config_27b(), num_sms=sms, smem_limit=smem, tokens_per_launch=t, tuning=tuning,
-                          weight_formats=kinds)
-        suffix = "".join(f"-{k}={v}" for k, v in sorted(fields.items()))
+                          weight_formats=kinds, kv_cache=kv)
+        suffix = "".join(f"-{k}={v}" for k, v in sorted(fields.items())) + ("" if kv == "auto" else f"-kv={kv}")
         (out / f"{name}-{gemv}-T{t}{suffix}.cu").write_text(assemble_source(plan))
 """
 _FUNCTION = re.compile(r"Function properties for (\S+)")
@@ -59,6 +64,13 @@ _ENTRY = re.compile(r"^(\w+):$")  # nvdisasm -c: a kernel's first line
 _LINE = re.compile(r'//## File "([^"]*)", line (\d+)')
 # A function definition in the generated text: its name is the last identifier before the parameter list.
 _DEFINITION = re.compile(r"^(?:template\s*<.*>\s*)?(?:extern \"C\"\s+)?(?:__\w+__\s+)+.*?\b(\w+)\s*\(")
+_BRANCH = re.compile(
+    r"\bBRA\b.*`\((\.L_x_\d+)\)"
+)  # a branch to a label (BRA.DIV: a divergence check, no loop)
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+LOOP_MIN_FFMA = 90  # a loop doing arithmetic: dp4a, or at least this many FFMAs (address loops have few)
+LOOP_MAX_BODY = 1500  # instructions: larger bodies are the phases that hold the loops
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -114,6 +126,49 @@ def spill_sites(source: Path, arch: str, work: Path) -> collections.Counter[tupl
     return found
 
 
+class Loop(NamedTuple):
+    start: int  # the body's first and last line in the kernel's text
+    end: int
+    opcodes: collections.Counter[str]
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.opcodes.values())
+
+
+def sass_loops(sass: str, kernel: str) -> list[Loop]:
+    """The loops of `kernel` in `nvdisasm -c` text that do arithmetic: a label and a later branch back to it (the
+    body between them), holding dp4a (IDP) or at least LOOP_MIN_FFMA FFMAs, under LOOP_MAX_BODY instructions;
+    fewest instructions first."""
+    lines, inside = [], False
+    for text in sass.splitlines():
+        if m := _ENTRY.match(text):
+            inside = m.group(1) == kernel
+        elif inside:
+            lines.append(text)
+    labels = {m.group(1): i for i, text in enumerate(lines) if (m := _LABEL.match(text))}
+    loops = {}
+    for i, text in enumerate(lines):
+        m = _BRANCH.search(text)
+        if m and "BRA.DIV" not in text and labels.get(m.group(1), i) < i:
+            start = labels[m.group(1)]
+            ops = collections.Counter(o.group(1) for t in lines[start : i + 1] if (o := _OPCODE.search(t)))
+            if (ops["IDP"] or ops["FFMA"] >= LOOP_MIN_FFMA) and sum(ops.values()) < LOOP_MAX_BODY:
+                loops[(start, i)] = Loop(start, i, ops)
+    return sorted(loops.values(), key=lambda loop: (loop.instructions, loop.start))
+
+
+def print_loops(cu: Path, arch: str, work: Path, kernel: str) -> None:
+    cubin = work / "loops.cubin"
+    subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(cubin), str(cu)], check=True)
+    sass = subprocess.run([cb.tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True)
+    for loop in sass_loops(sass.stdout, kernel):
+        top = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(8))
+        print(
+            f"  {kernel} loop at SASS lines {loop.start}-{loop.end}: {loop.instructions} instructions ({top})"
+        )
+
+
 def print_sites(sites: collections.Counter[tuple[str, str, int]], source: Path, top: int) -> None:
     lines = source.read_text().splitlines()
     per_function: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -148,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FORMAT",
         help="quantized weight formats every GEMV kind holds (e.g. q4_k q6_k, the Q4_K_M mix); default bf16",
     )
+    ap.add_argument("--kv-cache", choices=["auto", "int8"], default="auto", help="the KV caches' format")
     ap.add_argument("--threads", type=int, default=0, help="threads per block (default: the Tuning's)")
     ap.add_argument(
         "--tuning",
@@ -164,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="also count spill instructions per kernel and source function, and list the N worst lines",
+    )
+    ap.add_argument(
+        "--loops",
+        metavar="KERNEL",
+        help="also count the instructions of KERNEL's arithmetic loops (mk_phase, mk_decode)",
     )
     return ap.parse_args(argv)
 
@@ -184,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(cb.ARCHS[args.arch]),
             json.dumps(args.formats),
             json.dumps(fields),
+            args.kv_cache,
         )
         for cu in sorted(src.glob("*.cu")):
             print(f"{cu.stem}:")
@@ -191,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {function}: stack {frame} B, spill stores {stores} B, loads {loads} B")
             if args.where:
                 print_sites(spill_sites(cu, args.arch, work), cu, args.where)
+            if args.loops:
+                print_loops(cu, args.arch, work, args.loops)
     return 0
 
 
