@@ -11,8 +11,9 @@ build to time beside the default one (KEY=VALUE[,KEY=VALUE]).
 
 run (GPU machine, from the link tree of tools/gpu/env.sh):
     python3 tools/gpu/attention_phase.py --context 512,32768,131072 [--kv-cache int8] [--tuning g8:att_group=8]
-        [--launches 9]
-Under `ncu --kernel-name mk_phase --launch-skip N` it is also the launch to profile.
+        [--launches 9] [--warmup-s 0.5]
+Each (build, context) first runs the phase untimed for --warmup-s seconds (under
+`ncu --kernel-name mk_phase --launch-skip N`, 0 keeps the launches countable).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache", choices=KV_FORMATS, default="auto", help="the cache's format (auto: bf16)")
     p.add_argument("--tuning", type=build, action="append", default=[], metavar="LABEL:KEY=VALUE,...")
     p.add_argument("--launches", type=int, default=9, help="timed launches per (build, context); the median")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.5,
+        help="seconds of untimed launches before each (build, context): an idle card's clocks ramp up under them",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -92,15 +100,20 @@ def main(argv: list[str] | None = None) -> int:
             k = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
             cache.write(0, k, torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16))
             runner.buf["qkv_att"].normal_(generator=g)
+            # The first launch loads the module; the card then runs the phase untimed for a while, since the
+            # first builds of a run measured slow on a card that had idled.
+            warm_until = time.perf_counter() + args.warmup_s
+            runner.run_phase(Phase.ATT, layer, state, pos=ctx, tokens=[0])
+            while time.perf_counter() < warm_until:
+                runner.run_phase(Phase.ATT, layer, state, pos=ctx, tokens=[0])
             times = []
-            for i in range(args.launches + 1):
+            for _ in range(args.launches):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 runner.run_phase(Phase.ATT, layer, state, pos=ctx, tokens=[0])
                 end.record()
                 end.synchronize()
-                if i:  # the first loads the module
-                    times.append(start.elapsed_time(end) * 1e3)
+                times.append(start.elapsed_time(end) * 1e3)
             us = statistics.median(times)
             nbytes = kv_bytes(config, ctx + 1, kv)
             split = runner.plan.att_split(ctx + 1)
