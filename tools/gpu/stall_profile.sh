@@ -16,7 +16,7 @@ export OUT PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 . tools/gpu/env.sh
 if [ "$1" = attention ]; then
   kernel=mk_phase
-  program=("$REPO/tools/gpu/attention_phase.py" --context "$2" --launches 2 --out /tmp "${@:3}")
+  program=("$REPO/tools/gpu/attention_phase.py" --context "$2" --launches 2 --warmup-s 0 --out /tmp "${@:3}")
 else
   kernel=mk_decode
   program=("$REPO/tools/gpu/profile_step.py" "$1" "$2" "$3" "$3" "${@:4}")
