@@ -218,6 +218,21 @@ __device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, i
     }
 }
 
+// A hidden row's first pass in the lm_head phase (gemv_plan and qplan of K = MK_H, as constants): run_phase copies
+// the staged row out as the MTP's input, so that pass must hold all of it (plan.py KernelPlan._hidden_pass_width).
+constexpr int hidden_pass_width_bf16() {
+    const int lpr = (MK_H / 8 + GEMV_KL - 1) / GEMV_KL, nk = (lpr + MK_UMAX * GEMV_SUB - 1) / (MK_UMAX * GEMV_SUB);
+    return nk * ((lpr + nk * GEMV_SUB - 1) / (nk * GEMV_SUB)) * GEMV_KL * GEMV_SUB * 8;
+}
+static_assert(MK_WFMT_LM_HEAD != 0 || MK_XW >= hidden_pass_width_bf16(), "the lm_head stages a hidden row in one pass");
+#if MK_QFMTS
+constexpr int hidden_pass_width_quant() {
+    const int lpr = (MK_H / 32 + 31) / 32, nk = (lpr + MK_QUMAX - 1) / MK_QUMAX;
+    return nk * ((lpr + nk - 1) / nk) * 1024;
+}
+static_assert(MK_WFMT_LM_HEAD == 0 || MK_XW >= hidden_pass_width_quant(), "the lm_head stages a hidden row in one pass");
+#endif
+
 // Runs `phase` of layer `l`; returns whether this block had work in it (the DeltaNet and attention
 // phases leave some blocks idle, and those prefetch more while they wait).
 __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int phase, int l, int step,
@@ -245,7 +260,7 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
         gemv_first_window(bs.desc, k0, k1);
         stage_input(tb, si, phase, l, sm, k0, k1);
     }
-    if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output (MK_XW >= H)
+    if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output, whole
         bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
         for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) {
             const int t = i / MK_H;

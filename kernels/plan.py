@@ -427,7 +427,7 @@ class KernelPlan:
         c = self.config
         phases = self._gemv_phases()
         kmax = max(k for k, _, _ in phases)
-        least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax))
+        least = max(c.hidden_size, min(gemv_chunk_width(self.tuning), kmax), self._hidden_pass_width)
         for kind, (k, _, _) in zip(WEIGHT_KINDS, phases, strict=True):
             if self.quant_mask(kind):  # a quantized chunk (whole units) must fit the window too
                 least = max(least, min(k, quant_chunk_width(k, self.tuning.qunits)))
@@ -435,6 +435,21 @@ class KernelPlan:
         out = sorted({kmax, *(w for w in steps if least <= w < kmax), -(-least // 8) * 8}, reverse=True)
         cap = self.tuning.max_window
         return out if cap is None else [w for w in out if w <= cap] or out[-1:]
+
+    @property
+    def _hidden_pass_width(self) -> int:
+        """The window that stages a hidden row for the lm_head in one pass, whatever its tensors' format: the lm_head
+        phase copies the staged row out as the MTP's input (megakernel.cu), so its first pass must hold all of
+        it. A pass holds whole chunks, and a row's chunks can reach past its end."""
+        h, t = self.config.hidden_size, self.tuning
+        widths = []
+        for f in self.formats_of("lm_head"):
+            if f is WeightFormat.BF16:
+                widths.append(gemv_chunks(h, t) * gemv_chunk_width_of(h, t))
+            else:
+                width = quant_chunk_width(h, t.qunits)
+                widths.append(-(-h // width) * width)
+        return max(widths)
 
     def _scratch_fits(self, rows: int) -> bool:
         """Whether the attention and DeltaNet phases' scratch fits the partial-sum buffers they borrow."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 
 import numpy as np
@@ -41,7 +42,9 @@ from onestream.kernels.plan import (
     KernelPlan,
     WeightFormat,
     dn_split,
+    gemv_chunk_width_of,
     gemv_chunks,
+    quant_chunk_width,
 )
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
@@ -348,6 +351,35 @@ def test_the_attention_tree_holds_qwens_whole_context_at_every_tokens_per_launch
     for tokens in range(1, 9):
         default = KernelPlan(config_27b(), num_sms=132, tokens_per_launch=tokens, smem_limit=227 * 1024)
         assert default.att_merge_chunks * default.tuning.att_chunk >= 262144  # Qwen3.5's whole context
+
+
+@pytest.mark.parametrize("lm_head", [WeightFormat.BF16, WeightFormat.Q6_K])
+@pytest.mark.parametrize("qunits", [1, 2])
+def test_the_lm_head_stages_a_hidden_row_in_one_pass(lm_head: WeightFormat, qunits: int) -> None:
+    """The lm_head phase copies its staged input out as the MTP's hidden (megakernel.cu), so its first pass holds
+    the whole row: a pass takes whole chunks, and the 27B's 5,120-wide row is three scalar chunks of 1,792. A
+    5,120 window (sm_86 at T = 7 and 8; sm_90 at T = 5 once the attention scratch grew) staged 3,584 of the row
+    first, and the hidden of a verify launch differed from its single steps' past that, on the GPU."""
+    formats = (("lm_head", lm_head),) if lm_head is not WeightFormat.BF16 else ()
+    for config in (config_27b(4, mtp=True), config_27b(4), tiny_config()):
+        for tokens, (sms, limit) in itertools.product(range(1, 9), ((82, 99 * 1024), (132, 227 * 1024))):
+            for mma in (False, True) if not formats else (False,):  # quantized weights: the scalar GEMV
+                plan = KernelPlan(
+                    config,
+                    num_sms=sms,
+                    tokens_per_launch=tokens,
+                    smem_limit=limit,
+                    tuning=Tuning(mma=mma, qunits=qunits),
+                    weight_formats=formats,
+                )
+                h = config.hidden_size
+                if lm_head is WeightFormat.BF16:
+                    chunk = gemv_chunk_width_of(h, plan.tuning)
+                    first = min(gemv_chunks(h, plan.tuning), plan.window // chunk) * chunk
+                else:
+                    chunk = quant_chunk_width(h, qunits)
+                    first = plan.window // chunk * chunk
+                assert first >= h, (config.hidden_size, tokens, sms, mma, plan.window)
 
 
 def test_attention_splits_fill_the_grid_at_long_context() -> None:
