@@ -116,9 +116,10 @@ struct GemvPlan {
     int round;  // rows per round
 };
 
-// kernels/build.py mirrors this (gemv_chunks, gemv_chunk_width_of) to size rounds and windows.
-__device__ __forceinline__ GemvPlan gemv_plan(int K) {
-    GemvPlan p;
+// kernels/build.py mirrors this (gemv_chunks, gemv_chunk_width_of) to size rounds and windows. Constant
+// expressions too, so that static_asserts can check a plan's geometry (megakernel.cu).
+__host__ __device__ __forceinline__ constexpr GemvPlan gemv_plan(int K) {
+    GemvPlan p{};
     p.nvec = K / 8;
     const int lpr = (p.nvec + GEMV_KL - 1) / GEMV_KL;  // loads per lane along a whole row
     p.nk = (lpr + MK_UMAX * GEMV_SUB - 1) / (MK_UMAX * GEMV_SUB);
@@ -127,7 +128,9 @@ __device__ __forceinline__ GemvPlan gemv_plan(int K) {
     return p;
 }
 // 16-byte input vectors per chunk.
-__device__ __forceinline__ int gemv_chunk_vecs(const GemvPlan& p) { return p.u * GEMV_KL * GEMV_SUB; }
+__host__ __device__ __forceinline__ constexpr int gemv_chunk_vecs(const GemvPlan& p) {
+    return p.u * GEMV_KL * GEMV_SUB;
+}
 // The vector that load `uu` of sub-item `sub` of chunk `chunk` reads for `lane`.
 __device__ __forceinline__ int gemv_vec(const GemvPlan& p, int chunk, int sub, int uu, int lane) {
     return ((chunk * GEMV_SUB + sub) * p.u + uu) * GEMV_KL + (lane & (GEMV_KL - 1));
@@ -138,8 +141,9 @@ __device__ __forceinline__ int gemv_lane_row(int rg, int lane) { return MK_MMA ?
 __device__ __forceinline__ int gemv_items(int nr, int nkq) { return (nr + GEMV_IR - 1) / GEMV_IR * nkq; }
 
 // Chunks per pass: as many whole chunks as the staged window holds.
-__device__ __forceinline__ int gemv_pass_chunks(const GemvPlan& p) {
-    return max(1, min(p.nk, MK_XWV / gemv_chunk_vecs(p)));
+__host__ __device__ __forceinline__ constexpr int gemv_pass_chunks(const GemvPlan& p) {
+    const int fit = MK_XWV / gemv_chunk_vecs(p);
+    return fit < 1 ? 1 : fit < p.nk ? fit : p.nk;
 }
 // Input elements [k0, k1) of pass q.
 __device__ __forceinline__ void gemv_pass_range(const GemvDesc& d, const GemvPlan& p, int q, int& k0, int& k1) {

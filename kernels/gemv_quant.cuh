@@ -64,8 +64,8 @@ struct QPlan {
     int round;   // rows per round
 };
 // kernels/plan.py mirrors this (quant_chunk_width) to keep a chunk inside the staged window.
-__device__ __forceinline__ QPlan qplan(int K) {
-    QPlan p;
+__host__ __device__ __forceinline__ constexpr QPlan qplan(int K) {
+    QPlan p{};
     p.nunits = K / 32;
     const int lpr = (p.nunits + 31) / 32;
     p.nk = (lpr + MK_QUMAX - 1) / MK_QUMAX;
@@ -73,7 +73,10 @@ __device__ __forceinline__ QPlan qplan(int K) {
     p.round = (MK_PART_ROWS / p.nk) / MK_QROWS * MK_QROWS & ~1;  // whole items (gate/up pairs)
     return p;
 }
-__device__ __forceinline__ int qplan_pass_chunks(const QPlan& p) { return max(1, min(p.nk, MK_XW / (p.u * 1024))); }
+__host__ __device__ __forceinline__ constexpr int qplan_pass_chunks(const QPlan& p) {
+    const int fit = MK_XW / (p.u * 1024);
+    return fit < 1 ? 1 : fit < p.nk ? fit : p.nk;
+}
 __device__ __forceinline__ void qplan_pass_range(const GemvDesc& d, const QPlan& p, int q, int& k0, int& k1) {
     const int width = qplan_pass_chunks(p) * p.u * 1024;
     k0 = q * width;

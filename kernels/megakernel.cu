@@ -218,19 +218,13 @@ __device__ __noinline__ void stage_input(const Tables& tb, const StepInfo& si, i
     }
 }
 
-// A hidden row's first pass in the lm_head phase (gemv_plan and qplan of K = MK_H, as constants): run_phase copies
-// the staged row out as the MTP's input, so that pass must hold all of it (plan.py KernelPlan._hidden_pass_width).
-constexpr int hidden_pass_width_bf16() {
-    const int lpr = (MK_H / 8 + GEMV_KL - 1) / GEMV_KL, nk = (lpr + MK_UMAX * GEMV_SUB - 1) / (MK_UMAX * GEMV_SUB);
-    return nk * ((lpr + nk * GEMV_SUB - 1) / (nk * GEMV_SUB)) * GEMV_KL * GEMV_SUB * 8;
-}
-static_assert(MK_WFMT_LM_HEAD != 0 || MK_XW >= hidden_pass_width_bf16(), "the lm_head stages a hidden row in one pass");
+// run_phase copies the lm_head's staged input out as the MTP's hidden, so its first pass holds a whole hidden row
+// in each of the lm_head's formats (plan.py KernelPlan._hidden_pass_width sizes the window for it).
+static_assert(MK_WFMT_LM_HEAD != 0 || gemv_pass_chunks(gemv_plan(MK_H)) == gemv_plan(MK_H).nk,
+              "the lm_head stages a hidden row in one pass");
 #if MK_QFMTS
-constexpr int hidden_pass_width_quant() {
-    const int lpr = (MK_H / 32 + 31) / 32, nk = (lpr + MK_QUMAX - 1) / MK_QUMAX;
-    return nk * ((lpr + nk - 1) / nk) * 1024;
-}
-static_assert(MK_WFMT_LM_HEAD == 0 || MK_XW >= hidden_pass_width_quant(), "the lm_head stages a hidden row in one pass");
+static_assert(MK_WFMT_LM_HEAD == 0 || qplan_pass_chunks(qplan(MK_H)) == qplan(MK_H).nk,
+              "the lm_head stages a hidden row in one pass");
 #endif
 
 // Runs `phase` of layer `l`; returns whether this block had work in it (the DeltaNet and attention

@@ -421,8 +421,8 @@ class KernelPlan:
         return rows
 
     def _windows(self) -> list[int]:
-        """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the hidden size (the
-        narrowest the kernel takes: a hidden row and a whole GEMV chunk must fit); none wider than max_window
+        """Window widths to try, widest first: the widest input, multiples of WINDOW_STEP, the narrowest the
+        kernel takes (a hidden row in the lm_head's whole chunks, and a whole GEMV chunk); none wider than max_window
         (the narrowest where max_window is below it)."""
         c = self.config
         phases = self._gemv_phases()
