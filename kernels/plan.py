@@ -50,8 +50,9 @@ SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it s
 # With Tuning.att_split_log it bounds the chunks a build attends over (KernelPlan.att_merge_chunks).
 ATT_FOLD_LEVELS = 8
 # Accumulators a chunk's warps merge their outputs into (warp w into w % this, in warp order; the block sums them):
-# one block barrier per this many warps instead of one per warp.
-ATT_MERGE_ACCS = 3
+# one block barrier per this many warps instead of one per warp. Six fit the attention scratch of the default
+# tunings' plans (27B, tiny and embedded shapes, T = 1..8, sm_86 and sm_90) without changing their fit.
+ATT_MERGE_ACCS = 6
 
 # The phases of one layer by kind, and those after the last layer: the step list of every launch.
 LAYER_PHASES = {

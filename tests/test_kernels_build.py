@@ -33,6 +33,7 @@ from onestream.kernels.phase_timing import (
 )
 from onestream.kernels.plan import (
     ATT_FOLD_LEVELS,
+    ATT_MERGE_ACCS,
     AUTO_STAGES,
     FINAL_PHASES,
     LAYER_PHASES,
@@ -382,6 +383,26 @@ def test_the_lm_head_stages_a_hidden_row_in_one_pass(lm_head: WeightFormat, quni
                 assert first >= h, (config.hidden_size, tokens, sms, mma, plan.window)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+def test_the_chunk_merge_accumulators_fit_every_shipped_plan(tokens: int) -> None:
+    """ATT_MERGE_ACCS accumulators and the rest of the attention scratch fit the partial-sum buffers of the 27B and
+    tiny shapes on sm_86 and sm_90, both GEMVs and both caches."""
+    for config in (config_27b(), tiny_config()):
+        for sms, limit in ((82, 99 * 1024), (132, 227 * 1024)):
+            for mma in (False, True):
+                for kv in ("auto", "int8"):
+                    plan = KernelPlan(
+                        config,
+                        num_sms=sms,
+                        tokens_per_launch=tokens,
+                        smem_limit=limit,
+                        tuning=Tuning(mma=mma),
+                        kv_cache=kv,
+                    )
+                    assert plan.defines()["MK_ATT_MACC"] == ATT_MERGE_ACCS
+                    assert plan.scratch_floats[0] <= 2 * tokens * plan.part_rows
+
+
 def test_attention_splits_fill_the_grid_at_long_context() -> None:
     """Short contexts keep one chunk per item (and the fewest pairs that fit); long ones cut the chunks into
     aligned splits of 2^k whose busiest block attends over the fewest chunks, within the fold's limit."""
@@ -526,9 +547,9 @@ def test_shared_memory_fit_leaves_l1_room_unless_it_costs_many_breaks() -> None:
     assert (
         KernelPlan(config_27b(), num_sms=132, smem_limit=hopper).smem_bytes <= SMEM_PREFER
     )  # the default T = 1
-    # A 3-stage ring at T = 1: 2048 partial-sum rows per round keep it under (one more break than 4096 rows).
+    # A 3-stage ring at T = 1: an 8192-input window (the wide phases in passes) keeps it under.
     deep = KernelPlan(config_27b(), num_sms=132, tuning=Tuning(stages=3), smem_limit=hopper)
-    assert deep.smem_bytes <= SMEM_PREFER and deep.part_rows == 2048 and deep.window == 17408
+    assert deep.smem_bytes <= SMEM_PREFER and deep.part_rows == 4096 and deep.window == 8192
     unpreferred = KernelPlan(
         config_27b(), num_sms=132, tuning=Tuning(stages=3, smem_prefer=0), smem_limit=hopper
     )
