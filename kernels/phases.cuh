@@ -1251,8 +1251,14 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     for (int j = 0; j < NP; ++j) sc[j] += __shfl_xor_sync(0xffffffffu, sc[j], o);
 #endif
                 const int q = p + grp;  // the lane's position
+                // Each pair's weights of the step's positions and its rescale; a pair whose query precedes the step
+                // keeps weights 0 and rescale 1, which leave its sums exactly as they are (they are never -0).
+                float w[NP][ATT_PW], corr[NP];
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
+                    corr[j] = 1.0f;
+#pragma unroll
+                    for (int i = 0; i < ATT_PW; ++i) w[j][i] = 0.0f;
                     if (p > lastpos[j]) continue;  // warp-uniform; so are the later steps' tests
                     // Scores in log2 units (exp2 is one MUFU); no key: weight 0 exactly.
                     const float x = q <= lastpos[j] && q < p1 ? sc[j] * cs : -MK_INF;
@@ -1260,20 +1266,28 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
 #pragma unroll
                     for (int o = ATT_KL; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
                     const float mn = fmaxf(m[j], smax);
-                    const float corr = exp2f(m[j] - mn);
+                    corr[j] = exp2f(m[j] - mn);
                     const float wx = exp2f(x - mn);  // one exp per position group (ATT_KL lanes), not per lane
-                    l[j] = fmaf(l[j], corr, wx);
-                    float w[ATT_PW];  // the step's weights, from each position's first lane
+                    l[j] = fmaf(l[j], corr[j], wx);
 #pragma unroll
-                    for (int i = 0; i < ATT_PW; ++i) w[i] = att_val_weight(vg[i], __shfl_sync(0xffffffffu, wx, i * ATT_KL));
-#pragma unroll
-                    for (int e = 0; e < ATT_DPL; ++e) {
-                        float u = w[0] * att_val_elem(vg[0], e);
-#pragma unroll
-                        for (int i = 1; i < ATT_PW; ++i) u = fmaf(w[i], att_val_elem(vg[i], e), u);
-                        acc[j][e] = fmaf(acc[j][e], corr, u);
-                    }
+                    for (int i = 0; i < ATT_PW; ++i)  // from each position's first lane
+                        w[j][i] = att_val_weight(vg[i], __shfl_sync(0xffffffffu, wx, i * ATT_KL));
                     m[j] = mn;
+                }
+                // Each value element is converted once for every pair (pair by pair, the int8 conversion took most
+                // of the loop's instructions); each pair's sums are the same as pair by pair.
+#pragma unroll
+                for (int e = 0; e < ATT_DPL; ++e) {
+                    float x[ATT_PW];
+#pragma unroll
+                    for (int i = 0; i < ATT_PW; ++i) x[i] = att_val_elem(vg[i], e);
+#pragma unroll
+                    for (int j = 0; j < NP; ++j) {
+                        float u = w[j][0] * x[0];
+#pragma unroll
+                        for (int i = 1; i < ATT_PW; ++i) u = fmaf(w[j][i], x[i], u);
+                        acc[j][e] = fmaf(acc[j][e], corr[j], u);
+                    }
                 }
             };
             AttKey kr[ATT_NPC];
