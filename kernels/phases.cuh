@@ -1274,8 +1274,8 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                         w[j][i] = att_val_weight(vg[i], __shfl_sync(0xffffffffu, wx, i * ATT_KL));
                     m[j] = mn;
                 }
-                // Each value element is converted once for every pair (pair by pair, the int8 conversion took most
-                // of the loop's instructions); each pair's sums are the same as pair by pair.
+                // Each value element is converted once for all pairs, not once per pair (an int8 element costs a
+                // byte permute and an add); each pair's sums are the same operations in the same order.
 #pragma unroll
                 for (int e = 0; e < ATT_DPL; ++e) {
                     float x[ATT_PW];

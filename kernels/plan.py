@@ -51,7 +51,7 @@ SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it s
 ATT_FOLD_LEVELS = 8
 # Accumulators a chunk's warps merge their outputs into (warp w into w % this, in warp order; the block sums them):
 # one block barrier per this many warps instead of one per warp. Six fit the attention scratch of the default
-# tunings' plans (27B, tiny and embedded shapes, T = 1..8, sm_86 and sm_90) without changing their fit.
+# tunings' plans at every tokens per launch on sm_86 and sm_90 (tests/test_kernels_build.py).
 ATT_MERGE_ACCS = 6
 
 # The phases of one layer by kind, and those after the last layer: the step list of every launch.
