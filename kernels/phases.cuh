@@ -717,11 +717,10 @@ __device__ __forceinline__ float i8_elem(u32 w, int e) {
 __device__ __forceinline__ float att_key_elem(const AttKey& k, int e) {
     return (e & 1) ? bf_hi(k.w[e >> 1]) : bf_lo(k.w[e >> 1]);
 }
-// A lane's ATT_DPL elements of one position's value, with the vector's scale (int8; 1 for bf16).
+// A lane's ATT_DPL elements of one position's value (an int8 vector's scale travels with its key: load_k).
 struct AttVal {
 #if MK_KV_I8
     u32 w[ATT_DPL / 4];
-    float s;
 #else
     vec16 v;
 #endif
@@ -731,7 +730,6 @@ __device__ __forceinline__ AttVal att_val_zero() {
 #if MK_KV_I8
 #pragma unroll
     for (int i = 0; i < ATT_DPL / 4; ++i) v.w[i] = 0u;
-    v.s = 0.0f;
 #else
     v.v = vec16{0u, 0u, 0u, 0u};
 #endif
@@ -743,14 +741,6 @@ __device__ __forceinline__ float att_val_elem(const AttVal& v, int e) {
 #else
     const u32 w = e < 2 ? v.v.x : e < 4 ? v.v.y : e < 6 ? v.v.z : v.v.w;
     return (e & 1) ? bf_hi(w) : bf_lo(w);
-#endif
-}
-// A position's softmax weight as its value's elements take it (int8: times the vector's scale).
-__device__ __forceinline__ float att_val_weight(const AttVal& v, float w) {
-#if MK_KV_I8
-    return w * v.s;
-#else
-    return w;
 #endif
 }
 #if MK_KV_I8
@@ -1139,16 +1129,18 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             // come from shared memory, earlier ones from the cache. Past the chunk a lane loads the chunk's last
             // position instead (finite values under a weight of 0).
             constexpr int GS = ATT_PW * MK_NWARPS;
-            // `ks`: the key's scale (int8; bf16 keys leave it 1).
-            auto load_k = [&](int q, AttKey (&k)[ATT_NPC], float& ks) {
+            // `ks`, `vs`: the key's and the value's scales (int8; bf16 leaves them 1). The value's is the lane's own
+            // position's: its weight takes it before the shuffles that hand the weights to every lane.
+            auto load_k = [&](int q, AttKey (&k)[ATT_NPC], float& ks, float& vs) {
                 q = min(q, p1 - 1);
-                ks = 1.0f;
+                ks = vs = 1.0f;
                 if (q >= pos) {
                     const kv_t* src = kvnew + (q - pos) * 2 * MK_HD + sub * ATT_PB;
 #pragma unroll
                     for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, true);
 #if MK_KV_I8
                     ks = kvs[(q - pos) * 2];
+                    vs = kvs[(q - pos) * 2 + 1];
 #endif
                 } else {
                     // interleaved pieces: the loads of a position's lanes are contiguous
@@ -1157,6 +1149,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     for (int i = 0; i < ATT_NPC; ++i) k[i] = att_ld_key(src + ATT_KL * ATT_PB * i, false);
 #if MK_KV_I8
                     ks = ld_cg_f(ksh + q);
+                    vs = ld_cg_f(vsh + q);
 #endif
                 }
             };
@@ -1166,11 +1159,9 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 if (q >= pos) {
                     const uint2 w = *(const uint2*)(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL);
                     v.w[0] = w.x, v.w[1] = w.y;
-                    v.s = kvs[(q - pos) * 2 + 1];
                 } else {
                     const uint2 w = __ldcg((const uint2*)(vh + (long long)q * MK_HD + lane * ATT_DPL));
                     v.w[0] = w.x, v.w[1] = w.y;
-                    v.s = ld_cg_f(vsh + q);
                 }
 #else
                 v.v = q >= pos ? ld_shared16(kvnew + (q - pos) * 2 * MK_HD + MK_HD + lane * ATT_DPL)
@@ -1179,7 +1170,7 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
             };
             // One step over the positions p..p + ATT_PW - 1 from the keys in kg; the values load at its start (the
             // scores' work covers them), the keys a step ahead.
-            auto att_step = [&](int p, const AttKey (&kg)[ATT_NPC], float ks) {
+            auto att_step = [&](int p, const AttKey (&kg)[ATT_NPC], float ks, float vs) {
                 AttVal vg[ATT_PW];
 #pragma unroll
                 for (int i = 0; i < ATT_PW; ++i) {
@@ -1269,9 +1260,10 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                     corr[j] = exp2f(m[j] - mn);
                     const float wx = exp2f(x - mn);  // one exp per position group (ATT_KL lanes), not per lane
                     l[j] = fmaf(l[j], corr[j], wx);
+                    const float wv = wx * vs;  // the product each lane would form after the shuffle
 #pragma unroll
                     for (int i = 0; i < ATT_PW; ++i)  // from each position's first lane
-                        w[j][i] = att_val_weight(vg[i], __shfl_sync(0xffffffffu, wx, i * ATT_KL));
+                        w[j][i] = __shfl_sync(0xffffffffu, wv, i * ATT_KL);
                     m[j] = mn;
                 }
                 // Each value element is converted once for all pairs, not once per pair (an int8 element costs a
@@ -1291,15 +1283,15 @@ __device__ bool attention_items(const Tables& tb, const StepInfo& si, int layer,
                 }
             };
             AttKey kr[ATT_NPC];
-            float krs;
-            load_k(p0 + warp * ATT_PW + grp, kr, krs);
+            float krs, vrs;
+            load_k(p0 + warp * ATT_PW + grp, kr, krs, vrs);
             for (int p = p0 + warp * ATT_PW; p < p1; p += GS) {
                 AttKey kg[ATT_NPC];  // this step's keys (kr refills with the next step's)
 #pragma unroll
                 for (int i = 0; i < ATT_NPC; ++i) kg[i] = kr[i];
-                const float kgs = krs;
-                load_k(p + GS + grp, kr, krs);
-                att_step(p, kg, kgs);
+                const float kgs = krs, vgs = vrs;
+                load_k(p + GS + grp, kr, krs, vrs);
+                att_step(p, kg, kgs, vgs);
             }
             // The warp's sum per pair: its position groups' sums by a butterfly (every lane the same bits).
 #pragma unroll
