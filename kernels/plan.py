@@ -49,10 +49,6 @@ SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it s
 # Levels of the attention fold over a step's splits (phases.cuh att_fold): at most 2^this splits per key/value head.
 # With Tuning.att_split_log it bounds the chunks a build attends over (KernelPlan.att_merge_chunks).
 ATT_FOLD_LEVELS = 8
-# Accumulators a chunk's warps merge their outputs into (warp w into w % this, in warp order; the block sums them):
-# one block barrier per this many warps instead of one per warp. Six fit the attention scratch of the default
-# tunings' plans at every tokens per launch on sm_86 and sm_90 (tests/test_kernels_build.py).
-ATT_MERGE_ACCS = 6
 
 # The phases of one layer by kind, and those after the last layer: the step list of every launch.
 LAYER_PHASES = {
@@ -463,7 +459,7 @@ class KernelPlan:
         DeltaNet recurrence (in the partial sums): phases.cuh lays them out in these sizes."""
         c, t, nt = self.config, self.tuning, self.tokens_per_launch
         warps = t.threads // 32
-        accs = min(ATT_MERGE_ACCS, warps)  # the chunk merge's accumulators, beside the queries
+        accs = min(t.att_merge_accs, warps)  # the chunk merge's accumulators, beside the queries
         att = (
             (1 + accs) * self.att_pairs * c.head_dim
             + 2 * warps * self.att_pairs
@@ -533,7 +529,7 @@ class KernelPlan:
             "MK_ATT_SPLIT_LOG": t.att_split_log,
             "MK_ATT_GROUP": t.att_group,
             "MK_ATT_FOLD_LEVELS": ATT_FOLD_LEVELS,
-            "MK_ATT_MACC": min(ATT_MERGE_ACCS, t.threads // 32),
+            "MK_ATT_MACC": min(t.att_merge_accs, t.threads // 32),
             "MK_HIST_ENTRIES": self.history_entries,
             "MK_SYNC_BARRIER": sync.barrier,
             "MK_SYNC_ARRIVALS": sync.arrivals,
