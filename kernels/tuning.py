@@ -46,7 +46,8 @@ def tuning_from_env(
 @dataclass(frozen=True)
 class Tuning:
     """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax,
-    att_chunk, att_group, att_merge_accs, mma, mma_sub and qunits), and the activation precision `fp32_act`, which does."""
+    att_chunk, att_group, att_merge_accs, mma, mma_sub and qunits), and the activation precision `fp32_act`,
+    which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item

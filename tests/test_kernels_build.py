@@ -384,8 +384,9 @@ def test_the_lm_head_stages_a_hidden_row_in_one_pass(lm_head: WeightFormat, quni
 
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8])
 def test_the_chunk_merge_accumulators_fit_every_shipped_plan(tokens: int) -> None:
-    """The default tuning's merge accumulators and the rest of the attention scratch fit the partial-sum buffers of the 27B and
-    tiny shapes on sm_86 and sm_90, both GEMVs and both caches (a plan whose scratch does not fit raises)."""
+    """The default tuning's merge accumulators and the rest of the attention scratch fit the partial-sum buffers
+    of the 27B and tiny shapes on sm_86 and sm_90, both GEMVs and both caches (a plan whose scratch does not fit
+    raises)."""
     for config in (config_27b(), tiny_config()):
         for sms, limit in ((82, 99 * 1024), (132, 227 * 1024)):
             for mma in (False, True):
