@@ -49,6 +49,13 @@ SMEM_ALIGN = 128  # the carve starts at a 128-byte boundary: ring slots off it s
 # Levels of the attention fold over a step's splits (phases.cuh att_fold): at most 2^this splits per key/value head.
 # With Tuning.att_split_log it bounds the chunks a build attends over (KernelPlan.att_merge_chunks).
 ATT_FOLD_LEVELS = 8
+# Accumulators a chunk's warps merge their outputs into (warp w into w % this, in warp order; the block sums them):
+# one block barrier per this many warps instead of one per warp. Changes results (the merge's order). Four time as
+# six do and leave the attention scratch room for six pairs an item (KernelPlan.att_pairs) on sm_86 and sm_90.
+ATT_MERGE_ACCS = 4
+# Attention items' (query head, token) pairs at most where the tuning leaves them to the plan (KernelPlan.att_pairs).
+ATT_PAIRS = 3
+QUANT_STEP_ATT_PAIRS = 6
 
 # The phases of one layer by kind, and those after the last layer: the step list of every launch.
 LAYER_PHASES = {
@@ -459,7 +466,7 @@ class KernelPlan:
         DeltaNet recurrence (in the partial sums): phases.cuh lays them out in these sizes."""
         c, t, nt = self.config, self.tuning, self.tokens_per_launch
         warps = t.threads // 32
-        accs = min(t.att_merge_accs, warps)  # the chunk merge's accumulators, beside the queries
+        accs = min(ATT_MERGE_ACCS, warps)  # the chunk merge's accumulators, beside the queries
         att = (
             (1 + accs) * self.att_pairs * c.head_dim
             + 2 * warps * self.att_pairs
@@ -478,9 +485,15 @@ class KernelPlan:
 
     @property
     def att_pairs(self) -> int:
+        """(query head, token) pairs per attention item at most: the tuning's, else six in a one-token launch that
+        streams quantized weights and three otherwise. Six timed faster in the quantized step and slower in the
+        bf16 one (docs/benchmarks.md, session 38), and their attention loop spills beyond four tokens."""
         c = self.config
         pairs = c.num_attention_heads // c.num_key_value_heads * self.tokens_per_launch
-        return max(1, min(self.tuning.att_pairs, pairs))
+        chosen = self.tuning.att_pairs
+        if chosen is None:
+            chosen = QUANT_STEP_ATT_PAIRS if self.tokens_per_launch == 1 and self.quant_union else ATT_PAIRS
+        return max(1, min(chosen, pairs))
 
     def defines(self) -> dict[str, int | float]:
         """The plan as the CUDA sources read it: shapes, tuning, the fitted sizes, the shared-memory carve, the
@@ -529,7 +542,7 @@ class KernelPlan:
             "MK_ATT_SPLIT_LOG": t.att_split_log,
             "MK_ATT_GROUP": t.att_group,
             "MK_ATT_FOLD_LEVELS": ATT_FOLD_LEVELS,
-            "MK_ATT_MACC": min(t.att_merge_accs, t.threads // 32),
+            "MK_ATT_MACC": min(ATT_MERGE_ACCS, t.threads // 32),
             "MK_HIST_ENTRIES": self.history_entries,
             "MK_SYNC_BARRIER": sync.barrier,
             "MK_SYNC_ARRIVALS": sync.arrivals,

@@ -46,8 +46,7 @@ def tuning_from_env(
 @dataclass(frozen=True)
 class Tuning:
     """Knobs that change speed, never results (reduction orders do not depend on them, except threads, umax,
-    att_chunk, att_group, att_merge_accs, mma, mma_sub and qunits), and the activation precision `fp32_act`,
-    which does."""
+    att_chunk, att_group, mma, mma_sub and qunits), and the activation precision `fp32_act`, which does."""
 
     threads: int = 384  # one block per SM, 12 warps: 168 registers each keep the GEMV loop free of spills
     umax: int = 8  # 16-byte loads per lane per GEMV item
@@ -60,7 +59,9 @@ class Tuning:
     # runtime reserves per block and the static block state), so 60 KB of L1 instead of 28, which the weight
     # stream measured faster with.
     smem_prefer: int = SMEM_PREFER
-    att_pairs: int = 3  # (query head, token) pairs per attention item at most (fewer while the grid has room)
+    # (query head, token) pairs per attention item at most (fewer while the grid has room); None: the plan's choice
+    # by weights and tokens per launch (KernelPlan.att_pairs).
+    att_pairs: int | None = None
     # Positions per flash-decoding chunk. Fixed (not derived from the context length) so that a token's attention
     # sums the same chunks in the same order whichever launch runs it: a verify pass of T tokens then gives
     # bit-identical results to T single steps.
@@ -73,11 +74,6 @@ class Tuning:
     # score, so it sets the butterfly depth, the redundancy of the softmax exps and the loads in flight per warp.
     # Changes results (the order a chunk's keys are summed in), the same way for every launch of a build.
     att_group: int = 4
-    # Accumulators a chunk's warps merge their outputs into (warp w into w % this, in warp order; the block sums
-    # them): one block barrier per this many warps. Changes results (the merge's order), the same way for every
-    # launch of a build; six fit the attention scratch of the default plans at every tokens per launch on sm_86
-    # and sm_90 (tests/test_kernels_build.py), four beside six pairs an item.
-    att_merge_accs: int = 6
     # Weight bytes of the next GEMV that the blocks idle during a DeltaNet / attention phase pull into L2, per
     # block share (split over the idle blocks, so that most of the output projection is in L2 when the busy
     # blocks finish).
@@ -120,10 +116,10 @@ class Tuning:
             )
         if not 0 <= self.att_split_log <= 10:
             raise ValueError(f"att_split_log must be 0..10, got {self.att_split_log}")
+        if self.att_pairs is not None and self.att_pairs < 1:
+            raise ValueError(f"att_pairs must be at least 1, got {self.att_pairs}")
         if self.att_group not in (4, 8):
             raise ValueError(f"att_group must be 4 or 8, got {self.att_group}")
-        if self.att_merge_accs < 1:
-            raise ValueError(f"att_merge_accs must be at least 1, got {self.att_merge_accs}")
         if self.mma_sub < 1:
             raise ValueError(f"mma_sub must be at least 1, got {self.mma_sub}")
         if self.qunits < 1:

@@ -33,10 +33,13 @@ from onestream.kernels.phase_timing import (
 )
 from onestream.kernels.plan import (
     ATT_FOLD_LEVELS,
+    ATT_MERGE_ACCS,
+    ATT_PAIRS,
     AUTO_STAGES,
     FINAL_PHASES,
     LAYER_PHASES,
     LAYER_STEPS,
+    QUANT_STEP_ATT_PAIRS,
     SMEM_OVER_BREAKS,
     WEIGHT_KINDS,
     KernelPlan,
@@ -45,6 +48,7 @@ from onestream.kernels.plan import (
     gemv_chunk_width_of,
     gemv_chunks,
     quant_chunk_width,
+    weight_formats_of,
 )
 from onestream.kernels.random_model import config_27b, random_model
 from onestream.kernels.runtime import MegakernelError, MegakernelRunner
@@ -382,14 +386,24 @@ def test_the_lm_head_stages_a_hidden_row_in_one_pass(lm_head: WeightFormat, quni
                 assert first >= h, (config.hidden_size, tokens, sms, mma, plan.window)
 
 
+Q4_K_M_FORMATS = weight_formats_of(  # the kinds' formats of a Q4_K_M file
+    {
+        **{kind: {WeightFormat.Q4_K} for kind in WEIGHT_KINDS},
+        "att_in": {WeightFormat.Q4_K, WeightFormat.Q6_K},
+        "mlp_down": {WeightFormat.Q4_K, WeightFormat.Q6_K},
+        "lm_head": {WeightFormat.Q6_K},
+    }
+)
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8])
 def test_the_chunk_merge_accumulators_fit_every_shipped_plan(tokens: int) -> None:
-    """The default tuning's merge accumulators and the rest of the attention scratch fit the partial-sum buffers
-    of the 27B and tiny shapes on sm_86 and sm_90, both GEMVs and both caches (a plan whose scratch does not fit
-    raises)."""
+    """ATT_MERGE_ACCS accumulators and the rest of the attention scratch (six pairs an item in a quantized step) fit
+    the partial-sum buffers of the 27B and tiny shapes on sm_86 and sm_90, both GEMVs, bf16 and quantized weights
+    and both caches (a plan whose scratch does not fit raises)."""
     for config in (config_27b(), tiny_config()):
         for sms, limit in ((82, 99 * 1024), (132, 227 * 1024)):
-            for mma in (False, True):
+            for mma, formats in ((False, ()), (True, ()), (False, Q4_K_M_FORMATS)):
                 for kv in ("auto", "int8"):
                     plan = KernelPlan(
                         config,
@@ -398,9 +412,25 @@ def test_the_chunk_merge_accumulators_fit_every_shipped_plan(tokens: int) -> Non
                         smem_limit=limit,
                         tuning=Tuning(mma=mma),
                         kv_cache=kv,
+                        weight_formats=formats,
                     )
-                    assert plan.defines()["MK_ATT_MACC"] == Tuning().att_merge_accs
+                    assert plan.defines()["MK_ATT_MACC"] == ATT_MERGE_ACCS
                     assert plan._scratch_fits(plan.part_rows)
+
+
+def test_a_quantized_step_takes_six_attention_pairs_an_item_and_the_rest_three() -> None:
+    """The plan's choice where the tuning leaves att_pairs open; a tuning's own value wins."""
+    config = config_27b()
+
+    def pairs(tokens: int, formats: tuple = (), **tuning: int) -> int:
+        return KernelPlan(
+            config, num_sms=132, tokens_per_launch=tokens, tuning=Tuning(**tuning), weight_formats=formats
+        ).att_pairs
+
+    assert pairs(1, Q4_K_M_FORMATS) == QUANT_STEP_ATT_PAIRS == 6
+    assert pairs(1) == pairs(4, Q4_K_M_FORMATS) == pairs(8, Q4_K_M_FORMATS) == ATT_PAIRS == 3
+    assert pairs(1, Q4_K_M_FORMATS, att_pairs=2) == 2 and pairs(1, att_pairs=6) == 6
+    assert pairs(1, Q4_K_M_FORMATS, att_pairs=12) == 6  # a token's query heads of one key/value head at most
 
 
 def test_attention_splits_fill_the_grid_at_long_context() -> None:
