@@ -13,7 +13,7 @@ export OUT PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 export REPO
 LOG=$OUT/batch.log
 {
-  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null) $(cat "$REPO/STAGED" 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 } 2>&1 | tee "$LOG"
 for stage in "$@"; do

@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 . tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 {
-  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")"
   python3 -c "import onestream.kernels, onestream.worker; print('package from', onestream.kernels.__file__)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"

@@ -19,7 +19,7 @@ REPO=$PWD
 
 . tools/gpu/ray_env.sh  # Ray from .devpkgs, then env.sh; leaves us in the link tree
 
-echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool.log"
+echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")" | tee "$OUT/pool.log"
 SERVE_ARGS=()
 if [ "$MODE" = gguf ]; then
   timeout 120 python3 -m onestream quantize --type q4_k_m --device cuda --out /tmp/embedded-q4_k_m.gguf 2>&1 |

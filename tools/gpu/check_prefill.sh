@@ -16,7 +16,7 @@ REPO=$PWD
 . tools/gpu/env.sh  # the package layout and carried wheels (gguf, fla-core, einops); leaves us in the link tree
 
 {
-  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import fla; from fla.ops.gated_delta_rule import chunk_gated_delta_rule; print('fla', fla.__version__)" 2>&1 | tail -1

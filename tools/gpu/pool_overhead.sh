@@ -14,7 +14,7 @@ REPO=$PWD
 
 . tools/gpu/ray_env.sh  # Ray from .devpkgs, then env.sh; leaves us in the link tree
 
-echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)" | tee "$OUT/pool_overhead.log"
+echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")" | tee "$OUT/pool_overhead.log"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/pool_overhead.log"
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--layers 64)

@@ -23,7 +23,7 @@ fi
 . tools/gpu/env.sh  # the package layout and carried wheels (gguf); leaves us in the link tree
 
 {
-  echo "== $(date -u +%FT%TZ) commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null)"
+  echo "== $(date -u +%FT%TZ) sources $(bash "$REPO/tools/gpu/tree_hash.sh" "$REPO")"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 } 2>&1 | tee "$OUT/env.log"
 for workload in ${WORKLOADS:-edit complete mixed}; do
