@@ -79,3 +79,21 @@ def test_loops_are_a_label_and_a_branch_back_to_it_with_arithmetic_in_between() 
     assert [loop.instructions for loop in loops] == [5, 8]
     assert loops[0].opcodes == {"IDP": 2, "BRA": 2, "FADD": 1}
     assert loops[1].opcodes["IDP"] == 2 and loops[1].opcodes["LDS"] == 1
+
+
+def test_a_loop_of_integer_mma_is_arithmetic_and_an_address_loop_is_not() -> None:
+    tool = _tool()
+    sass = "\n".join(
+        [
+            "mk_phase:",
+            ".L_x_1:",
+            "        /*0000*/                   IMMA.16832.S8.S8 R20, R20.ROW, R92.COL, RZ ;",
+            "        /*0010*/                   I2FP.F32.S32 R21, R20 ;",
+            "        /*0020*/                   BRA `(.L_x_1) ;",
+            ".L_x_2:",
+            "        /*0030*/                   IADD3 R1, R2, R3, RZ ;",
+            "        /*0040*/                   BRA `(.L_x_2) ;",
+        ]
+    )
+    loops = tool.sass_loops(sass, "mk_phase")
+    assert [loop.opcodes for loop in loops] == [{"IMMA": 1, "I2FP": 1, "BRA": 1}]

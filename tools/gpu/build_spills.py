@@ -11,10 +11,10 @@ calls it, and a callee may spill in one kernel and not in another (the values it
 take registers from it). `--where` also says where: the build compiled with line information, nvdisasm's
 spill marks counted per kernel and source function, and the N source lines with the most (a spill inside a loop
 over positions or weights costs every iteration; one in a prologue costs once). `--loops KERNEL` counts the machine
-instructions of KERNEL's loops that do arithmetic (dp4a or at least LOOP_MIN_FFMA FFMAs, fewer than LOOP_MAX_BODY
-instructions: the inner loops, not the phases around them), with their most frequent opcodes: `--loops mk_phase
---kv-cache int8 --tokens 1 --gemv scalar` gives the attention loop's instructions per warp step. Needs nvcc; `--where`
-and `--loops` also nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
+instructions of KERNEL's loops that do arithmetic (dp4a, an integer mma or at least LOOP_MIN_FFMA FFMAs, fewer
+than LOOP_MAX_BODY instructions: the inner loops, not the phases around them), with their most frequent opcodes:
+`--loops mk_phase --kv-cache int8 --tokens 1 --gemv scalar` gives the attention loop's instructions per warp step.
+Needs nvcc; `--where` and `--loops` also nvdisasm (PATH or the pip package nvidia-cuda-nvdisasm).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ _BRANCH = re.compile(
 )  # a branch to a label (BRA.DIV: a divergence check, no loop)
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-LOOP_MIN_FFMA = 90  # a loop doing arithmetic: dp4a, or at least this many FFMAs (address loops have few)
+# A loop doing arithmetic: dp4a or an integer mma, or at least this many FFMAs (address loops have few).
+LOOP_MIN_FFMA = 90
 LOOP_MAX_BODY = 1500  # instructions: larger bodies are the phases that hold the loops
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -138,8 +139,8 @@ class Loop(NamedTuple):
 
 def sass_loops(sass: str, kernel: str) -> list[Loop]:
     """The loops of `kernel` in `nvdisasm -c` text that do arithmetic: a label and a later branch back to it (the
-    body between them), holding dp4a (IDP) or at least LOOP_MIN_FFMA FFMAs, under LOOP_MAX_BODY instructions;
-    fewest instructions first."""
+    body between them), holding dp4a (IDP), an integer mma (IMMA) or at least LOOP_MIN_FFMA FFMAs, under
+    LOOP_MAX_BODY instructions; fewest instructions first."""
     lines, inside = [], False
     for text in sass.splitlines():
         if m := _ENTRY.match(text):
@@ -153,7 +154,8 @@ def sass_loops(sass: str, kernel: str) -> list[Loop]:
         if m and "BRA.DIV" not in text and labels.get(m.group(1), i) < i:
             start = labels[m.group(1)]
             ops = collections.Counter(o.group(1) for t in lines[start : i + 1] if (o := _OPCODE.search(t)))
-            if (ops["IDP"] or ops["FFMA"] >= LOOP_MIN_FFMA) and sum(ops.values()) < LOOP_MAX_BODY:
+            arithmetic = ops["IDP"] or ops["IMMA"] or ops["FFMA"] >= LOOP_MIN_FFMA
+            if arithmetic and sum(ops.values()) < LOOP_MAX_BODY:
                 loops[(start, i)] = Loop(start, i, ops)
     return sorted(loops.values(), key=lambda loop: (loop.instructions, loop.start))
 
