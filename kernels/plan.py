@@ -190,7 +190,8 @@ def launch_steps(config: ModelConfig, mode: int = MODE_MAIN) -> list[Step]:
 class KernelPlan:
     """Everything one build of the megakernel is laid out by: made from the model config, the tokens per launch
     T, the tuning and the target GPU; the CUDA sources read it as defines (`defines`), and the runner, the
-    timing read-back and the shared-memory fit read the same object."""
+    timing read-back and the shared-memory fit read the same object. It is immutable, so what it derives is
+    worked out once (`cached_property`): every launch reads `smem_bytes`."""
 
     config: ModelConfig
     num_sms: int
@@ -240,7 +241,7 @@ class KernelPlan:
         """The formats of `kind`'s tensors: those the plan names, else bf16."""
         return frozenset(f for k, f in self.weight_formats if k == kind) or frozenset({WeightFormat.BF16})
 
-    @property
+    @cached_property
     def streams_bf16(self) -> bool:
         """Whether a phase of this model streams bf16 weights (else the bf16 GEMV and its ring are not built)."""
         kinds = [k for k in WEIGHT_KINDS if k != "mtp_fc" or self.config.has_mtp]
@@ -288,14 +289,14 @@ class KernelPlan:
             return rows
         return 2 if nt <= 4 else 1
 
-    @property
+    @cached_property
     def quant_slot_planes(self) -> int:
         """Ring planes of the largest quantized item of the build (quant_slot_planes over its formats)."""
         units = self.tuning.qunits * self.quant_rows
         codes = [code for code in WEIGHT_FORMAT_CODES.values() if code and self.quant_union >> code & 1]
         return max((quant_slot_planes(code, units) for code in codes), default=0)
 
-    @property
+    @cached_property
     def quant_union(self) -> int:
         """MK_QFMTS: the union of the weight kinds' quantized format codes and the embedding's (0: bf16 only)."""
         union = 0
@@ -305,7 +306,7 @@ class KernelPlan:
             union |= 1 << WEIGHT_FORMAT_CODES[self.embed_format]
         return union
 
-    @property
+    @cached_property
     def ring_planes(self) -> int:
         """16-byte vectors per thread in one slot of the weight ring (MK_RING_PLANES): the bf16 GEMV's item of
         umax loads, or the quantized GEMV's largest item (quant_slot_planes), whichever the build streams is
@@ -335,7 +336,7 @@ class KernelPlan:
         while shared memory is short. It sets only how many rows a round takes, never a reduction order."""
         return self._fitted[0]
 
-    @cached_property  # every launch reads smem_bytes: the search below costs about 0.4 ms of Python
+    @cached_property
     def _fitted(self) -> tuple[int, int, int]:
         """(partial-sum rows, ring stages, window) that fit shared memory: the deepest ring that fits at all,
         then the (window, rows) pair whose GEMV phases break least often into rounds and passes (each break
@@ -584,7 +585,7 @@ class KernelPlan:
         return {**preamble_defines(), **shapes}
 
     # ---- shared memory ------------------------------------------------------------------------------------
-    @property
+    @cached_property
     def carve(self) -> SmemCarve:
         """The dynamic shared memory of a block, region by region (phases.cuh `carve_smem` reads the offsets)."""
         rows, stages, window = self._fitted
@@ -614,7 +615,7 @@ class KernelPlan:
         end = xsum + (-(-nt * sums * 4 // 16) * 16 if self._quantized else 0)
         return SmemCarve(xs=xs, part=part, rowval=rowval, red=red, xsum=xsum, end=end, total=SMEM_ALIGN + end)
 
-    @property
+    @cached_property
     def _quantized(self) -> bool:
         """Whether the build compiles the quantized decoding (MK_QFMTS: a GEMV's formats, the embedding's)."""
         return self.embed_format is not WeightFormat.BF16 or any(

@@ -4,6 +4,7 @@ grouping and table pointers (kernels/quant_weights.py), and nvcc builds of the q
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -372,3 +373,15 @@ def test_the_quantized_embedding_builds_compile() -> None:
     print(f"\nq4_k_m, Q4_K table: mk_decode {report['mk_decode']}")
     small = KernelPlan(small_config(), num_sms=132, tuning=Tuning(fp32_act=False), embed_format=W.Q5_1)
     nvcc_compile(small, "sm_90", ptxas_verbose=False)
+
+
+def test_a_plans_layout_is_worked_out_once() -> None:
+    """Every launch reads `smem_bytes`; a plan is immutable, so its carve and the format sums under it are worked
+    out once (recomputed, they cost about 0.1 ms of Python a launch: a speculative cycle's several launches
+    lengthened the host's turn between the verify and the next draft)."""
+    plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats())
+    assert plan.carve is plan.carve and plan.smem_bytes == plan.carve.total
+    start = time.perf_counter()
+    for _ in range(10_000):
+        plan.smem_bytes  # noqa: B018
+    assert time.perf_counter() - start < 0.1
