@@ -9,7 +9,8 @@ labelled call is found for goes by its name and shared memory, copies as `copies
 runtime calls the host was in while the device idled (a wait on an event is the host waiting; what is left of a
 gap is Python). Issue 23 asks for a cycle through the engine within 3 % of its launches on the device.
 
-    python3 tools/gpu/cycle_timeline.py --layers 64 --k 3 --accepted 0 3 --cycles 12 [--gemv auto|scalar|mma] [--weights q4_k_m]
+    python3 tools/gpu/cycle_timeline.py --layers 64 --k 3 --accepted 0 3 --cycles 12 [--gemv auto|scalar|mma]
+        [--weights q4_k_m] [--host-profile 30]
 
 Prints a table per acceptance and writes cycle_timeline.json (and the raw traces with --traces) under --out
 (default $OUT, else the working directory). The profiler adds host time to every call; the unprofiled time per
@@ -220,6 +221,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--weights", default="bf16", help="bf16 or a quantization preset (random blocks)")
     p.add_argument("--traces", action="store_true", help="also write each profile's chrome trace")
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the cycles under cProfile and print the N functions of most own time (0: no)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -240,6 +248,30 @@ class LabelledCalls:
                     return _original(*args, **kwargs)
 
             setattr(backend, name, wrapped)
+
+
+def host_profile(engine: Any, prompt: list[int], chunks: int, args: argparse.Namespace, path: Path) -> str:
+    """The host's Python per cycle: the cycles once more under cProfile (the engine runs on this thread), the
+    `--host-profile` functions of most own time (totals over the cycles); the raw profile goes to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    from onestream.kernels.bench_cycle import WARM_CYCLES, engine_ms_per_yield
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine_ms_per_yield(engine, prompt, chunks, WARM_CYCLES, room=args.k + 1)
+    profiler.disable()
+    profiler.dump_stats(str(path))
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    cycles = chunks - 1
+    text.write(
+        f"host profile, {cycles} cycles (totals below are for all of them; divide by {cycles} per cycle)\n"
+    )
+    stats.print_stats(args.host_profile)
+    return text.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         timeline = cycle_timeline(device, host)
         print(format_timeline(f"a = {accepted}", timeline, unprofiled), flush=True)
         results["rows"][str(accepted)] = timeline.summary() | {"unprofiled_engine_ms": unprofiled}
+        if args.host_profile:
+            print(host_profile(engine, prompt, chunks, args, out / f"cycle_host_k{args.k}_a{accepted}.prof"))
     (out / "cycle_timeline.json").write_text(json.dumps(results, indent=1))
     return 0
 
