@@ -67,6 +67,26 @@ def test_an_int8_cache_grows_writes_and_copies_its_prefix() -> None:
     assert cache.nbytes() == 2 * 2 * cache.capacity * (16 + 4)
 
 
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_reserving_room_held_keeps_the_tensors_and_growth_keeps_them_ordinary(kv_format: str) -> None:
+    """A launch reserves every attention layer's cache: room already held changes nothing, and growth inside
+    inference mode (the card's engine thread) still makes ordinary tensors that keep the positions written."""
+    cache = new_kv_cache(kv_format, 2, 8, 4 * KV_CHUNK, torch.float32, torch.device("cpu"))
+    cache.reserve(3)
+    k = torch.randn(2, 3, 8)
+    cache.write(0, k, -k)
+    held = cache._tensors()
+    with torch.inference_mode():
+        cache.reserve(cache.capacity)
+        assert all(a is b for a, b in zip(cache._tensors(), held, strict=True))
+        cache.reserve(cache.capacity + 1)
+    assert cache.capacity == 2 * KV_CHUNK
+    assert not any(t.is_inference() for t in cache._tensors())
+    keys, values = cache.write(3, k[:, :1], -k[:, :1])
+    torch.testing.assert_close(keys[:, :3], k, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(values[:, :3], -k, atol=0.02, rtol=0.02)
+
+
 def test_formats_are_named_and_sized() -> None:
     assert isinstance(new_kv_cache("auto", 1, 8, 16, torch.float32, torch.device("cpu")), KVCache)
     assert kv_vector_bytes("auto", 256) == 512 and kv_vector_bytes("int8", 256) == 260
