@@ -140,3 +140,18 @@ def test_a_verify_call_that_queues_several_kernels_still_ends_one_cycle() -> Non
     s = tool.cycle_timeline(device, host).summary()
     assert s["cycles"] == 3
     assert s["wall_us"] == pytest.approx(500.0)
+
+
+def test_the_host_profile_counts_an_engines_python_per_cycle(tmp_path: Path) -> None:
+    """`--host-profile`: the cycles run once more under cProfile; the report names the functions of most own time
+    and the raw profile is kept (here on the embedded model on the CPU)."""
+    from onestream.worker.engine import Engine
+
+    tool = load_module(TOOL)
+    engine = Engine(None, device="cpu", drafting="mtp", spec_k=2)
+    args = tool.parse_args(["--k", "2", "--host-profile", "5"])
+    path = tmp_path / "host.prof"
+    report = tool.host_profile(engine, list(range(16, 48)), 6, args, path)
+    assert report.startswith("host profile, 5 cycles")
+    assert "Ordered by: internal time" in report and "due to restriction <5>" in report
+    assert path.stat().st_size > 0
