@@ -251,8 +251,9 @@ class LabelledCalls:
 
 
 def host_profile(engine: Any, prompt: list[int], chunks: int, args: argparse.Namespace, path: Path) -> str:
-    """The host's Python per cycle: the cycles once more under cProfile (the engine runs on this thread), the
-    `--host-profile` functions of most own time (totals over the cycles); the raw profile goes to `path`."""
+    """The host's Python per cycle: one more generation under cProfile (the engine runs on this thread), the
+    `--host-profile` functions of most own time; the raw profile goes to `path`. Its totals include the
+    generation's prefill and warm-up cycles besides the timed ones."""
     import cProfile
     import io
     import pstats
@@ -267,9 +268,7 @@ def host_profile(engine: Any, prompt: list[int], chunks: int, args: argparse.Nam
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
     cycles = chunks - 1
-    text.write(
-        f"host profile, {cycles} cycles (totals below are for all of them; divide by {cycles} per cycle)\n"
-    )
+    text.write(f"host profile, {cycles} cycles (totals below are for them and the prompt's prefill)\n")
     stats.print_stats(args.host_profile)
     return text.getvalue()
 
