@@ -377,7 +377,7 @@ def test_the_quantized_embedding_builds_compile() -> None:
 
 def test_a_plans_layout_is_worked_out_once() -> None:
     """Every launch reads `smem_bytes`; a plan is immutable, so its carve and the format sums under it are worked
-    out once (recomputed, they cost about 0.1 ms of Python a launch: a speculative cycle's several launches
+    out once (recomputed, they cost 0.1-0.2 ms of Python a launch: a speculative cycle's several launches
     lengthened the host's turn between the verify and the next draft)."""
     plan = KernelPlan(config_27b(), num_sms=132, smem_limit=227 * 1024, weight_formats=q4_k_m_formats())
     assert plan.carve is plan.carve and plan.smem_bytes == plan.carve.total
