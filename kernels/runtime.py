@@ -641,9 +641,9 @@ class MegakernelRunner:
         if k > 1:
             build = self._build(1)
             args = self._table_args(build)
+            # No upload between them: each launch's finalize advances the position and feeds its argmax back
+            # as the next input, and the flags, mode and head rows stay; only the hidden moves on the device.
             for j in range(1, k):
-                # The input token is the one the previous launch fed back; its hidden goes on the device.
-                self._set_ctrl(pos + n + j - 1, None, CTRL_FLAG_FEEDBACK, MODE_MTP, rows)
                 last = n - 1 if j == 1 else 0
                 mtp_in[:1].copy_(out[last : last + 1])
                 self._launch_raw(build, "mk_decode", args)
