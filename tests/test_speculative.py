@@ -12,7 +12,7 @@ from onestream.worker.backend import ReferenceBackend, accept_greedy
 from onestream.worker.engine import Engine, GenerateRequest
 from onestream.worker.loading import load_model
 from onestream.worker.sampling import RequestSampler
-from onestream.worker.sequence import Sequence
+from onestream.worker.sequence import Sequence, join_rows
 from onestream.worker.speculative import (
     SpecStats,
     SpeculativeDecoder,
@@ -348,3 +348,22 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(engine: Eng
     assert (
         counts[0] != counts[2]
     )  # the runs really differ (different random streams), only in distribution alike
+
+
+def test_join_rows_is_a_view_of_consecutive_rows_and_a_copy_otherwise() -> None:
+    """The MTP pairs after a verify are its output's first rows: joined without a copy, equal to `torch.cat`."""
+    out = torch.randn(6, 5)
+    kept = join_rows([out[:2], out[2].unsqueeze(0)])
+    assert torch.equal(kept, out[:3])
+    assert kept.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert join_rows([out[1:2]]).untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert torch.equal(join_rows([out[:2, :4], out[2:3, :4]]), out[:3, :4])  # strided rows join too
+    for pieces in (
+        [out[:2], out[3:4]],
+        [out[2:3], out[:2]],
+        [out[:2], torch.randn(1, 5)],
+        [out[:2, :4], out[2:3, 1:]],
+    ):
+        joined = join_rows(pieces)
+        assert torch.equal(joined, torch.cat(pieces))
+        assert joined.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()

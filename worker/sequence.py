@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -255,7 +256,7 @@ class Sequence:
         """The owed MTP pairs and (pending, H[last]), taken off the backlog."""
         assert self.track_mtp and self.last_hidden is not None
         tokens = [*self._backlog_tokens, pending]
-        hidden = torch.cat([*self._backlog_hidden, self.last_hidden.unsqueeze(0)])
+        hidden = join_rows([*self._backlog_hidden, self.last_hidden.unsqueeze(0)])
         self._backlog_tokens, self._backlog_hidden = [], []
         return tokens, hidden
 
@@ -331,6 +332,31 @@ class Sequence:
         self.tokens = []
         self.last_hidden = None
         self._backlog_tokens, self._backlog_hidden = [], []
+
+
+def join_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(pieces)` of [n, H] row blocks, but a view when they are consecutive rows of one tensor: after a
+    verify, the accepted drafts' hiddens and the last kept one are its output's first rows, and a copy there would
+    sit on the speculative cycle's critical path (between the verify's read-back and the next draft)."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    if first.dim() == 2 and all(_rows_follow(a, b) for a, b in pairwise(pieces)):
+        rows = sum(piece.shape[0] for piece in pieces)
+        return first.as_strided((rows, first.shape[1]), first.stride())
+    return torch.cat(pieces)
+
+
+def _rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's rows start where a's end, in the same storage and layout."""
+    return (
+        b.dim() == 2
+        and b.shape[1] == a.shape[1]
+        and b.stride() == a.stride()
+        and b.dtype == a.dtype
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        and b.storage_offset() == a.storage_offset() + a.shape[0] * a.stride(0)
+    )
 
 
 def _nothing() -> None:

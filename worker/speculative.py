@@ -166,10 +166,11 @@ class SpeculativeDecoder:
 
         The sequence is left with every verified input run; `commit` rolls back the rejected suffix.
         """
-        pending_ids = seq.ids([pending])  # a non-blocking upload (see `Sequence.ids`)
         draft = self.policy.propose(seq, pending, sampler, min(k, self.k))
         if draft is None:
             return None
+        # Uploaded once the drafts are queued: the device is busy with them while the host does this.
+        pending_ids = seq.ids([pending])
         drafts, k = draft.tokens, draft.k
         if sampler.plain_argmax:
             # Plain argmax: the back end verifies and accepts (the megakernel on the device, reading back only
