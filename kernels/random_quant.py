@@ -18,6 +18,8 @@ from onestream.worker.checkpoints.gguf_layout import tensor_place
 from onestream.worker.checkpoints.quantize import preset_chooser
 from onestream.worker.quant import QuantizedWeight, QuantType, install_quantized_weights
 
+from .plan import WEIGHT_KINDS, WeightFormat, weight_formats_of
+
 # The largest |level x scale| product of each type's fp16 scales (at BlockLayout.fp16_fields), so
 # that d = spread / that product gives weights of about `spread`.
 _RANGE = {
@@ -133,3 +135,13 @@ def random_model_in(config: Any, weights: str = "bf16", *, seed: int = 7) -> Any
     if weights != "bf16":
         quantize_randomly(model, preset_types(model, weights), seed=seed + 1)
     return model
+
+
+def q4_k_m_formats() -> tuple[tuple[str, WeightFormat], ...]:
+    """A plan's `weight_formats` for a Q4_K_M file of the 27B shapes, without a model: Q4_K in every kind, and
+    Q6_K where the preset puts it (the lm_head, some layers' qkv, v and down projections). A superset (the
+    lm_head is Q6_K alone in a file), so a plan made from it builds every path such a file can take."""
+    kinds = {k: {WeightFormat.Q4_K} for k in WEIGHT_KINDS}
+    for k in ("dn_in", "att_in", "mlp_down", "lm_head"):
+        kinds[k].add(WeightFormat.Q6_K)
+    return weight_formats_of(kinds)

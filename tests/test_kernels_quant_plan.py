@@ -21,7 +21,7 @@ from onestream.kernels.plan import (
 from onestream.kernels.quant_layout import FORMAT_CODES
 from onestream.kernels.quant_weights import TAG_SHIFT, DeviceWeights
 from onestream.kernels.random_model import config_27b, random_model
-from onestream.kernels.random_quant import preset_types, quantize_randomly
+from onestream.kernels.random_quant import preset_types, q4_k_m_formats, quantize_randomly
 from onestream.kernels.tuning import Tuning
 from onestream.worker.errors import UnsupportedModelError
 from onestream.worker.quant import (
@@ -34,15 +34,6 @@ from onestream.worker.quant import (
 from onestream.worker.testing import tiny_config
 
 W = WeightFormat
-
-
-def q4_k_m_formats() -> tuple[tuple[str, WeightFormat], ...]:
-    """The kinds of a Q4_K_M file of the 27B shapes: Q4_K, and Q6_K in the lm_head and in some layers' v, qkv
-    and down projections."""
-    kinds = {k: {W.Q4_K} for k in WEIGHT_KINDS}
-    for k in ("dn_in", "att_in", "mlp_down", "lm_head"):
-        kinds[k].add(W.Q6_K)
-    return weight_formats_of(kinds)
 
 
 def small_config():

@@ -12,18 +12,10 @@ import argparse
 import timeit
 
 import torch
-from onestream.kernels.plan import WEIGHT_KINDS, KernelPlan, WeightFormat, weight_formats_of
+from onestream.kernels.plan import KernelPlan
 from onestream.kernels.random_model import config_27b
+from onestream.kernels.random_quant import q4_k_m_formats
 from onestream.worker.kv_cache import new_kv_cache
-
-
-def q4_k_m_formats() -> tuple[tuple[str, WeightFormat], ...]:
-    """The kinds of a Q4_K_M file of the 27B shapes: Q4_K, and Q6_K in the lm_head and some layers' v, qkv and
-    down projections."""
-    kinds = {k: {WeightFormat.Q4_K} for k in WEIGHT_KINDS}
-    for k in ("dn_in", "att_in", "mlp_down", "lm_head"):
-        kinds[k].add(WeightFormat.Q6_K)
-    return weight_formats_of(kinds)
 
 
 def us_per_call(fn: object, number: int) -> float:
