@@ -124,10 +124,7 @@ class MegakernelBackend(ReferenceBackend):
     def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now, and the widest
         one that short prompts run as: a verify of k drafts takes k + 1 and a first draft step up to k + 1 pairs,
-        and a build costs seconds to compile. `on_step(done, total)` hears each build done (worker/progress.py's
-        step_reporter)."""
+        and a build costs seconds to compile (they compile in parallel). `on_step(done, total)` hears each build
+        done (worker/progress.py's step_reporter)."""
         widths = sorted(set(range(1, min(max_tokens, MAX_TOKENS_PER_LAUNCH) + 1)) | {MAX_TOKENS_PER_LAUNCH})
-        for done, n in enumerate(widths, 1):
-            self.runner.prepare(n)
-            if on_step is not None:
-                on_step(done, len(widths))
+        self.runner.prepare(*widths, on_step=on_step)

@@ -10,7 +10,10 @@ snapshots, rollback and the reference fallback need no conversion).
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,11 +168,8 @@ class MegakernelRunner:
         self._streams: dict[int, Any] = {}
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def _build(self, n_tokens: int) -> _Build:
-        """The build for `n_tokens` tokens per launch (compiled, or from the in-process / disk cache)."""
-        build = self._builds.get(n_tokens)
-        if build is not None:
-            return build
+    def _plan(self, n_tokens: int) -> KernelPlan:
+        """The plan of the build for `n_tokens` tokens per launch (no compile)."""
         plan = KernelPlan(
             self.config,
             self.props.multi_processor_count,
@@ -186,6 +186,14 @@ class MegakernelRunner:
                 f"the kernel needs {plan.smem_bytes} bytes of shared memory per block for {n_tokens} token(s) "
                 f"per launch besides its static {STATIC_SMEM}; {self.props.name} allows {plan.smem_limit}"
             )
+        return plan
+
+    def _build(self, n_tokens: int) -> _Build:
+        """The build for `n_tokens` tokens per launch (compiled, or from the in-process / disk cache)."""
+        build = self._builds.get(n_tokens)
+        if build is not None:
+            return build
+        plan = self._plan(n_tokens)
         with torch.cuda.device(self.device):
             built = compile_module(plan)
         self._check_resident(built, plan)
@@ -193,9 +201,31 @@ class MegakernelRunner:
         build = self._builds[n_tokens] = _Build(plan, built, sync)
         return build
 
-    def prepare(self, n_tokens: int) -> None:
-        """Build the kernels for `n_tokens` tokens per launch now rather than at their first launch."""
-        self._build(n_tokens)
+    def prepare(self, *n_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
+        """Build the kernels for each of `n_tokens` tokens per launch now rather than at their first launch.
+
+        The compiles run in parallel threads: NVRTC's compile releases the GIL and a build takes seconds to tens
+        of seconds, so a fresh card's several builds cost about the longest one. `on_step(done, total)` hears each
+        build ready, in the order given."""
+        widths = list(dict.fromkeys(n_tokens))
+        todo = [n for n in widths if n not in self._builds]
+        plans = [self._plan(n) for n in todo]
+
+        def compile_on_device(plan: KernelPlan) -> BuiltModule:
+            with torch.cuda.device(self.device):  # the current device is per thread; NVRTC targets its arch
+                return compile_module(plan)
+
+        done = len(widths) - len(todo)
+        if on_step is not None and done:
+            on_step(done, len(widths))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(plans), os.cpu_count() or 1))) as pool:
+            futures = [pool.submit(compile_on_device, plan) for plan in plans]
+            for n, future in zip(todo, futures, strict=True):
+                future.result()
+                self._build(n)  # the module is in compile_module's cache now: this only checks and binds
+                done += 1
+                if on_step is not None:
+                    on_step(done, len(widths))
 
     def is_built(self, n_tokens: int) -> bool:
         """Whether a launch of `n_tokens` tokens runs without compiling first."""
