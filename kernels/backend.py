@@ -12,11 +12,11 @@ place, so switching between them costs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from onestream.worker.backend import AheadStep, ReferenceBackend
+from onestream.worker.backend import AheadStep, ReferenceBackend, upload_ids
 from onestream.worker.kv_cache import DEFAULT_KV_FORMAT
 from onestream.worker.model import StepOutput
 
@@ -99,7 +99,10 @@ class MegakernelBackend(ReferenceBackend):
             return super().verify_greedy(input_ids, state)
         out = self.runner.step(input_ids.reshape(-1), state, keep_states=True, accept=True)
         assert out.inputs is not None
-        return StepOutput(out.logits.clone(), out.hidden.clone()), out.accepted, out.tokens, out.inputs
+        # The hidden rows outlive the next launch (the kept drafts' MTP pairs): a copy. The logits are the
+        # runner's buffer, which the next launch overwrites; greedy acceptance reads none of them, and a copy
+        # would sit between the read-back and the next draft.
+        return StepOutput(out.logits, out.hidden.clone()), out.accepted, out.tokens, out.inputs
 
     @torch.inference_mode()
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
@@ -109,17 +112,22 @@ class MegakernelBackend(ReferenceBackend):
         return StepOutput(out.logits.clone(), out.hidden.clone())
 
     @torch.inference_mode()
-    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+    def draft_greedy(
+        self, input_ids: torch.Tensor | Sequence[int], hidden: torch.Tensor, state: Any, k: int
+    ) -> torch.Tensor:
         """The drafts as one chain of launches, each fed the argmax and hidden of the one before on the device
-        (the runner's `mtp_chain`); pairs beyond one launch's go first, through `draft`."""
+        (the runner's `mtp_chain`); pairs beyond one launch's go first, through `draft`. Host ids travel in the
+        first launch's control block."""
         if not self.runner.has_mtp:
             return super().draft_greedy(input_ids, hidden, state, k)
-        ids = input_ids.reshape(-1)
-        head = ids.numel() - MAX_TOKENS_PER_LAUNCH
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1)
+        head = len(input_ids) - MAX_TOKENS_PER_LAUNCH
         if head > 0:
-            self.draft(ids[:head], hidden[:head], state)
-            ids, hidden = ids[head:], hidden[head:]
-        return self.runner.mtp_chain(ids, hidden, state, k, vocab=self.draft_vocab)
+            ids = input_ids if isinstance(input_ids, torch.Tensor) else upload_ids(input_ids, self.device)
+            self.draft(ids[:head].reshape(-1), hidden[:head], state)
+            input_ids, hidden = input_ids[head:], hidden[head:]
+        return self.runner.mtp_chain(input_ids, hidden, state, k, vocab=self.draft_vocab)
 
     def prepare(self, max_tokens: int, on_step: Callable[[int, int], None] | None = None) -> None:
         """Compile (or load from the disk cache) the builds of 1..max_tokens tokens per launch now, and the widest

@@ -367,3 +367,18 @@ def test_join_rows_is_a_view_of_consecutive_rows_and_a_copy_otherwise() -> None:
         joined = join_rows(pieces)
         assert torch.equal(joined, torch.cat(pieces))
         assert joined.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+
+
+def test_reference_draft_chain_takes_host_ids(draftable_dir: Path) -> None:
+    """`draft_greedy` takes the pairs' ids from the host as well as on the device, with the same drafts."""
+    model = load_model(draftable_dir, dtype=torch.float32)
+    backend = ReferenceBackend(model)
+    prompt = [(5 * i + 1) % model.config.vocab_size for i in range(9)]
+    results = []
+    for host in (True, False):
+        seq = Sequence(backend, 64, track_mtp=True)
+        seq.feed(prompt)
+        tokens, hidden = seq._first_pairs(11)
+        ids = tokens if host else seq.ids(tokens)
+        results.append(backend.draft_greedy(ids, hidden, seq.state, 3))
+    assert torch.equal(results[0], results[1])

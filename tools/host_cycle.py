@@ -89,9 +89,9 @@ class NullBackend:
         return self._out(input_ids.numel())
 
     def draft_greedy(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, state: NullState, k: int
+        self, input_ids: torch.Tensor | list[int], hidden: torch.Tensor, state: NullState, k: int
     ) -> torch.Tensor:
-        state.mtp_length += input_ids.numel() + k - 1
+        state.mtp_length += len(input_ids) + k - 1
         return torch.full((k,), WINNER, dtype=torch.long)
 
     def rollback(self, state: NullState, n: int) -> None:

@@ -44,8 +44,21 @@ __all__ = [
     "StepOutput",
     "accept_greedy",
     "create_backend",
+    "upload_ids",
     "verify_limit",
 ]
+
+
+def upload_ids(tokens: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Host token ids as a LongTensor on `device`.
+
+    To a GPU they go through pinned memory by a non-blocking copy: a plain copy from pageable memory would wait
+    for every launch queued before it (a speculative cycle's rollback, say) before returning."""
+    host = torch.tensor(list(tokens), dtype=torch.long)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[int, int]:
@@ -108,7 +121,8 @@ class Backend(Protocol):
     ) -> tuple[StepOutput, int, list[int], list[int]]:
         """`decode(input_ids, keep_states=True)` of [pending, d1..dk], then greedy acceptance: drafts are
         accepted while each equals the argmax of the row before it. Returns (output, accepted drafts, argmax
-        per row, the inputs), read back to the host in one synchronisation."""
+        per row, the inputs), read back to the host in one synchronisation. The output's logits may be a buffer
+        the back end's next launch overwrites (the acceptance is settled already); its hidden rows stay."""
         ...
 
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any) -> StepOutput:
@@ -116,11 +130,14 @@ class Backend(Protocol):
         last row."""
         ...
 
-    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+    def draft_greedy(
+        self, input_ids: torch.Tensor | Sequence[int], hidden: torch.Tensor, state: Any, k: int
+    ) -> torch.Tensor:
         """`draft` of the pairs, then k - 1 further MTP steps, each fed the argmax of the step before and that
         step's last hidden row: the k greedy drafts ([k] LongTensor on the device, not read back), each the argmax
         among token ids below `draft_vocab`. All T + k - 1 MTP positions are written; `rollback_draft(k - 1)`
-        drops the drafts' own."""
+        drops the drafts' own. `input_ids` may be host ids (the megakernel takes them with its control block,
+        one upload fewer on a cycle's critical path) or ids on the device."""
         ...
 
     def rollback(self, state: Any, n_tokens: int) -> None: ...
@@ -250,7 +267,11 @@ class ReferenceBackend:
         return self.model.mtp_step(input_ids, hidden, state, logits="last")
 
     @torch.inference_mode()
-    def draft_greedy(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: Any, k: int) -> torch.Tensor:
+    def draft_greedy(
+        self, input_ids: torch.Tensor | Sequence[int], hidden: torch.Tensor, state: Any, k: int
+    ) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = upload_ids(input_ids, self.device)
         out = self.draft(input_ids, hidden, state)
         drafts = [greedy_draft(out.logits[-1:], self.draft_vocab)]
         for _ in range(k - 1):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .backend import Backend, HostCopy, StepOutput
+from .backend import Backend, HostCopy, StepOutput, upload_ids
 
 # Tokens per forward call when running a prompt or an MTP backlog: bounds the T x T attention scores and
 # the other per-chunk activations (prefill and draft calls return the last row's logits only).
@@ -77,15 +77,8 @@ class Sequence:
         self.backend.release(self.state)
 
     def ids(self, tokens: Seq[int]) -> torch.Tensor:
-        """Host token ids as a tensor on the back end's device.
-
-        On a GPU the ids go through pinned memory by a non-blocking copy: a plain copy from pageable memory
-        would wait for every launch queued before it (the cycle's rollback, say) before returning."""
-        host = torch.tensor(list(tokens), dtype=torch.long)
-        device = torch.device(self.backend.device)
-        if device.type != "cuda":
-            return host.to(device)
-        return host.pin_memory().to(device, non_blocking=True)
+        """Host token ids as a tensor on the back end's device (`upload_ids`: non-blocking on a GPU)."""
+        return upload_ids(tokens, self.backend.device)
 
     def _owe_mtp(self, tokens: Seq[int], hidden: torch.Tensor) -> None:
         """Queue the MTP pairs completed by running `tokens` whose hiddens are `hidden` [T, H]."""
@@ -248,7 +241,8 @@ class Sequence:
         )  # the pairs before the last call's, run as `_run_mtp` cuts them
         if last:
             self._run_mtp(tokens[:last], hidden[:last])
-        drafts = self.backend.draft_greedy(self.ids(tokens[last:]), hidden[last:], self.state, k)
+        # Host ids: the back end uploads them as it needs (the megakernel with its launch's control block).
+        drafts = self.backend.draft_greedy(tokens[last:], hidden[last:], self.state, k)
         self.on_step()
         return drafts
 
