@@ -23,7 +23,7 @@ from onestream.worker.draft_vocab import check_draft_vocab
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
 from onestream.worker.kv_cache import DEFAULT_KV_FORMAT
 from onestream.worker.quant.weight import QuantizedEmbedding
-from onestream.worker.state import DeltaNetHistory
+from onestream.worker.state import DeltaNetHistory, deltanet_stacks
 
 from .build import BuiltModule, compile_module
 from .layout import (
@@ -161,6 +161,7 @@ class MegakernelRunner:
         self._att_part_chunks = 0
         # Keep-states launches record DeltaNet states here (plan.history_entries per launch: entry j is the state
         # after token j); the DeltaNetHistory handed to the state views these buffers until the next such launch.
+        self._hist_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hist_conv: dict[int, torch.Tensor] = {}
         self._hist_rec: dict[int, torch.Tensor] = {}
         self._hist_owner: Any = None  # weak reference to the state last given a history in these buffers
@@ -347,13 +348,12 @@ class MegakernelRunner:
         have = next(iter(self._hist_rec.values())).shape[0] if self._hist_rec else 0
         if have >= entries:
             return
-        c = self.config
-        conv_shape = (entries, c.linear_qkv_dim, c.linear_conv_kernel_dim - 1)
-        rec_shape = (entries, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self._drop_history_owner()
-        for i in c.linear_attention_layers:
-            self._hist_conv[i] = torch.zeros(conv_shape, dtype=torch.bfloat16, device=self.device)
-            self._hist_rec[i] = torch.zeros(rec_shape, dtype=torch.float32, device=self.device)
+        # One stack per kind, [layers, entries, ...]: a layer's records (what the kernel writes) are its row.
+        self._hist_stacks = deltanet_stacks(self.config, torch.bfloat16, self.device, entries)
+        layers = self.config.linear_attention_layers
+        self._hist_conv = dict(zip(layers, self._hist_stacks[0].unbind(0), strict=True))
+        self._hist_rec = dict(zip(layers, self._hist_stacks[1].unbind(0), strict=True))
         self._buffers += 1
 
     def _drop_history_owner(self) -> None:
@@ -604,12 +604,9 @@ class MegakernelRunner:
         entries = self._build(n_tokens).plan.history_entries
         if entries < 1:
             return None  # nothing to roll back to: the only position after the first token is the live one
-        history = DeltaNetHistory(
-            start + 1,
-            {i: t[:entries] for i, t in self._hist_conv.items()},
-            {i: t[:entries] for i, t in self._hist_rec.items()},
-        )
-        history.split_entries()  # while the launch runs
+        assert self._hist_stacks is not None  # reserved for this build's entries by the launch
+        conv, rec = self._hist_stacks
+        history = DeltaNetHistory(start + 1, conv[:, :entries], rec[:, :entries], tuple(self._hist_rec))
         self._hist_owner = weakref.ref(state)
         return history
 

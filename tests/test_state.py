@@ -88,23 +88,29 @@ def test_keep_states_rollback_equals_recomputation(model, n):
 
 
 @pytest.mark.parametrize("n", [1, 4, 6])
-def test_rollback_with_entries_cut_ahead_equals_cutting_them_then(model, n):
-    """`DeltaNetHistory.split_entries` (the megakernel runner cuts the views while its verify runs) rolls back to
-    bit for bit the states of a rollback that cuts them itself, successive rollbacks included."""
+def test_rollback_copies_the_recorded_stacks_row_of_every_layer(model, n):
+    """A rollback is two copies of the history's stacks (entry j of every layer at once) into the state's stacks,
+    which the per-layer `conv` / `recurrent` tensors view: each layer then holds its own record j, successive
+    rollbacks included, and writing a layer's state still writes the stack."""
     ids, verify = tokens(model, 25, 6), tokens(model, 7, 7)
     state = model.new_state(64)
     model.forward_step(ids, state)
     model.forward_step(verify, state, keep_states=True)
-    ahead = state.clone()
-    ahead.history.split_entries()
+    hist = state.history
+    assert hist is not None and hist.layers == tuple(state.conv)
+    records = {i: (hist.conv[i].clone(), hist.recurrent[i].clone()) for i in hist.layers}
     for first in (n, 1):
+        target = state.length - first
         state.rollback(first)
-        ahead.rollback(first)
-        for i in state.conv:
-            assert torch.equal(state.conv[i], ahead.conv[i]) and torch.equal(
-                state.recurrent[i], ahead.recurrent[i]
+        for i in hist.layers:
+            j = target - hist.start
+            assert torch.equal(state.conv[i], records[i][0][j]) and torch.equal(
+                state.recurrent[i], records[i][1][j]
             )
-    assert ahead.length == state.length == 25 + 7 - n - 1
+    assert state.length == 25 + 7 - n - 1
+    layer = hist.layers[-1]
+    state.recurrent[layer].add_(1.0)
+    assert torch.equal(state._rec_stack[-1], state.recurrent[layer])
 
 
 def test_speculative_style_cycles_match_plain_prefill(model):

@@ -23,7 +23,7 @@ from .layers.deltanet import GatedDeltaNet
 from .layers.mtp import MTPHead
 from .layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .quant.weight import linear_in_slabs
-from .state import DeltaNetHistory, SequenceState
+from .state import DeltaNetHistory, SequenceState, deltanet_stacks
 
 INIT_STD = 0.02  # transformers' initializer_range default
 LOGITS_CHOICES = ("all", "last")
@@ -163,21 +163,23 @@ class Qwen35ForCausalLM(nn.Module):
         start = state.check_room(t)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(torch.arange(start, start + t, device=h.device), h.dtype)
-        conv_record: dict[int, torch.Tensor] = {}
-        rec_record: dict[int, torch.Tensor] = {}
+        layers = tuple(state.conv)
+        if keep_states:  # entry 0: the state before the step; entry j: after its j-th token
+            conv_record, rec_record = deltanet_stacks(self.config, state.dtype, state.device, t + 1)
         for i, layer in enumerate(self.model.layers):
             if layer.is_full_attention:
                 h = layer.step_attention(h, cos, sin, state.kv[i], start)
                 continue
             conv, rec = state.conv[i], state.recurrent[i]
-            before = (conv.clone(), rec.clone()) if keep_states else None
+            if keep_states:
+                row = layers.index(i)
+                conv_record[row, 0], rec_record[row, 0] = conv, rec
             h, history = layer.step_deltanet(h, conv, rec, keep_states)
-            if before is not None and history is not None:
-                conv_record[i] = torch.cat((before[0][None], history[0]))
-                rec_record[i] = torch.cat((before[1][None], history[1]))
+            if keep_states and history is not None:
+                conv_record[row, 1:], rec_record[row, 1:] = history
         hidden = self.model.norm(h)
         state.advance(input_ids)
-        state.history = DeltaNetHistory(start, conv_record, rec_record) if keep_states else None
+        state.history = DeltaNetHistory(start, conv_record, rec_record, layers) if keep_states else None
         return StepOutput(self._step_logits(hidden, logits), hidden)
 
     @torch.no_grad()

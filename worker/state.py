@@ -27,9 +27,31 @@ from .config import ModelConfig
 from .errors import ContextLengthError, StateError
 from .kv_cache import DEFAULT_KV_FORMAT, KV_CHUNK, Cache, KVCache, allocates, check_kv_format, new_kv_cache
 
-__all__ = ["KV_CHUNK", "DeltaNetHistory", "KVCache", "SequenceState", "StateError", "StateSnapshot"]
+__all__ = [
+    "KV_CHUNK",
+    "DeltaNetHistory",
+    "KVCache",
+    "SequenceState",
+    "StateError",
+    "StateSnapshot",
+    "deltanet_stacks",
+]
 
 MAX_UNREAD_PIECES = 256  # token-id tensors not yet read back before they are concatenated into one
+
+
+def deltanet_stacks(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, entries: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed conv windows (`dtype`) and fp32 recurrent states of every DeltaNet layer, one stack per kind:
+    `[layers, ...]`, or `[layers, entries, ...]` for a history's records."""
+    layers = (len(config.linear_attention_layers),) + ((entries,) if entries is not None else ())
+    conv = (config.linear_qkv_dim, config.linear_conv_kernel_dim - 1)
+    rec = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    return (
+        torch.zeros((*layers, *conv), dtype=dtype, device=device),
+        torch.zeros((*layers, *rec), dtype=torch.float32, device=device),
+    )
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -41,40 +63,40 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 @dataclass
 class DeltaNetHistory:
-    """DeltaNet states recorded by a `keep_states=True` step: entry j is the state at position `start + j`."""
+    """DeltaNet states recorded by a `keep_states=True` step: entry j is the state at position `start + j`.
+
+    The records of all layers are two stacks, `[layers, n, ...]`, one row per DeltaNet layer in the order of the
+    state's `conv`: a rollback to entry j is then one copy of each stack's `[:, j]` into the state's own stacks,
+    not a copy per layer (host time on the speculative cycle's critical path). `conv` and `recurrent` are the
+    per-layer views of those rows."""
 
     start: int
-    conv: dict[int, torch.Tensor]  # layer -> [n, C, kernel-1]
-    recurrent: dict[int, torch.Tensor]  # layer -> [n, Hv, dk, dv] fp32
+    conv_stack: torch.Tensor  # [layers, n, C, kernel-1]
+    recurrent_stack: torch.Tensor  # [layers, n, Hv, dk, dv] fp32
+    layers: tuple[int, ...]
     # Entries still reachable (None: all n). A rollback lowers it rather than re-slicing every layer's
     # records, which would cost host time on the speculative cycle's critical path.
     entries: int | None = None
-    # Each entry's per-layer views, cut ahead of a rollback by `split_entries` (None: cut when needed).
-    _by_entry: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = field(
-        default=None, repr=False, compare=False
-    )
+    conv: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)  # layer -> [n, C, kernel-1]
+    recurrent: dict[int, torch.Tensor] = field(
+        init=False, repr=False, compare=False
+    )  # layer -> [n, Hv, dk, dv]
 
-    def split_entries(self) -> None:
-        """Cut every entry's per-layer views now. Cutting them at the rollback (two tensor ops per DeltaNet layer)
-        would lengthen the speculative cycle's critical path: a back end calls this while its verify runs."""
-        if not self.conv:
-            return
-        conv = zip(*(t.unbind(0) for t in self.conv.values()), strict=True)
-        rec = zip(*(t.unbind(0) for t in self.recurrent.values()), strict=True)
-        self._by_entry = [(list(c), list(r)) for c, r in zip(conv, rec, strict=True)]
+    def __post_init__(self) -> None:
+        self.conv = dict(zip(self.layers, self.conv_stack.unbind(0), strict=True))
+        self.recurrent = dict(zip(self.layers, self.recurrent_stack.unbind(0), strict=True))
 
-    def entry(self, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Entry j's conv and recurrent states, one view per layer in the order of `conv`."""
-        if self._by_entry is not None:
-            return self._by_entry[j]
-        return [t[j] for t in self.conv.values()], [t[j] for t in self.recurrent.values()]
+    def clone(self) -> DeltaNetHistory:
+        return DeltaNetHistory(
+            self.start, self.conv_stack.clone(), self.recurrent_stack.clone(), self.layers, self.entries
+        )
 
     @property
     def end(self) -> int:
         """The last position recorded."""
-        if not self.conv:
+        if not self.layers:
             return self.start
-        n = next(iter(self.conv.values())).shape[0]
+        n = self.conv_stack.shape[1]
         return self.start + (n if self.entries is None else min(n, self.entries)) - 1
 
     def nbytes(self) -> int:
@@ -139,15 +161,9 @@ class SequenceState:
             i: new_kv_cache(kv_format, *kv_shape, max_len, dtype, device)
             for i in config.full_attention_layers
         }
-        conv_shape = (config.linear_qkv_dim, config.linear_conv_kernel_dim - 1)
-        rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-        self.conv: dict[int, torch.Tensor] = {
-            i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in config.linear_attention_layers
-        }
-        self.recurrent: dict[int, torch.Tensor] = {
-            i: torch.zeros(rec_shape, dtype=torch.float32, device=device)
-            for i in config.linear_attention_layers
-        }
+        # Every DeltaNet layer's state is a row of one stack per kind, so that a rollback copies two tensors.
+        self._conv_stack, self._rec_stack = deltanet_stacks(config, dtype, device)
+        self._unstack()
         self.mtp_kv: Cache | None = (
             new_kv_cache(kv_format, *kv_shape, max_len, dtype, device) if config.has_mtp else None
         )
@@ -197,6 +213,12 @@ class SequenceState:
     def _layout(self) -> tuple:
         return (self.config, self.dtype, self.device, self.kv_format)
 
+    def _unstack(self) -> None:
+        """`conv` and `recurrent`: layer -> its row of the stacks (views, written in place by the model)."""
+        layers = self.config.linear_attention_layers
+        self.conv: dict[int, torch.Tensor] = dict(zip(layers, self._conv_stack.unbind(0), strict=True))
+        self.recurrent: dict[int, torch.Tensor] = dict(zip(layers, self._rec_stack.unbind(0), strict=True))
+
     # ---- public operations ---------------------------------------------------------------------------
     @allocates
     def rollback(self, n_tokens: int) -> None:
@@ -220,11 +242,10 @@ class SequenceState:
                     f"keep_states=True step ({reach}); restore a snapshot instead"
                 )
             j = target - hist.start
-            if list(hist.conv) != list(self.conv) or list(hist.recurrent) != list(self.recurrent):
+            if hist.layers != tuple(self.conv):
                 raise StateError("the recorded DeltaNet states are not this state's layers")
-            conv, recurrent = hist.entry(j)
-            _copy_all(list(self.conv.values()), conv)
-            _copy_all(list(self.recurrent.values()), recurrent)
+            self._conv_stack.copy_(hist.conv_stack[:, j])
+            self._rec_stack.copy_(hist.recurrent_stack[:, j])
             # Positions after the target are gone; earlier recorded ones stay reachable.
             hist.entries = j + 1
         self.length = target
@@ -316,24 +337,14 @@ class SequenceState:
         out.length, out.mtp_length = self.length, self.mtp_length
         out._tokens, out._unread = list(self.token_ids), []
         out.kv = {i: c.copy_prefix(self.length, capacity=c.capacity) for i, c in self.kv.items()}
-        out.conv = {i: t.clone() for i, t in self.conv.items()}
-        out.recurrent = {i: t.clone() for i, t in self.recurrent.items()}
+        out._conv_stack, out._rec_stack = self._conv_stack.clone(), self._rec_stack.clone()
+        out._unstack()
         out.mtp_kv = (
             self.mtp_kv.copy_prefix(self.mtp_length, capacity=self.mtp_kv.capacity)
             if self.mtp_kv is not None
             else None
         )
-        hist = self.history
-        out.history = (
-            None
-            if hist is None
-            else DeltaNetHistory(
-                hist.start,
-                {i: t.clone() for i, t in hist.conv.items()},
-                {i: t.clone() for i, t in hist.recurrent.items()},
-                hist.entries,
-            )
-        )
+        out.history = self.history.clone() if self.history is not None else None
         return out
 
     def nbytes(self) -> int:
