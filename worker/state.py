@@ -54,13 +54,6 @@ def deltanet_stacks(
     )
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for every i, batched: a few launches on a GPU instead of one per tensor (one dtype
-    per call keeps torch's fused path)."""
-    if dst:
-        torch._foreach_copy_(dst, src)
-
-
 @dataclass
 class DeltaNetHistory:
     """DeltaNet states recorded by a `keep_states=True` step: entry j is the state at position `start + j`.
@@ -115,8 +108,8 @@ class StateSnapshot:
     mtp_length: int
     token_ids: tuple[int, ...]
     kv: dict[int, Cache] | None
-    conv: dict[int, torch.Tensor]
-    recurrent: dict[int, torch.Tensor]
+    conv_stack: torch.Tensor  # [layers, C, kernel-1], as the state's
+    recurrent_stack: torch.Tensor  # [layers, Hv, dk, dv] fp32
     mtp_kv: Cache | None
 
     @property
@@ -126,7 +119,7 @@ class StateSnapshot:
     def nbytes(self) -> int:
         """Device bytes of its tensors (the token ids are a host tuple and not counted)."""
         total = sum(c.nbytes() for c in (self.kv or {}).values())
-        total += sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
+        total += sum(t.numel() * t.element_size() for t in (self.conv_stack, self.recurrent_stack))
         return total + (self.mtp_kv.nbytes() if self.mtp_kv is not None else 0)
 
 
@@ -279,8 +272,8 @@ class SequenceState:
             mtp_length=self.mtp_length,
             token_ids=tuple(self.token_ids),
             kv=kv,
-            conv={i: t.clone() for i, t in self.conv.items()},
-            recurrent={i: t.clone() for i, t in self.recurrent.items()},
+            conv_stack=self._conv_stack.clone(),
+            recurrent_stack=self._rec_stack.clone(),
             mtp_kv=mtp_kv,
         )
 
@@ -315,9 +308,8 @@ class SequenceState:
         if snap.kv is not None:
             for i, c in self.kv.items():
                 c.load_prefix(snap.kv[i], snap.length)
-        layers = list(self.conv)
-        _copy_all([self.conv[i] for i in layers], [snap.conv[i] for i in layers])
-        _copy_all([self.recurrent[i] for i in layers], [snap.recurrent[i] for i in layers])
+        self._conv_stack.copy_(snap.conv_stack)
+        self._rec_stack.copy_(snap.recurrent_stack)
         if self.mtp_kv is not None and snap.mtp_kv is not None:
             self.mtp_kv.load_prefix(snap.mtp_kv, snap.mtp_length)
         self.length = snap.length
