@@ -256,9 +256,15 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     }
     if (phase == PH_LM_HEAD && bid_x() == 0) {  // post-norm hidden (the MTP input) or the MTP's output, whole
         bf16_t* hid = tb.gp<bf16_t>(G_HIDDEN_OUT);
+        // An MTP chain's next launch pairs this launch's argmax (the feedback) with its last hidden row: written
+        // to the MTP input here, which this launch read in its first phase, so the host copies nothing between.
+        bf16_t* next = si.mode == MODE_MTP && (si.flags & CTRL_FLAG_FEEDBACK) ? tb.gp<bf16_t>(G_MTP_HIDDEN_IN)
+                                                                              : nullptr;
         for (int i = tid_x(); i < MK_NT * MK_H; i += MK_THREADS) {
             const int t = i / MK_H;
-            hid[i] = sm.xs[t * MK_XLD + i - t * MK_H];
+            const bf16_t v = sm.xs[t * MK_XLD + i - t * MK_H];
+            hid[i] = v;
+            if (next != nullptr && t == MK_NT - 1) next[i - t * MK_H] = v;
         }
     }
     // The one copy of the GEMV loop, for every weight-streaming phase.

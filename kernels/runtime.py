@@ -662,17 +662,15 @@ class MegakernelRunner:
         self.bind(state, end, tokens=n, mtp=True)
         self._check_chunks(1, end)  # the continuation's build too
         self._set_ctrl(pos, ids if ids.is_cuda else ids.tolist(), CTRL_FLAG_FEEDBACK, MODE_MTP, rows)
-        mtp_in, out = self.buf["mtp_hidden_in"], self.buf["hidden_out"]
-        mtp_in[:n].copy_(hidden, non_blocking=True)
+        self.buf["mtp_hidden_in"][:n].copy_(hidden, non_blocking=True)
         self._launch("mk_decode", n)
         if k > 1:
             build = self._build(1)
             args = self._table_args(build)
-            # No upload between them: each launch's finalize advances the position and feeds its argmax back
-            # as the next input, and the flags, mode and head rows stay; only the hidden moves on the device.
-            for j in range(1, k):
-                last = n - 1 if j == 1 else 0
-                mtp_in[:1].copy_(out[last : last + 1])
+            # Nothing from the host between them: each launch's finalize advances the position and feeds its argmax
+            # back as the next input, its lm_head phase writes its last hidden row to the MTP input, and the flags,
+            # mode and head rows stay.
+            for _ in range(1, k):
                 self._launch_raw(build, "mk_decode", args)
         self._ahead = None
         state.mtp_length = end
