@@ -350,9 +350,15 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(engine: Eng
     )  # the runs really differ (different random streams), only in distribution alike
 
 
-def test_join_rows_is_a_view_of_consecutive_rows_and_a_copy_otherwise() -> None:
-    """The MTP pairs after a verify are its output's first rows: joined without a copy, equal to `torch.cat`."""
-    out = torch.randn(6, 5)
+@pytest.mark.parametrize("inference", [False, True])
+def test_join_rows_is_a_view_of_consecutive_rows_and_a_copy_otherwise(inference: bool) -> None:
+    """The MTP pairs after a verify are its output's first rows: joined without a copy, equal to `torch.cat`;
+    also for the inference tensors the megakernel back end returns (their views record no base)."""
+    if inference:
+        with torch.inference_mode():
+            out = torch.randn(6, 5)
+    else:
+        out = torch.randn(6, 5)
     kept = join_rows([out[:2], out[2].unsqueeze(0)])
     assert torch.equal(kept, out[:3])
     assert kept.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
