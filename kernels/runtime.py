@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from onestream.worker.draft_vocab import check_draft_vocab
 from onestream.worker.errors import ContextLengthError, OnestreamError, UnsupportedModelError
-from onestream.worker.kv_cache import DEFAULT_KV_FORMAT
+from onestream.worker.kv_cache import DEFAULT_KV_FORMAT, Cache
 from onestream.worker.quant.weight import QuantizedEmbedding
 from onestream.worker.state import DeltaNetHistory, deltanet_stacks
 
@@ -321,11 +321,12 @@ class MegakernelRunner:
             self._att_part = torch.zeros(size, dtype=torch.float32, device=self.device)
             self._buffers += 1
         # What the tables hold that can change under one state object: its KV caches (regrown caches get new
-        # tensors, possibly at a freed block's address) and the runner's own buffers (`_buffers` counts their
-        # reallocations). The state is held by a weak reference, not its id (a new state can reuse a freed
-        # one's id); a state's conv and recurrent tensors are only ever updated in place, so they need no
-        # check (checking 96 pointers cost tens of microseconds per launch on the 27B shapes).
-        key = (self._buffers, tuple((_ptr(c.k), _ptr(c.v), c.capacity) for c in caches))
+        # tensors, possibly at a freed block's address: `Cache.generation` counts every cache's allocations) and
+        # the runner's own buffers (`_buffers` counts their reallocations). The state is held by a weak
+        # reference, not its id (a new state can reuse a freed one's id); a state's conv and recurrent tensors
+        # are only ever updated in place, so they need no check. (Comparing the caches' pointers instead cost
+        # about 50 us a launch on the 27B shapes' 17 caches.)
+        key = (self._buffers, Cache.generation)
         if key == self._bound and self._bound_state is not None and self._bound_state() is state:
             return
         self._write_tables(state, caches)

@@ -14,6 +14,7 @@ from onestream.worker.kv_cache import (
     INT8_TOP,
     KV_CHUNK,
     KV_FORMATS,
+    Cache,
     Int8KVCache,
     KVCache,
     dequantize_int8,
@@ -75,12 +76,17 @@ def test_reserving_room_held_keeps_the_tensors_and_growth_keeps_them_ordinary(kv
     cache.reserve(3)
     k = torch.randn(2, 3, 8)
     cache.write(0, k, -k)
-    held = cache._tensors()
+    held, generation = cache._tensors(), Cache.generation
     with torch.inference_mode():
         cache.reserve(cache.capacity)
         assert all(a is b for a, b in zip(cache._tensors(), held, strict=True))
+        assert Cache.generation == generation  # the megakernel's tables, which hold the addresses, stay bound
         cache.reserve(cache.capacity + 1)
     assert cache.capacity == 2 * KV_CHUNK
+    assert Cache.generation > generation  # new tensors: whoever holds the old addresses must read them again
+    generation = Cache.generation
+    cache.copy_prefix(3)
+    assert Cache.generation > generation
     assert not any(t.is_inference() for t in cache._tensors())
     keys, values = cache.write(3, k[:, :1], -k[:, :1])
     torch.testing.assert_close(keys[:, :3], k, atol=0.02, rtol=0.02)

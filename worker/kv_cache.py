@@ -68,6 +68,9 @@ class Cache:
     copy and count together; `_allocate` makes them and `write` fills them, each the format's own."""
 
     FIELDS: tuple[str, ...] = ("k", "v")
+    # Counts every allocation or replacement of any cache's tensors: a consumer that holds their addresses (the
+    # megakernel's tables) re-reads them only when it moved, instead of comparing every cache's pointers.
+    generation = 0
 
     @allocates
     def __init__(
@@ -81,6 +84,7 @@ class Cache:
     ) -> None:
         self.kv_heads, self.head_dim, self.max_len, self.dtype = kv_heads, head_dim, max_len, dtype
         self._allocate(min(max_len, capacity), torch.device(device))
+        Cache.generation += 1
 
     def _allocate(self, capacity: int, device: torch.device) -> None:
         """Zeroed tensors for `capacity` positions."""
@@ -92,6 +96,7 @@ class Cache:
     def _set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
         for name, t in zip(self.FIELDS, tensors, strict=True):
             setattr(self, name, t)
+        Cache.generation += 1
 
     def _empty(self, capacity: int) -> Cache:
         """An empty cache of this one's shape and format holding `capacity` positions."""
