@@ -33,6 +33,7 @@ def setup(request):
     config = tiny_config() if request.param == "tiny" else config_27b(4, mtp=True)
     model = random_model(config, seed=77)
     runner = MegakernelRunner(model)
+    runner.prepare(*range(2, 9))  # the widths these tests launch, compiled in parallel rather than one by one
     yield request.param, model, runner
     del runner, model
     torch.cuda.empty_cache()
