@@ -70,10 +70,9 @@ class DeltaNetHistory:
     # Entries still reachable (None: all n). A rollback lowers it rather than re-slicing every layer's
     # records, which would cost host time on the speculative cycle's critical path.
     entries: int | None = None
-    conv: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)  # layer -> [n, C, kernel-1]
-    recurrent: dict[int, torch.Tensor] = field(
-        init=False, repr=False, compare=False
-    )  # layer -> [n, Hv, dk, dv]
+    # layer -> its row of the stacks: [n, C, kernel-1] and [n, Hv, dk, dv]
+    conv: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
+    recurrent: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.conv = dict(zip(self.layers, self.conv_stack.unbind(0), strict=True))
