@@ -161,9 +161,9 @@ class MegakernelRunner:
         self._att_part_chunks = 0
         # Keep-states launches record DeltaNet states here (plan.history_entries per launch: entry j is the state
         # after token j); the DeltaNetHistory handed to the state views these buffers until the next such launch.
+        # One stack per kind, [layers, entries, ...] (worker/state.py's deltanet_stacks): a layer's records, what
+        # the kernel writes, are its row.
         self._hist_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._hist_conv: dict[int, torch.Tensor] = {}
-        self._hist_rec: dict[int, torch.Tensor] = {}
         self._hist_owner: Any = None  # weak reference to the state last given a history in these buffers
         self._timing: torch.Tensor | None = None  # per-block stamps of timing builds (DiagnosticRunner)
         self._streams: dict[int, Any] = {}
@@ -346,15 +346,11 @@ class MegakernelRunner:
     def _reserve_history(self, entries: int) -> None:
         if not self.config.linear_attention_layers or entries <= 0:
             return
-        have = next(iter(self._hist_rec.values())).shape[0] if self._hist_rec else 0
+        have = self._hist_stacks[1].shape[1] if self._hist_stacks is not None else 0
         if have >= entries:
             return
         self._drop_history_owner()
-        # One stack per kind, [layers, entries, ...]: a layer's records (what the kernel writes) are its row.
         self._hist_stacks = deltanet_stacks(self.config, torch.bfloat16, self.device, entries)
-        layers = self.config.linear_attention_layers
-        self._hist_conv = dict(zip(layers, self._hist_stacks[0].unbind(0), strict=True))
-        self._hist_rec = dict(zip(layers, self._hist_stacks[1].unbind(0), strict=True))
         self._buffers += 1
 
     def _drop_history_owner(self) -> None:
@@ -362,8 +358,10 @@ class MegakernelRunner:
         overwritten): a rollback into it then fails instead of copying another launch's states."""
         owner = self._hist_owner() if self._hist_owner is not None else None
         hist = owner.history if owner is not None else None
-        if hist is not None and any(
-            i in self._hist_rec and _same_storage(t, self._hist_rec[i]) for i, t in hist.recurrent.items()
+        if (
+            hist is not None
+            and self._hist_stacks is not None
+            and _same_storage(hist.recurrent_stack, self._hist_stacks[1])
         ):
             owner.history = None
         self._hist_owner = None
@@ -372,6 +370,13 @@ class MegakernelRunner:
         m, c, p, b = self.model, self.config, self._params, self.buf
         g = [0] * G.COUNT
         w = self.weights
+        # Each DeltaNet layer's records: its row of the two history stacks (none reserved yet: null pointers).
+        hist_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self._hist_stacks is not None:
+            conv_rows, rec_rows = (t.unbind(0) for t in self._hist_stacks)
+            hist_rows = dict(
+                zip(c.linear_attention_layers, zip(conv_rows, rec_rows, strict=True), strict=True)
+            )
         g[G.EMBED] = _ptr(self._embed)
         g[G.LM_HEAD] = w.pointer(m.model.embed_tokens if c.tie_word_embeddings else m.lm_head)
         g[G.FINAL_NORM] = _ptr(p["final_norm"])
@@ -438,8 +443,9 @@ class MegakernelRunner:
                 if rec.dtype != torch.float32:
                     raise MegakernelError(f"layer {i}: the recurrent state must be fp32, got {rec.dtype}")
                 r[L.REC_STATE] = _ptr(_contig(rec, "recurrent state"))
-                r[L.HIST_CONV] = _ptr(self._hist_conv.get(i))
-                r[L.HIST_REC] = _ptr(self._hist_rec.get(i))
+                hist_conv, hist_rec = hist_rows.get(i, (None, None))
+                r[L.HIST_CONV] = _ptr(hist_conv)
+                r[L.HIST_REC] = _ptr(hist_rec)
             rows.extend(r)
         self._globals.copy_(torch.tensor(g, dtype=torch.int64))
         self._layers.copy_(torch.tensor(rows, dtype=torch.int64))
@@ -607,7 +613,8 @@ class MegakernelRunner:
             return None  # nothing to roll back to: the only position after the first token is the live one
         assert self._hist_stacks is not None  # reserved for this build's entries by the launch
         conv, rec = self._hist_stacks
-        history = DeltaNetHistory(start + 1, conv[:, :entries], rec[:, :entries], tuple(self._hist_rec))
+        layers = tuple(self.config.linear_attention_layers)
+        history = DeltaNetHistory(start + 1, conv[:, :entries], rec[:, :entries], layers)
         self._hist_owner = weakref.ref(state)
         return history
 

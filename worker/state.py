@@ -19,7 +19,7 @@ does not synchronise once per step to record them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,13 +70,16 @@ class DeltaNetHistory:
     # Entries still reachable (None: all n). A rollback lowers it rather than re-slicing every layer's
     # records, which would cost host time on the speculative cycle's critical path.
     entries: int | None = None
-    # layer -> its row of the stacks: [n, C, kernel-1] and [n, Hv, dk, dv]
-    conv: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
-    recurrent: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        self.conv = dict(zip(self.layers, self.conv_stack.unbind(0), strict=True))
-        self.recurrent = dict(zip(self.layers, self.recurrent_stack.unbind(0), strict=True))
+    @property
+    def conv(self) -> dict[int, torch.Tensor]:
+        """Layer -> its row of the conv stack, [n, C, kernel-1] (cut when asked: a verify makes a history)."""
+        return dict(zip(self.layers, self.conv_stack.unbind(0), strict=True))
+
+    @property
+    def recurrent(self) -> dict[int, torch.Tensor]:
+        """Layer -> its row of the recurrent stack, [n, Hv, dk, dv] fp32."""
+        return dict(zip(self.layers, self.recurrent_stack.unbind(0), strict=True))
 
     def clone(self) -> DeltaNetHistory:
         return DeltaNetHistory(
@@ -92,8 +95,7 @@ class DeltaNetHistory:
         return self.start + (n if self.entries is None else min(n, self.entries)) - 1
 
     def nbytes(self) -> int:
-        tensors = [*self.conv.values(), *self.recurrent.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (self.conv_stack, self.recurrent_stack))
 
 
 @dataclass

@@ -199,7 +199,7 @@ def report(
     buffers = tensor_bytes(
         [*runner.buf.values(), *runner._params.values(), runner.ctrl, runner._globals, runner._layers]
         + [b.sync for b in runner._builds.values()]
-        + [runner._att_part, runner._hist, *runner._hist_conv.values(), *runner._hist_rec.values()]
+        + [runner._att_part, runner._hist, *(runner._hist_stacks or ())]
     )
     measured = {
         "allocator_peak": peak,  # the engine's stages (the model's generation left out)
