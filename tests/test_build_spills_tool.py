@@ -97,3 +97,26 @@ def test_a_loop_of_integer_mma_is_arithmetic_and_an_address_loop_is_not() -> Non
     )
     loops = tool.sass_loops(sass, "mk_phase")
     assert [loop.opcodes for loop in loops] == [{"IMMA": 1, "I2FP": 1, "BRA": 1}]
+
+
+def test_spill_sites_count_marks_and_without_them_every_local_access() -> None:
+    tool = _tool()
+    functions = ["", "f", "f", "g"]  # lines 1-2 in f, line 3 in g
+
+    def sass(*body: str) -> str:
+        return "\n".join(["mk_decode:", *body])
+
+    at = '        //## File "k.cu", line {}'
+    ldl = "        /*0010*/                   LDL.64 R2, [R1+0x8] ;"
+    stl = "        /*0020*/                   STL [R1+0x4], R3 ;"
+    marked = '        /*0030*/                   STL [R1], R4 ; // "SpillRefill"'
+    # With marks, only the marked instructions count (a local array's accesses are not spills).
+    sites, is_marked = tool.count_sites(sass(at.format(1), ldl, at.format(3), marked), "k.cu", functions)
+    assert is_marked and sites == {("mk_decode", "g", 3): 1}
+    # Without any, every local-memory instruction counts, by the line and function it comes from.
+    sites, is_marked = tool.count_sites(sass(at.format(1), ldl, stl, at.format(3), ldl), "k.cu", functions)
+    assert not is_marked
+    assert sites == {("mk_decode", "f", 1): 2, ("mk_decode", "g", 3): 1}
+    # Lines of another file (a header) have no function of the build's text.
+    sites, _ = tool.count_sites(sass('        //## File "other.h", line 2', ldl), "k.cu", functions)
+    assert sites == {("mk_decode", "?", 0): 1}

@@ -72,6 +72,7 @@ _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 # A loop doing arithmetic: dp4a or an integer mma, or at least this many FFMAs (address loops have few).
 LOOP_MIN_FFMA = 90
 LOOP_MAX_BODY = 1500  # instructions: larger bodies are the phases that hold the loops
+_LOCAL_OPCODES = frozenset({"LDL", "STL"})  # local memory: spills, and arrays the registers cannot hold
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -105,8 +106,12 @@ def enclosing_functions(text: str) -> list[str]:
     return names
 
 
-def spill_sites(source: Path, arch: str, work: Path) -> collections.Counter[tuple[str, str, int]]:
-    """Spill instructions (nvdisasm's SpillRefill marks) per (kernel, source function, generated line)."""
+def spill_sites(
+    source: Path, arch: str, work: Path
+) -> tuple[collections.Counter[tuple[str, str, int]], bool]:
+    """Spill instructions per (kernel, source function, generated line), and whether they are nvdisasm's
+    SpillRefill marks. An nvdisasm that writes no marks (the one bundled with triton) gets every local-memory
+    instruction counted instead: the spills and the local arrays (a frame's other bytes) together."""
     cubin = work / "lines.cubin"
     subprocess.run(
         ["nvcc", f"-arch={arch}", "-cubin", "-lineinfo", "-o", str(cubin), str(source)], check=True
@@ -114,17 +119,28 @@ def spill_sites(source: Path, arch: str, work: Path) -> collections.Counter[tupl
     sass = subprocess.run(
         [cb.tool("nvdisasm"), "-g", "-c", str(cubin)], capture_output=True, text=True, check=True
     )
-    functions = enclosing_functions(source.read_text())
-    found: collections.Counter[tuple[str, str, int]] = collections.Counter()
+    return count_sites(sass.stdout, str(source), enclosing_functions(source.read_text()))
+
+
+def count_sites(
+    sass: str, source: str, functions: list[str]
+) -> tuple[collections.Counter[tuple[str, str, int]], bool]:
+    """spill_sites' counting over `nvdisasm -g -c` text of a cubin compiled from `source`."""
+    marked: collections.Counter[tuple[str, str, int]] = collections.Counter()
+    local: collections.Counter[tuple[str, str, int]] = collections.Counter()
     kernel, line = "?", 0
-    for text in sass.stdout.splitlines():
+    for text in sass.splitlines():
         if m := _ENTRY.match(text):
             kernel = m.group(1)
         elif m := _LINE.search(text):
-            line = int(m.group(2)) if m.group(1) == str(source) else 0
-        elif '"SpillRefill"' in text:
-            found[(kernel, functions[line] if 0 < line < len(functions) else "?", line)] += 1
-    return found
+            line = int(m.group(2)) if m.group(1) == source else 0
+        else:
+            site = (kernel, functions[line] if 0 < line < len(functions) else "?", line)
+            if '"SpillRefill"' in text:
+                marked[site] += 1
+            if (m := _OPCODE.search(text)) and m.group(1) in _LOCAL_OPCODES:
+                local[site] += 1
+    return (marked, True) if marked or not local else (local, False)
 
 
 class Loop(NamedTuple):
@@ -166,19 +182,28 @@ def print_loops(cu: Path, arch: str, work: Path, kernel: str) -> None:
     sass = subprocess.run([cb.tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True)
     for loop in sass_loops(sass.stdout, kernel):
         top = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(8))
+        local = sum(loop.opcodes[op] for op in _LOCAL_OPCODES)
         print(
-            f"  {kernel} loop at SASS lines {loop.start}-{loop.end}: {loop.instructions} instructions ({top})"
+            f"  {kernel} loop at SASS lines {loop.start}-{loop.end}: {loop.instructions} instructions, "
+            f"{local} local-memory ({top})"
         )
 
 
-def print_sites(sites: collections.Counter[tuple[str, str, int]], source: Path, top: int) -> None:
+def print_sites(
+    sites: collections.Counter[tuple[str, str, int]], marked: bool, source: Path, top: int
+) -> None:
     lines = source.read_text().splitlines()
+    what = (
+        "spill instructions"
+        if marked
+        else "local-memory instructions (no SpillRefill marks: spills and arrays)"
+    )
     per_function: collections.Counter[tuple[str, str]] = collections.Counter()
     for (kernel, function, _), n in sites.items():
         per_function[(kernel, function)] += n
     for kernel in sorted({k for k, _ in per_function}):
         total = sum(n for (k, _), n in per_function.items() if k == kernel)
-        print(f"  {kernel}: {total} spill instructions")
+        print(f"  {kernel}: {total} {what}")
         for (k, function), n in per_function.most_common():
             if k == kernel:
                 print(f"    {n:5d}  {function}")
@@ -254,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             for function, frame, stores, loads in spills(cu, args.arch, work):
                 print(f"  {function}: stack {frame} B, spill stores {stores} B, loads {loads} B")
             if args.where:
-                print_sites(spill_sites(cu, args.arch, work), cu, args.where)
+                print_sites(*spill_sites(cu, args.arch, work), cu, args.where)
             if args.loops:
                 print_loops(cu, args.arch, work, args.loops)
     return 0
