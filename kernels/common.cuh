@@ -208,6 +208,34 @@ __device__ __forceinline__ void prefetch_l2_bytes(const void* p, unsigned bytes)
 #endif
 }
 
+// Bulk stores (sm_90's bulk-copy engine): `bytes` (a multiple of 16) from shared memory to global memory as one
+// request of this thread's bulk group. They complete in the background, outside the generic proxy, so a later
+// grid barrier's release does not wait for them; `bulk_wait_read` waits until this thread's requests have read
+// their shared memory (which may then be reused). The writes to shared memory they copy must be fenced with
+// `fence_proxy_async_smem` by their writers before a block barrier that precedes the request.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MK_BULK_STORES 1
+#else
+#define MK_BULK_STORES 0  // the calls below are compiled out where MK_BULK_STORES is 0
+#endif
+__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, unsigned bytes) {
+#if MK_BULK_STORES
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n\tcp.async.bulk.commit_group;" ::"l"(dst),
+                 "r"((unsigned)__cvta_generic_to_shared(src_smem)), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait_read() {
+#if MK_BULK_STORES
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if MK_BULK_STORES
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // prefetch_l2_bytes of any span (at most MK_PF_PIECE - 16 bytes), widened to whole aligned 16-byte pieces (the
 // allocator's blocks are whole 512 bytes, so the widening stays inside the allocation).
 __device__ __forceinline__ void prefetch_l2_span(const void* p, unsigned bytes) {

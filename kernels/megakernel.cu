@@ -239,7 +239,7 @@ __device__ __forceinline__ bool run_phase(const Tables& tb, BlockState& bs, int 
     __syncthreads();
     switch (phase) {
         case PH_DN_REC:
-            return phase_dn_rec(tb, si, l, sm.part);
+            return phase_dn_rec(tb, si, l, sm.part, sm.xs);
         case PH_ATT:
             return phase_attention(tb, si, l, sm.part, sm.xs, &bs.last);
         case PH_FINALIZE:

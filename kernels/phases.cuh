@@ -516,8 +516,13 @@ __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
 
 // Returns whether this block had an item (blocks without one prefetch while they wait). Keep-states launches
 // also store the slice after every token but the last (L_HIST_REC, one state per entry; the live state holds the
-// last, and the first token of a verify pass is never rolled back, so the state before it is not kept).
-__device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, float* scratch) {
+// last, and the first token of a verify pass is never rolled back, so the state before it is not kept). On sm_90
+// a record goes through the staged input's buffer (`stage`, free in this phase) as bulk stores, one per row of the
+// slice: nothing in this launch reads the records, so the grid barriers after the phase need not wait for them.
+constexpr bool DN_BULK_STATE = MK_BULK_STORES && (DN_SW * 4) % 16 == 0 &&
+                                MK_DK * DN_SW * 4 <= MK_NT * MK_XLD * (int)sizeof(bf16_t) && MK_DK <= MK_THREADS;
+constexpr bool DN_BULK_HIST = DN_BULK_STATE && MK_NT > 1;
+__device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, float* scratch, bf16_t* stage_buf) {
     const int tid = tid_x(), lane = tid & 31, warp = tid >> 5;
     float* qn = scratch;                // [NT][DK]
     float* kn = qn + MK_NT * MK_DK;     // [NT][DK]
@@ -542,6 +547,9 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
         const long long off = (long long)hv * MK_DK * MK_DV + c0 + col;
         float* Sh = S + off;
         float* Hh = H != nullptr ? H + off : nullptr;
+        float* stage = (float*)stage_buf;  // [DK][DN_SW]: one record of the slice (DN_BULK_HIST)
+        float* Hrow = H != nullptr ? H + (long long)hv * MK_DK * MK_DV + c0 + (long long)tid * MK_DV : nullptr;
+        float* Srow = S + (long long)hv * MK_DK * MK_DV + c0 + (long long)tid * MK_DV;
         // The state slice first, then every token's inputs: all of them are loads in flight together, one round
         // trip before the recurrence instead of one per dependent load. Warp 2u / 2u + 1 l2-normalises token u's
         // q / k (fp32, eps 1e-6, q scaled by dk^-0.5) from registers; the first threads read beta, the decay and
@@ -576,6 +584,9 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
         }
         __syncthreads();  // the inputs of every token are in shared memory
         for (int t = 0; t < MK_NT; ++t) {
+            // The previous record's requests have read the stage before anyone writes it again (two block
+            // barriers come first).
+            if (DN_BULK_HIST && Hh != nullptr && tid < MK_DK) bulk_wait_read();
             const float* qt = qn + t * MK_DK;
             const float* kt = kn + t * MK_DK;
             const float b = sc[2 * t], decay = sc[2 * t + 1];
@@ -611,10 +622,15 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
 #pragma unroll
                 for (int r = 0; r < DN_RPT; ++r) {
                     const int i = rg + r * DN_RG;
-                    if (i < MK_DK) Hh[t * hstride + i * MK_DV] = s[r];
+                    if (i >= MK_DK) continue;
+                    if (DN_BULK_HIST) stage[i * DN_SW + col] = s[r];
+                    else Hh[t * hstride + i * MK_DV] = s[r];
                 }
+                if (DN_BULK_HIST) fence_proxy_async_smem();
             }
             __syncthreads();
+            if (DN_BULK_HIST && Hh != nullptr && t + 1 < MK_NT && tid < MK_DK)
+                bulk_store(Hrow + t * hstride, stage + tid * DN_SW, DN_SW * 4);
             if (rg == 0) {
                 float o = 0.0f;
                 for (int g = 0; g < DN_RG; ++g) o += red[g * DN_SW + col];
@@ -622,12 +638,22 @@ __device__ bool phase_dn_rec(const Tables& tb, const StepInfo& si, int layer, fl
             }
             __syncthreads();
         }
+        if (DN_BULK_STATE && tid < MK_DK) bulk_wait_read();  // the last record has left the stage
+        __syncthreads();
 #pragma unroll
         for (int r = 0; r < DN_RPT; ++r) {
             const int i = rg + r * DN_RG;
-            if (i < MK_DK) Sh[i * MK_DV] = s[r];
+            if (i >= MK_DK) continue;
+            if (DN_BULK_STATE) stage[i * DN_SW + col] = s[r];
+            else Sh[i * MK_DV] = s[r];
+        }
+        if (DN_BULK_STATE) {
+            fence_proxy_async_smem();
+            __syncthreads();
+            if (tid < MK_DK) bulk_store(Srow, stage + tid * DN_SW, DN_SW * 4);
         }
     }
+    if (DN_BULK_STATE && tid < MK_DK) bulk_wait_read();  // the next phase (or item) stages over it
     return any;
 }
 
