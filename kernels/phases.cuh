@@ -517,8 +517,9 @@ __device__ __forceinline__ int dn_rec_items() { return MK_HV * MK_DN_SPLIT; }
 // Returns whether this block had an item (blocks without one prefetch while they wait). Keep-states launches
 // also store the slice after every token but the last (L_HIST_REC, one state per entry; the live state holds the
 // last, and the first token of a verify pass is never rolled back, so the state before it is not kept). On sm_90
-// a record goes through the staged input's buffer (`stage`, free in this phase) as bulk stores, one per row of the
-// slice: nothing in this launch reads the records, so the grid barriers after the phase need not wait for them.
+// a record, and then the new live state, go through the staged input's buffer (`stage`, free in this phase) as
+// bulk stores, one per row of the slice: nothing later in this launch reads them, so the grid barriers after the
+// phase need not wait for them.
 constexpr bool DN_BULK_STATE = MK_BULK_STORES && (DN_SW * 4) % 16 == 0 &&
                                 MK_DK * DN_SW * 4 <= MK_NT * MK_XLD * (int)sizeof(bf16_t) && MK_DK <= MK_THREADS;
 constexpr bool DN_BULK_HIST = DN_BULK_STATE && MK_NT > 1;
