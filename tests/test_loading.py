@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from onestream.worker.checkpoints import hf
+from onestream.worker.checkpoints import hf, open_checkpoint
 from onestream.worker.checkpoints.hf import INDEX_FILE, SINGLE_FILE, checkpoint_files, read_checkpoint_tensors
 from onestream.worker.config import ModelConfig
 from onestream.worker.errors import CheckpointError, UnsupportedModelError
@@ -294,6 +294,49 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer, got 0"),
+        ("head_dim", 32.5, "head_dim must be a positive integer, got 32.5"),
+        ("intermediate_size", True, "intermediate_size must be a positive integer, got True"),
+        ("rms_norm_eps", "tiny", "rms_norm_eps must be a positive number, got 'tiny'"),
+        ("eos_token_id", 100_000, "eos_token_id must be a token id below vocab_size 384, got 100000"),
+        ("layer_types", 5, "layer_types must be a list, got 5"),
+        ("tie_word_embeddings", "no", "tie_word_embeddings must be true or false, got 'no'"),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "partial_rotary_factor": 2},
+            r"partial_rotary_factor must be in \(0, 1\], got 2",
+        ),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "partial_rotary_factor": 0.03},
+            r"partial_rotary_factor 0.03 rotates 0 of head_dim 32's dimensions",
+        ),
+    ],
+)
+def test_a_malformed_config_value_is_named(tmp_path: Path, key: str, value: object, message: str) -> None:
+    write_tiny_checkpoint(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}: config.json: ") + message):
+        open_checkpoint(tmp_path)
+
+
+def test_a_config_larger_than_its_tensors_fails_before_allocating(tmp_path: Path) -> None:
+    """Sizes no stored tensor has are refused on opening, not found by allocating them (8 TB here)."""
+    write_tiny_checkpoint(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["hidden_size"] = 2**31
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        CheckpointError, match=r"shape mismatch: 'model.embed_tokens.weight' .*: expected \[384, 2147483648\]"
+    ):
+        open_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("cut", [1, 4096])
 def test_truncated_shard_names_the_file(tmp_path: Path, cut: int) -> None:
     write_tiny_checkpoint(tmp_path, shards=3)
@@ -377,6 +420,23 @@ def test_bad_safetensors_header_json(tmp_path: Path) -> None:
     data[8] = ord("[") + 100  # the header's opening brace becomes garbage
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"{SINGLE_FILE}: safetensors header is not valid JSON"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value"), [("data_offsets", [0, float("inf")]), ("shape", [-4, -16])])
+def test_a_safetensors_entry_out_of_range_is_named(tmp_path: Path, field: str, value: list[float]) -> None:
+    write_tiny_checkpoint(tmp_path)
+    shard = tmp_path / SINGLE_FILE
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    header[name][field] = value
+    raw = json.dumps(header).encode()  # Python's json writes infinity as `Infinity`, and reads it back
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length :])
+    with pytest.raises(
+        CheckpointError, match=rf"{SINGLE_FILE}: (bad header entry for )?tensor '{re.escape(name)}'"
+    ):
         load_model(tmp_path)
 
 

@@ -32,8 +32,8 @@ def open_checkpoint(
     tokenizer_dir: str | Path | None = None,
     quantize: str | None = None,
 ) -> Checkpoint:
-    """The checkpoint `model` names (default: the embedded model), read lazily: headers now, weights when
-    iterated. `tokenizer_dir` replaces the checkpoint's own tokenizer; `quantize` (a preset such as
+    """The checkpoint `model` names (default: the embedded model), read lazily: headers now (every tensor's
+    name and shape checked against the config), weights when iterated. `tokenizer_dir` replaces the checkpoint's own tokenizer; `quantize` (a preset such as
     `q4_k_m`) quantizes a full-precision checkpoint's weights as they load."""
     from . import hf
 

@@ -92,12 +92,12 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CheckpointError(f"{path}: bad header entry for tensor {name!r}: {info!r}") from e
         numel = 1
         for d in shape:
             numel *= d
-        if end - begin != numel * dtype.itemsize or begin < 0:
+        if end - begin != numel * dtype.itemsize or begin < 0 or min(shape, default=0) < 0:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(shape)} {info['dtype']} but occupies bytes [{begin}, {end})"
             )
@@ -232,7 +232,11 @@ def read_checkpoint_tensors(model_dir: str | Path, config: ModelConfig) -> Itera
 
     The whole checkpoint is validated before the first tensor is yielded; every tensor is the caller's own.
     """
-    tensors = checkpoint_text_tensors(model_dir, config)
+    return read_stored_tensors(checkpoint_text_tensors(model_dir, config))
+
+
+def read_stored_tensors(tensors: dict[str, StoredTensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`read_checkpoint_tensors` of tensors already validated."""
     ordered = sorted(tensors.items(), key=lambda item: (str(item[1].file), item[1].start))
     for name, tensor in read_ahead(ordered):
         yield str(name), tensor
@@ -284,22 +288,26 @@ class HFCheckpoint(Checkpoint):
             # transformers' save_pretrained drops mtp.*: such a checkpoint loads without the head
             config = replace(config, mtp_num_hidden_layers=0)
         self.config = config
+        # Every tensor's name and shape checked against the config now, before a model of it is built: a
+        # config whose sizes no tensor has must fail here, not in allocating them.
+        self._stored = checkpoint_text_tensors(self.path, config)
         self._format: ModelFormat | None = None
 
     @property
     def format(self) -> ModelFormat:
         if self._format is None:
-            tensors = checkpoint_text_tensors(self.path, self.config)
-            types = [DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")) for t in tensors.values()]
+            types = [
+                DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")) for t in self._stored.values()
+            ]
             counted = ModelFormat.count_types(types)
             self._format = ModelFormat("safetensors", counted[0][0], directory_size_bytes(self.path), counted)
         return self._format
 
     def tensors(self, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        return read_checkpoint_tensors(self.path, self.config)
+        return read_stored_tensors(self._stored)
 
     def stored_sizes(self) -> dict[str, int]:
-        return {name: t.end - t.start for name, t in checkpoint_text_tensors(self.path, self.config).items()}
+        return {name: t.end - t.start for name, t in self._stored.items()}
 
     def stored_types(self) -> dict[str, str]:
         return dict.fromkeys(expected_tensor_shapes(self.config), PLAIN)
