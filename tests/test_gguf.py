@@ -4,6 +4,7 @@ weights they came from, run end to end; and every malformed file named for what 
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import gguf
@@ -481,6 +482,44 @@ def test_metadata_that_contradicts_the_tensors(good_gguf: Path, tmp_path: Path) 
     )
     with pytest.raises(CheckpointError, match=r"unexpected tensors 'blk.4"):
         open_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "qwen35.rope.dimension_count",
+            (1 << 27) + 8,
+            "qwen35.rope.dimension_count 134217736 must be even and at most qwen35.attention.key_length 32",
+        ),
+        ("qwen35.ssm.time_step_rank", 0, "qwen35.ssm.time_step_rank must be a positive integer, got 0"),
+        (
+            "qwen35.attention.head_count_kv",
+            0,
+            "qwen35.attention.head_count_kv must be a positive integer, got 0",
+        ),
+        ("tokenizer.ggml.eos_token_id", 1 << 20, "tokenizer.ggml.eos_token_id must be a token id below 384"),
+    ],
+)
+def test_metadata_out_of_range_is_named(
+    good_gguf: Path, tmp_path: Path, key: str, value: int, message: str
+) -> None:
+    path = rewrite(good_gguf, tmp_path / "r.gguf", metadata={key: (value, GGUFValueType.UINT32)})
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: {message}")):
+        open_checkpoint(path)
+
+
+def test_metadata_that_is_not_utf8_is_named(good_gguf: Path, tmp_path: Path) -> None:
+    template = str(GGUFReader(good_gguf).fields["tokenizer.chat_template"].contents()).encode()
+    data = bytearray(good_gguf.read_bytes())
+    at = data.find(template)
+    data[at + 1] = 0xFF
+    bad = tmp_path / "latin.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"latin.gguf: metadata 'tokenizer.chat_template' is corrupt: 'utf-8'"
+    ):
+        open_checkpoint(bad)
 
 
 def test_directory_with_two_models(good_gguf: Path, tmp_path: Path) -> None:

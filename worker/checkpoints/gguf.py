@@ -107,6 +107,18 @@ def field_value(field: ReaderField) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """Every metadata key's value; a value the file does not hold intact (a string that is not UTF-8, an
+    array cut short) is a CheckpointError naming the key."""
+    metadata = {}
+    for name, field in reader.fields.items():
+        try:
+            metadata[name] = field_value(field)
+        except (ValueError, IndexError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            raise CheckpointError(f"{path}: metadata {name!r} is corrupt: {e}") from e
+    return metadata
+
+
 @dataclass(frozen=True)
 class StoredGGUFTensor:
     name: str  # our model's name
@@ -132,7 +144,7 @@ class GGUFCheckpoint(Checkpoint):
         self.path = Path(path)
         self.files = gguf_files(self.path)
         self.readers = [open_reader(f) for f in self.files]
-        self.metadata = {name: field_value(f) for name, f in self.readers[0].fields.items()}
+        self.metadata = read_metadata(self.readers[0], self.files[0])
         self._check_shards()
         architecture = self.metadata.get("general.architecture")
         if architecture != ARCHITECTURE:
@@ -315,7 +327,8 @@ def stored_shape(shape: tuple[int, ...], place: TensorPlace) -> tuple[int, ...]:
 def config_from_metadata(
     meta: dict[str, Any], stored: dict[str, tuple[GGUFReader, ReaderTensor]], source: str
 ) -> ModelConfig:
-    """Our config from `qwen35.*` metadata (the vocabulary size and tying from the tensors)."""
+    """Our config from `qwen35.*` metadata (the vocabulary size and tying from the tensors). A value of the
+    wrong kind or out of range is a CheckpointError naming its key."""
     a = ARCHITECTURE
 
     def get(key: str, default: Any = None, *, required: bool = True) -> Any:
@@ -326,6 +339,8 @@ def config_from_metadata(
             return default
         value = meta[full]
         if isinstance(value, list):  # per-layer arrays: this architecture uses one value
+            if not all(_is_number(v) for v in value):
+                raise CheckpointError(f"{source}: {full} is not an array of numbers: {value!r}")
             distinct = {v for v in value if v}
             if len(distinct) > 1:
                 raise UnsupportedModelError(
@@ -334,15 +349,39 @@ def config_from_metadata(
             value = distinct.pop() if distinct else 0
         return value
 
-    blocks = int(get("block_count"))
-    nextn = int(get("nextn_predict_layers", 0, required=False))
+    def count(key: str, default: int | None = None, *, required: bool = True, least: int = 1) -> int:
+        value = get(key, default, required=required)
+        if not (_is_number(value) and value == int(value) and value >= least):
+            kind = "a positive integer" if least == 1 else f"an integer of at least {least}"
+            raise CheckpointError(f"{source}: {a}.{key} must be {kind}, got {value!r}")
+        return int(value)
+
+    def positive(key: str) -> float:
+        value = get(key)
+        if not (_is_number(value) and value > 0):
+            raise CheckpointError(f"{source}: {a}.{key} must be a positive number, got {value!r}")
+        return float(value)
+
+    blocks = count("block_count")
+    nextn = count("nextn_predict_layers", 0, required=False, least=0)
     layers = blocks - nextn
     if layers <= 0:
         raise CheckpointError(
             f"{source}: {a}.block_count {blocks} leaves no main layers after {nextn} MTP layers"
         )
-    head_dim = int(get("attention.key_length"))
-    value_heads = int(get("ssm.time_step_rank"))
+    head_dim = count("attention.key_length")
+    rotary = count("rope.dimension_count", head_dim, required=False)
+    if rotary > head_dim or rotary % 2:
+        raise CheckpointError(
+            f"{source}: {a}.rope.dimension_count {rotary} must be even and at most "
+            f"{a}.attention.key_length {head_dim}"
+        )
+    value_heads = count("ssm.time_step_rank")
+    inner = count("ssm.inner_size")
+    if inner % value_heads:
+        raise CheckpointError(
+            f"{source}: {a}.ssm.inner_size {inner} is not a multiple of {a}.ssm.time_step_rank {value_heads}"
+        )
     recurrent = meta.get(f"{a}.attention.recurrent_layers")
     if (
         isinstance(recurrent, list)
@@ -351,38 +390,49 @@ def config_from_metadata(
     ):
         layer_types = tuple("linear_attention" if r else "full_attention" for r in recurrent[:layers])
     else:
-        layer_types = default_layer_types(layers, int(get("full_attention_interval", 4, required=False)))
+        layer_types = default_layer_types(layers, count("full_attention_interval", 4, required=False))
     if "token_embd.weight" not in stored:
         raise CheckpointError(f"{source}: missing tensors 'token_embd.weight'")
     vocab = int(stored["token_embd.weight"][1].shape[1])  # GGUF dims: [hidden, vocab]
-    special = {key: meta[k] for key, k in SPECIAL_ID_KEYS.items() if k in meta}
+    special = {}
+    for key, meta_key in SPECIAL_ID_KEYS.items():
+        if meta_key in meta:
+            token = meta[meta_key]
+            if not (_is_number(token) and token == int(token) and 0 <= token < vocab):
+                raise CheckpointError(f"{source}: {meta_key} must be a token id below {vocab}, got {token!r}")
+            special[key] = int(token)
     try:
         return ModelConfig(
             vocab_size=vocab,
-            hidden_size=int(get("embedding_length")),
+            hidden_size=count("embedding_length"),
             num_hidden_layers=layers,
-            num_attention_heads=int(get("attention.head_count")),
-            num_key_value_heads=int(get("attention.head_count_kv")),
+            num_attention_heads=count("attention.head_count"),
+            num_key_value_heads=count("attention.head_count_kv"),
             head_dim=head_dim,
-            intermediate_size=int(get("feed_forward_length")),
-            linear_num_key_heads=int(get("ssm.group_count")),
+            intermediate_size=count("feed_forward_length"),
+            linear_num_key_heads=count("ssm.group_count"),
             linear_num_value_heads=value_heads,
-            linear_key_head_dim=int(get("ssm.state_size")),
-            linear_value_head_dim=int(get("ssm.inner_size")) // value_heads,
-            linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
+            linear_key_head_dim=count("ssm.state_size"),
+            linear_value_head_dim=inner // value_heads,
+            linear_conv_kernel_dim=count("ssm.conv_kernel"),
             layer_types=layer_types,
-            rms_norm_eps=float(f"{get('attention.layer_norm_rms_epsilon'):.7g}"),  # stored as float32
-            rope_theta=float(get("rope.freq_base")),
-            partial_rotary_factor=int(get("rope.dimension_count", head_dim, required=False)) / head_dim,
-            max_position_embeddings=int(get("context_length")),
+            rms_norm_eps=float(f"{positive('attention.layer_norm_rms_epsilon'):.7g}"),  # stored as float32
+            rope_theta=positive("rope.freq_base"),
+            partial_rotary_factor=rotary / head_dim,
+            max_position_embeddings=count("context_length"),
             tie_word_embeddings="output.weight" not in stored,
             mtp_num_hidden_layers=nextn,
-            eos_token_ids=(int(special["eos_token"]),) if "eos_token" in special else (),
-            bos_token_id=int(special["bos_token"]) if "bos_token" in special else None,
-            pad_token_id=int(special["pad_token"]) if "pad_token" in special else None,
+            eos_token_ids=(special["eos_token"],) if "eos_token" in special else (),
+            bos_token_id=special.get("bos_token"),
+            pad_token_id=special.get("pad_token"),
         )
-    except UnsupportedModelError as e:
-        raise UnsupportedModelError(f"{source}: {e}") from e
+    except CheckpointError as e:  # UnsupportedModelError too, its type kept
+        raise type(e)(f"{source}: {e}") from e
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool, a string or an array)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
 
 
 @dataclass(frozen=True)
