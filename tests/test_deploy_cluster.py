@@ -49,6 +49,20 @@ def parse_serve(arguments: list[str]) -> Any:
     return build_parser(only="serve").parse_args(["serve", *arguments])
 
 
+def serve_would_start(args: Any, tmp_path: Path) -> None:
+    """`serve`'s own checks pass with these arguments, the key file they name stood in for by a valid one:
+    a pool open to its agents (HTTP and gRPC beyond loopback) that asks them for keys."""
+    from onestream.commands.serve import users_problem
+
+    assert args.api_keys, "a deployed router listens beyond loopback, so it needs --api-keys"
+    keys = tmp_path / "api-keys"
+    keys.write_text("0123456789abcdef0123 alice\n")
+    args.api_keys = str(keys)
+    assert users_problem(args) is None
+    for listener in (args.listen, args.http):
+        assert listener.startswith("0.0.0.0:"), "agents reach the router from other machines"
+
+
 # ---- Ray cluster launcher -------------------------------------------------------------------------
 
 
@@ -64,12 +78,13 @@ def test_ray_cluster_config_passes_rays_own_validation() -> None:
     assert node_type["min_workers"] == node_type["max_workers"] == 2  # every listed box stays
 
 
-def test_ray_cluster_starts_the_pool_on_the_head() -> None:
+def test_ray_cluster_starts_the_pool_on_the_head(tmp_path: Path) -> None:
     config = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
     (serve,) = [c for c in config["head_start_ray_commands"] if "onestream serve" in c]
     args = parse_serve(serve_arguments(serve))
-    assert args.address == "auto"
-    assert args.listen.startswith("0.0.0.0:") and args.metrics == "0.0.0.0:9400"
+    assert args.address == "auto" and args.metrics == "0.0.0.0:9400"
+    assert args.api_keys in config["file_mounts"], "the key file is copied to the head"
+    serve_would_start(args, tmp_path)
     assert any("ray start --head" in c for c in config["head_start_ray_commands"])
     assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in config["worker_start_ray_commands"])
     assert any("pip install" in c and "[gpu]" in c for c in config["setup_commands"])
@@ -96,7 +111,7 @@ def test_raycluster_has_a_cpu_head_and_a_gpu_worker_group() -> None:
             )
 
 
-def test_router_container_runs_onestream_serve() -> None:
+def test_router_container_runs_onestream_serve(tmp_path: Path) -> None:
     head = kuberay_objects()["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]
     (router,) = [c for c in head["containers"] if c["name"] == "router"]
     assert router["command"] == ["onestream", "serve"]
@@ -104,9 +119,14 @@ def test_router_container_runs_onestream_serve() -> None:
     assert args.address == "127.0.0.1:6379"
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
     assert args.listen.endswith(f":{ports['grpc']}")
+    assert args.http.endswith(f":{ports['http']}")
     assert args.metrics.endswith(f":{ports['router-metrics']}")
-    mounts = {m["name"]: m["mountPath"] for c in head["containers"] for m in c.get("volumeMounts", [])}
+    mounts = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
     assert mounts["ray-tmp"] == "/tmp/ray", "the router needs the head's Ray session sockets"
+    assert Path(args.api_keys).parent == Path(mounts["api-keys"])
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "onestream-api-keys"
+    serve_would_start(args, tmp_path)
 
 
 def test_service_podmonitor_and_scrapeconfig_meet_the_pods() -> None:
@@ -162,12 +182,14 @@ def test_image_ray_version_is_the_clusters() -> None:
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 
 
-def test_serve_unit_runs_onestream_serve() -> None:
+def test_serve_unit_runs_onestream_serve(tmp_path: Path) -> None:
     text = (DEPLOY / "systemd" / "onestream-serve.service").read_text()
     (exec_start,) = re.findall(r"^ExecStart=(.+)$", text, flags=re.MULTILINE)
     args = parse_serve(serve_arguments(exec_start))
     assert args.address == "auto" and args.metrics == "0.0.0.0:9400"
     assert "Requires=onestream-ray-head.service" in text
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in text, "a reload re-reads the key file"
+    serve_would_start(args, tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
