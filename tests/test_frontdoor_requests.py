@@ -418,3 +418,12 @@ def test_json_formats_that_cannot_be_enforced_are_a_400(value: Any, nested: bool
     with pytest.raises(ApiError) as raised:
         json_format(value, "response_format", nested=nested)
     assert raised.value.param == field
+
+
+@pytest.mark.parametrize("kind", [["auto"], {"type": "auto"}, 3, None])
+def test_an_anthropic_tool_choice_of_another_kind_is_a_400(kind: Any) -> None:
+    with pytest.raises(
+        ApiError, match=r"tool_choice.type.*must be 'auto', 'any', 'tool' or 'none'"
+    ) as raised:
+        anthropic_api._choice({"tool_choice": {"type": kind}})
+    assert raised.value.status == 400

@@ -171,7 +171,7 @@ def _choice(body: dict[str, Any]) -> tuple[Any, bool]:
     kind = raw.get("type")
     if kind == "tool":
         choice: Any = {"type": "function", "function": {"name": raw.get("name")}}
-    elif kind in kinds:
+    elif isinstance(kind, str) and kind in kinds:
         choice = kinds[kind]
     else:
         raise bad_field("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {kind!r}")
