@@ -4,7 +4,9 @@ items as Codex sends them, Anthropic's as Claude Code sends them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -14,10 +16,12 @@ from onestream.cluster.frontdoor.events import Block
 from onestream.cluster.frontdoor.openai_api import (
     IMAGE_PLACEHOLDER,
     chat_messages,
+    function_tools,
     json_format,
     text_content,
     tool_choice,
 )
+from onestream.cluster.frontdoor.params import valid_unicode
 from onestream.cluster.frontdoor.responses_api import (
     _Items,
     custom_input,
@@ -427,3 +431,30 @@ def test_an_anthropic_tool_choice_of_another_kind_is_a_400(kind: Any) -> None:
     ) as raised:
         anthropic_api._choice({"tool_choice": {"type": kind}})
     assert raised.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("schema", "field"),
+    [
+        ({"type": "object", "properties": ["path"]}, "tools[0].function.parameters.properties"),
+        (
+            {"type": "object", "properties": {"path": "string"}},
+            "tools[0].function.parameters.properties.path",
+        ),
+    ],
+)
+def test_a_tool_schema_whose_properties_are_not_schemas_is_a_400(schema: dict[str, Any], field: str) -> None:
+    tools = [{"type": "function", "function": {"name": "write_file", "parameters": schema}}]
+    with pytest.raises(ApiError, match=re.escape(field) + ": must be an object") as raised:
+        function_tools(tools)
+    assert raised.value.status == 400
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_an_escaped_pair_passes() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": "\ud800 alone"}]}).encode()
+    with pytest.raises(ApiError, match=r"messages\[0\].content: is not valid Unicode") as raised:
+        valid_unicode(json.loads(raw), raw)
+    assert raised.value.status == 400
+    pair = json.dumps({"messages": [{"role": "user", "content": "\U0001f600"}]}).encode()
+    assert b"\\ud83d\\ude00" in pair
+    valid_unicode(json.loads(pair), pair)

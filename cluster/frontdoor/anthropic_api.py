@@ -157,7 +157,7 @@ def tools(body: dict[str, Any]) -> list[Tool]:
         name = params.get(tool, "name", str, path=f"{path}.", required=True)
         if name in declared:
             raise bad_field(f"{path}.name", f"tool {name!r} is declared twice")
-        schema = params.get(tool, "input_schema", dict, path=f"{path}.", required=True)
+        schema = params.tool_schema(tool, "input_schema", path=f"{path}.", required=True)
         declared[name] = Tool(name, params.get(tool, "description", str, path=f"{path}.") or "", schema)
     return list(declared.values())
 

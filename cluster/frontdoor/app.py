@@ -19,7 +19,7 @@ from onestream.worker.tokenizer import Tokenizer
 from ..config import PoolConfig
 from . import anthropic_api, openai_api, responses_api, sse
 from .errors import ApiError
-from .params import object_body
+from .params import object_body, valid_unicode
 from .service import Service
 from .template import ChatTemplate
 from .upstream import InProcessRouter
@@ -74,6 +74,7 @@ def _post(
             body = object_body(json.loads(raw))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"body: not valid JSON ({e})", param="body") from None
+        valid_unicode(body, raw)
         return await handler(service, request, body)
 
     return wrapped

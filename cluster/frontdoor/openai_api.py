@@ -106,7 +106,7 @@ def _history_call(call: Any, path: str) -> dict[str, Any]:
 def function_tool(spec: dict[str, Any], where: str) -> Tool:
     """A function's {name, description, parameters}; `where` is the path its fields' errors name."""
     name = params.get(spec, "name", str, path=where, required=True)
-    schema = params.get(spec, "parameters", dict, path=where) or {"type": "object", "properties": {}}
+    schema = params.tool_schema(spec, "parameters", path=where) or {"type": "object", "properties": {}}
     return Tool(name, params.get(spec, "description", str, path=where) or "", schema)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +73,61 @@ def object_body(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad_field("body", f"must be a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# A JSON escape of a UTF-16 surrogate: valid JSON, but alone (not in a high-low pair) no Unicode text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def valid_unicode(body: Any, raw: bytes) -> None:
+    """A 400 naming the first string of `body` (parsed from `raw`) that holds a lone surrogate: no tokenizer
+    or protobuf string takes one. Only a body whose bytes hold a surrogate escape is walked; an emoji sent as
+    an escaped pair has one, and passes."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise bad_field(
+            where or "body", "is not valid Unicode: it holds an unpaired surrogate (\\ud800-\\udfff)"
+        )
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or object key) below `value` that does not encode as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    children = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, child in children:
+        here = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _lone_surrogate(key, here) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(child, here)
+        if found is not None:
+            return found
+    return None
+
+
+def tool_schema(spec: Mapping[str, Any], name: str, *, path: str = "", required: bool = False) -> Any:
+    """A tool's parameters schema (`spec[name]`): an object whose `properties`, where given, maps each
+    parameter to its own schema object, as the tool-call parser and the cards' call grammar read it."""
+    schema = get(spec, name, dict, path=path, required=required)
+    properties = None if schema is None else schema.get("properties")
+    if properties is None:
+        return schema
+    if not isinstance(properties, dict):
+        raise bad_field(f"{path}{name}.properties", f"must be an object, got {type(properties).__name__}")
+    for parameter, value in properties.items():
+        if not isinstance(value, dict):
+            raise bad_field(
+                f"{path}{name}.properties.{parameter}",
+                f"must be an object (the parameter's schema), got {type(value).__name__}",
+            )
+    return schema
 
 
 def unsupported(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
