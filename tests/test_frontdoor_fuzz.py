@@ -122,7 +122,9 @@ JSON_VALUES = st.one_of(
     st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=False),
-    st.sampled_from(["", "user", "assistant", "tool", "system", "text", "auto", "function", "tool_use"]),
+    st.sampled_from(
+        ["", "user", "assistant", "tool", "system", "text", "auto", "function", "tool_use", "\ud800"]
+    ),
     st.text(max_size=6),
     st.just([]),
     st.just({}),
