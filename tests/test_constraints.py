@@ -132,6 +132,17 @@ def test_a_constraint_names_what_is_wrong_with_it() -> None:
         ),
         (OutputConstraint("tool_call", "xml", TOOLS, "rm"), "constraint.tool_name"),
     ]
+    # Schemas the call grammar cannot read (each was an INTERNAL error of the card before it was named).
+    for schema, field in [
+        ({"properties": ["path"]}, "properties: must be an object"),
+        ({"properties": {"path": "string"}}, "properties.path: must be an object"),
+        ({"properties": {"path": {"type": True}}}, "properties.path.type: must be a type name"),
+        ({"properties": {"path": {"type": [["string"]]}}}, "properties.path.type: must be a type name"),
+        ({"properties": {}, "required": 1.5}, "required: must be a list of parameter names"),
+        ({"properties": {}, "required": [[]]}, "required: must be a list of parameter names"),
+    ]:
+        tools = (ConstrainedTool("f", json.dumps(schema)),)
+        cases.append((OutputConstraint("tool_call", "xml", tools), f"constraint.tools[0].parameters.{field}"))
     for constraint, field in cases:
         with pytest.raises(InvalidRequestError, match=field.replace("[", r"\[").replace("]", r"\]")):
             GenerateRequest("x", constraint=constraint).validate()

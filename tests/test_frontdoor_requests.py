@@ -441,11 +441,16 @@ def test_an_anthropic_tool_choice_of_another_kind_is_a_400(kind: Any) -> None:
             {"type": "object", "properties": {"path": "string"}},
             "tools[0].function.parameters.properties.path",
         ),
+        (
+            {"type": "object", "properties": {"n": {"type": 5}}},
+            "tools[0].function.parameters.properties.n.type",
+        ),
+        ({"type": "object", "required": [["path"]]}, "tools[0].function.parameters.required"),
     ],
 )
-def test_a_tool_schema_whose_properties_are_not_schemas_is_a_400(schema: dict[str, Any], field: str) -> None:
+def test_a_tool_schema_the_call_grammar_cannot_read_is_a_400(schema: dict[str, Any], field: str) -> None:
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": schema}}]
-    with pytest.raises(ApiError, match=re.escape(field) + ": must be an object") as raised:
+    with pytest.raises(ApiError, match=re.escape(field) + ": must be a") as raised:
         function_tools(tools)
     assert raised.value.status == 400
 

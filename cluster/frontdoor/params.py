@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from onestream.worker.api import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS
+from onestream.worker.constraints.spec import schema_problem
 
 from .errors import bad_field
 
@@ -113,20 +114,13 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
 
 
 def tool_schema(spec: Mapping[str, Any], name: str, *, path: str = "", required: bool = False) -> Any:
-    """A tool's parameters schema (`spec[name]`): an object whose `properties`, where given, maps each
-    parameter to its own schema object, as the tool-call parser and the cards' call grammar read it."""
+    """A tool's parameters schema (`spec[name]`): an object that the tool-call parser and the cards' call
+    grammar can read (worker/constraints/spec.py `schema_problem`)."""
     schema = get(spec, name, dict, path=path, required=required)
-    properties = None if schema is None else schema.get("properties")
-    if properties is None:
-        return schema
-    if not isinstance(properties, dict):
-        raise bad_field(f"{path}{name}.properties", f"must be an object, got {type(properties).__name__}")
-    for parameter, value in properties.items():
-        if not isinstance(value, dict):
-            raise bad_field(
-                f"{path}{name}.properties.{parameter}",
-                f"must be an object (the parameter's schema), got {type(value).__name__}",
-            )
+    problem = None if schema is None else schema_problem(schema)
+    if problem is not None:
+        field, why = problem
+        raise bad_field(f"{path}{name}.{field}", why)
     return schema
 
 

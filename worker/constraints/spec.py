@@ -19,6 +19,39 @@ MAX_TOOLS = 512
 MAX_PARAMETERS_CHARS = 1 << 16
 
 
+def schema_problem(schema: dict) -> tuple[str, str] | None:
+    """What in a tool's parameters schema the call's grammar (tool_grammar.py) and parser
+    (cluster/frontdoor/toolcalls.py) cannot read, as (the field's path in the schema, why); None when
+    nothing. They read `properties` (an object of schema objects), each one's `type` (a type name or a list
+    of them) and `required` (a list of parameter names); the rest of the schema is the model's to read."""
+    properties = schema.get("properties")
+    if properties is not None:
+        if not isinstance(properties, dict):
+            return "properties", f"must be an object, got {type(properties).__name__}"
+        for name, parameter in properties.items():
+            if not isinstance(parameter, dict):
+                return (
+                    f"properties.{name}",
+                    f"must be an object (the parameter's schema), got {type(parameter).__name__}",
+                )
+            declared = parameter.get("type")
+            if declared is not None and not _names(declared):
+                return (
+                    f"properties.{name}.type",
+                    f"must be a type name or a list of them, got {declared!r:.80}",
+                )
+    required = schema.get("required")
+    if required is not None and not _names(required, single=False):
+        return "required", f"must be a list of parameter names, got {required!r:.80}"
+    return None
+
+
+def _names(value: object, *, single: bool = True) -> bool:
+    return (single and isinstance(value, str)) or (
+        isinstance(value, list) and all(isinstance(item, str) for item in value)
+    )
+
+
 @dataclass(frozen=True)
 class ConstrainedTool:
     name: str
@@ -66,5 +99,9 @@ class OutputConstraint:
                 raise InvalidRequestError(f"constraint.tools[{i}].parameters is not JSON ({e})") from None
             if not isinstance(schema, dict):
                 raise InvalidRequestError(f"constraint.tools[{i}].parameters must be a JSON object")
+            problem = schema_problem(schema)
+            if problem is not None:
+                field, why = problem
+                raise InvalidRequestError(f"constraint.tools[{i}].parameters.{field}: {why}")
         if self.tool_name and self.tool_name not in {tool.name for tool in self.tools}:
             raise InvalidRequestError(f"constraint.tool_name {self.tool_name!r} names none of its tools")
