@@ -54,10 +54,22 @@ def assert_idle(client: PoolClient) -> None:
 
 
 # A realistic turn of each API (the shapes agents send: tools, tool calls and their results, reasoning,
-# images and documents), each answer at most 4 tokens.
+# images and documents), each answer at most 4 tokens, and two forced calls.
 WRITE_FILE = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
-HTTP_BODIES: dict[str, dict[str, Any]] = {
-    "/v1/chat/completions": {
+RICH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string"},
+        "mode": {"type": "string", "enum": ["w", "a"]},
+        "lines": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "options": {"type": "object", "properties": {"force": {"type": "boolean"}}},
+        "note": {"type": ["string", "null"]},
+    },
+    "required": ["path", "lines"],
+}
+HTTP_TURNS: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {
         "model": "default_model",
         "max_tokens": 4,
         "messages": [
@@ -75,8 +87,8 @@ HTTP_BODIES: dict[str, dict[str, Any]] = {
         "response_format": {"type": "text"},
         "temperature": 0.7,
         "stop": ["\n\n"],
-    },
-    "/v1/messages": {
+    }),
+    ("/v1/messages", {
         "model": "default_model",
         "max_tokens": 4,
         "system": [{"type": "text", "text": "You write Python."}],
@@ -97,8 +109,8 @@ HTTP_BODIES: dict[str, dict[str, Any]] = {
         "tool_choice": {"type": "auto"},
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "stop_sequences": ["\n\n"],
-    },
-    "/v1/responses": {
+    }),
+    ("/v1/responses", {
         "model": "default_model",
         "max_output_tokens": 4,
         "instructions": "You write Python.",
@@ -115,8 +127,23 @@ HTTP_BODIES: dict[str, dict[str, Any]] = {
             {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}},
         ],
         "reasoning": {"effort": "low"},
-    },
-}  # fmt: skip
+    }),
+    # Forced calls: the cards build a grammar from the schema, so its every corner is fuzzed too.
+    ("/v1/chat/completions", {
+        "model": "default_model",
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "Write the file."}],
+        "tools": [{"type": "function", "function": {"name": "write_file", "parameters": RICH_SCHEMA}}],
+        "tool_choice": "required",
+    }),
+    ("/v1/messages", {
+        "model": "default_model",
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "Write the file."}],
+        "tools": [{"name": "write_file", "input_schema": RICH_SCHEMA}],
+        "tool_choice": {"type": "tool", "name": "write_file"},
+    }),
+]  # fmt: skip
 JSON_VALUES = st.one_of(
     st.none(),
     st.booleans(),
@@ -172,8 +199,8 @@ def post_json(url: str, body: Any) -> tuple[int, bytes]:
 def test_fuzzed_http_bodies_never_answer_a_server_error(
     pool: PoolThread, client: PoolClient, data: st.DataObject
 ) -> None:
-    path = data.draw(st.sampled_from(sorted(HTTP_BODIES)), label="path")
-    status, answer = post_json(f"http://{pool.http_address}{path}", _mutated(HTTP_BODIES[path], data))
+    path, body = data.draw(st.sampled_from(HTTP_TURNS), label="turn")
+    status, answer = post_json(f"http://{pool.http_address}{path}", _mutated(body, data))
     assert status < 500, (status, answer[:400])
     if status >= 400:
         assert json.loads(answer)["error"]["message"], answer[:400]
@@ -182,6 +209,6 @@ def test_fuzzed_http_bodies_never_answer_a_server_error(
 
 def test_the_fuzzed_http_bodies_are_answered_as_they_are(pool: PoolThread) -> None:
     """The bodies the fuzzing starts from are good requests: what it changes is what gets refused."""
-    for path, body in HTTP_BODIES.items():
+    for path, body in HTTP_TURNS:
         status, answer = post_json(f"http://{pool.http_address}{path}", body)
         assert status == 200, (path, answer[:400])
