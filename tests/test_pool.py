@@ -557,17 +557,32 @@ def test_a_hung_card_whose_kill_is_lost_is_killed_again(
     assert run_turn(client, make_request("def f():", max_tokens=2)).error is None
 
 
+def node_alive(node: Any) -> bool:
+    return any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes())
+
+
 def test_a_node_added_while_serving_joins_the_pool_and_leaves_with_its_node(
     cluster: Cluster, pool: PoolThread, client: PoolClient
 ) -> None:
     before = {c.card_id for c in client.cards()}
-    node = add_card_node(cluster)
 
     def joined() -> set[str]:
         free = {c.card_id for c in client.cards() if c.state == pb.CARD_STATE_FREE}
         return free - before
 
-    (new_card,) = wait_for(joined, WAIT_S, "the new node's card to serve")
+    # Once in a CI run Ray's own raylet of the new node died as its card started ("missed too many
+    # heartbeats", then an IPC check failure in Ray's core worker): that node is taken away and a second one
+    # added, which must join as the first should have.
+    for attempt in (1, 2):
+        node = add_card_node(cluster)
+        outcome = wait_for(
+            lambda node=node: joined() or (not node_alive(node) and "dead"), WAIT_S, "the new node's card"
+        )
+        if outcome != "dead":
+            break
+        assert attempt == 1, "a second added node died before its card served"
+        cluster.remove_node(node, allow_graceful=False)
+    (new_card,) = outcome
     assert new_card.split("/")[0] == node.node_id[:12]
     assert new_card in card_endpoints(pool)
     cluster.remove_node(node)
