@@ -91,6 +91,19 @@ def http_get(address: str, path: str) -> str:
         return response.read().decode()
 
 
+def assert_idle(client: PoolClient, cards: int = 1) -> None:
+    """The pool serves again: nothing in flight, no card busy or down, `cards` free (bounded wait), and its
+    gRPC health service says SERVING."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = client.pool_status()
+        if status.in_flight == 0 and status.cards_busy == 0 and status.cards_free == cards:
+            break
+        assert time.monotonic() < deadline, f"the pool did not come back to idle: {status}"
+        time.sleep(0.05)
+    assert client.health() == "SERVING"
+
+
 def scrape(address: str) -> Samples:
     """Every sample of a real /metrics scrape, keyed by (name, sorted labels)."""
     samples = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from onestream.cluster.client import PoolClient
 from onestream.cluster.server import PoolThread
 from onestream.worker.loading import default_model_dir
+from pool_helpers import assert_idle
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +40,6 @@ def pool_model_dir() -> str:
 @pytest.fixture(scope="module")
 def pool_settings() -> dict[str, Any]:
     return {"http_address": "127.0.0.1:0", "engine_options": {"max_context": 512}, "queue_capacity": 4}
-
-
-def assert_idle(client: PoolClient) -> None:
-    """Nothing in flight, the card free (bounded wait)."""
-    deadline = time.monotonic() + 30
-    while True:
-        status = client.pool_status()
-        if status.in_flight == 0 and status.cards_busy == 0 and status.cards_free == 1:
-            return
-        assert time.monotonic() < deadline, f"the pool did not come back to idle: {status}"
-        time.sleep(0.05)
 
 
 # A realistic turn of each API (the shapes agents send: tools, tool calls and their results, reasoning,

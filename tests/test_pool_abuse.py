@@ -26,6 +26,7 @@ from onestream.cluster.limits import MAX_ABORT_IDS
 from onestream.cluster.server import PoolThread
 from onestream.protos.onestream.v1 import onestream_pb2 as pb
 from onestream.worker.api import MAX_ID_CHARS, PROMPT_BYTES_PER_TOKEN
+from pool_helpers import assert_idle
 
 pytestmark = pytest.mark.slow
 
@@ -103,18 +104,6 @@ def raw_call(client: PoolClient, method: str, data: bytes) -> grpc.RpcError | No
     return None
 
 
-def assert_healthy(client: PoolClient) -> None:
-    """The pool serves again: nothing in flight, no card busy or down (bounded wait)."""
-    deadline = time.monotonic() + 30
-    while True:
-        status = client.pool_status()
-        if status.in_flight == 0 and status.cards_busy == 0 and status.cards_free == 1:
-            break
-        assert time.monotonic() < deadline, f"the pool did not come back to idle: {status}"
-        time.sleep(0.05)
-    assert client.health() == "SERVING"
-
-
 def assert_client_error(error: grpc.RpcError | None, *fragments: str) -> None:
     assert error is not None, "the request should have been refused"
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
@@ -174,7 +163,7 @@ def test_oversized_fields_are_refused_early_naming_the_field_and_the_limit(
     assert_client_error(error, *fragments)
     assert not events, "refused before queueing: not even a queue position"
     assert time.monotonic() - started < 10, "refused by a length check, not after work"
-    assert_healthy(client)
+    assert_idle(client)
 
 
 def test_a_deadline_timestamp_out_of_range_is_invalid_argument(client: PoolClient) -> None:
@@ -235,7 +224,7 @@ def test_a_malformed_chat_message_in_a_valid_request_is_invalid_argument(client:
     inner = b"\x0a\x04" + b"\x0a\x02\xc3\x28"
     error = raw_call(client, "OneStream/Generate", valid + b"\x22" + bytes([len(inner)]) + inner)
     assert_client_error(error, "malformed request")
-    assert_healthy(client)
+    assert_idle(client)
 
 
 # ---- the close-during-turn race -----------------------------------------------------------------
@@ -261,7 +250,7 @@ def test_a_session_closed_during_its_turn_stays_closed(pool: PoolThread, client:
     with pytest.raises(grpc.RpcError) as again:
         client.close_session(session)
     assert again.value.code() == grpc.StatusCode.NOT_FOUND
-    assert_healthy(client)
+    assert_idle(client)
 
 
 # ---- memory per stream ---------------------------------------------------------------------------
@@ -383,7 +372,7 @@ def test_fuzzed_requests_never_answer_unknown_or_internal(client: PoolClient, ca
     if error is not None:
         assert error.code() in CLIENT_ERROR_CODES, (error.code(), error.details())
         assert len(error.details()) <= MAX_DETAILS_CHARS
-    assert_healthy(client)
+    assert_idle(client)
 
 
 @FUZZ
@@ -394,7 +383,7 @@ def test_fuzzed_bytes_never_answer_unknown_or_internal(client: PoolClient, call:
     if error is not None:
         assert error.code() in CLIENT_ERROR_CODES, (error.code(), error.details())
         assert len(error.details()) <= MAX_DETAILS_CHARS
-    assert_healthy(client)
+    assert_idle(client)
 
 
 def test_card_metrics_bind_to_the_chosen_interface(client: PoolClient) -> None:

@@ -33,8 +33,9 @@ def open_checkpoint(
     quantize: str | None = None,
 ) -> Checkpoint:
     """The checkpoint `model` names (default: the embedded model), read lazily: headers now (every tensor's
-    name and shape checked against the config), weights when iterated. `tokenizer_dir` replaces the checkpoint's own tokenizer; `quantize` (a preset such as
-    `q4_k_m`) quantizes a full-precision checkpoint's weights as they load."""
+    name and shape checked against the config), weights when iterated. `tokenizer_dir` replaces the
+    checkpoint's own tokenizer; `quantize` (a preset such as `q4_k_m`) quantizes a full-precision
+    checkpoint's weights as they load."""
     from . import hf
 
     path = Path(model) if model is not None else hf.default_model_dir()
